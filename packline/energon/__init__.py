@@ -1,0 +1,1 @@
+"""Energon glue: the conversation sample type and its cooker (more arrives with packing)."""

@@ -1,0 +1,1 @@
+"""Assembly only: NeMo-Run experiments over the stages, executors, and the CLI."""

@@ -1,0 +1,115 @@
+"""``packline`` command line.
+
+    packline run [CONFIG] [key=value ...] [--executor local|slurm] [--from STAGE] [--dryrun]
+    packline stage NAME [CONFIG] [key=value ...]
+    packline bench packing [--json]
+
+Exit codes: 0 ok; 2 invalid config or input (every problem listed); 1 other failure.
+Tracebacks are shown only for unexpected failures, or always with PACKLINE_DEBUG=1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+
+from schemas.config import STAGES, ConfigError, load_config
+
+
+def _split_config(args: list[str]) -> tuple[str | None, list[str]]:
+    """First positional without ``=`` is the config file; the rest are overrides."""
+    if args and "=" not in args[0]:
+        return args[0], args[1:]
+    return None, args
+
+
+def _load(args: list[str], extra: list[str] | None = None):
+    config, overrides = _split_config(args)
+    return load_config(config, overrides + (extra or []))
+
+
+def cmd_run(ns: argparse.Namespace) -> int:
+    from pipelines.experiment import pipeline_stages, run_pipeline
+
+    extra = [f"executor.kind={ns.executor}"] if ns.executor else []
+    cfg = _load(ns.args, extra)
+    if ns.from_stage and ns.from_stage not in pipeline_stages():
+        raise ConfigError(
+            [f"--from {ns.from_stage}: not a stage of this pipeline ({', '.join(pipeline_stages())})"]
+        )
+    run_pipeline(cfg, from_stage=ns.from_stage, dryrun=ns.dryrun)
+    return 0
+
+
+def cmd_stage(ns: argparse.Namespace) -> int:
+    from stages.runner import available_stages, run_stage
+
+    if ns.name not in available_stages():
+        raise ConfigError([f"unknown stage {ns.name!r}; stages: {', '.join(available_stages())}"])
+    cfg = _load(ns.args)
+    run_stage(cfg, ns.name, force=ns.force)
+    return 0
+
+
+def cmd_bench(ns: argparse.Namespace) -> int:
+    from packline.bench import bench_packing
+
+    if ns.what != "packing":
+        raise ConfigError([f"bench {ns.what!r}: only 'packing' exists so far"])
+    bench_packing(as_json=ns.json)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="packline",
+        description="Qwen3-VL LoRA with Energon-native online sequence packing.",
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+
+    r = sub.add_parser("run", help="run the pipeline as NeMo-Run tasks (skips up-to-date stages)")
+    r.add_argument("args", nargs="*", metavar="[CONFIG] [key=value]", help="config + overrides")
+    r.add_argument("--executor", choices=["local", "slurm"], help="override executor.kind")
+    r.add_argument("--from", dest="from_stage", choices=STAGES, help="force this stage and after")
+    r.add_argument("--dryrun", action="store_true", help="print the tasks, run nothing")
+    r.set_defaults(fn=cmd_run)
+
+    s = sub.add_parser("stage", help="run one stage in this process")
+    s.add_argument("name", help="stage name: " + ", ".join(STAGES))
+    s.add_argument("args", nargs="*", metavar="[CONFIG] [key=value]")
+    s.add_argument("--force", action="store_true", help="rerun even when up to date")
+    s.set_defaults(fn=cmd_stage)
+
+    b = sub.add_parser("bench", help="benchmarks, measured side by side in one run")
+    b.add_argument("what", choices=["packing"])
+    b.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    b.set_defaults(fn=cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from stages.base import InputError
+
+    ns = build_parser().parse_args(argv)
+    debug = os.environ.get("PACKLINE_DEBUG") == "1"
+    try:
+        return ns.fn(ns)
+    except (ConfigError, InputError) as exc:
+        if debug:
+            traceback.print_exc()
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - the last line of defence of the CLI
+        traceback.print_exc()
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

@@ -1,0 +1,117 @@
+"""The pipeline as a NeMo-Run experiment: one ``run.Partial`` per stage, each depending on
+the one before it. Stage skipping lives in the stages (completion records), not here."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import nemo_run as run
+from omegaconf import OmegaConf
+
+from packline.progress import console
+from packline.tracking import Tracker
+from pipelines.executors import make_executor
+from pipelines.tasks import error_path, run_stage_task
+from schemas.config import STAGES, ExecutorKind, PipelineConfig
+from stages.base import InputError, invalidate_from, read_record
+from stages.runner import available_stages
+
+
+@dataclass
+class PipelineOutcome:
+    experiment_id: str
+    parent_run_id: str | None
+    states: dict[str, str]
+
+
+def pipeline_stages() -> list[str]:
+    """The stages this build of packline has, in pipeline order."""
+    have = set(available_stages())
+    return [s for s in STAGES if s in have]
+
+
+def write_resolved_config(cfg: PipelineConfig) -> Path:
+    """The config every stage process loads: the CLI's fully resolved tree."""
+    cfg.work_path.mkdir(parents=True, exist_ok=True)
+    path = cfg.work_path / "pipeline.yaml"
+    d = cfg.to_dict()
+    d["work_dir"] = str(cfg.work_path)
+    path.write_text(OmegaConf.to_yaml(OmegaConf.create(d)))
+    return path
+
+
+def build_experiment(
+    cfg: PipelineConfig, config_path: Path, parent_run_id: str | None
+) -> run.Experiment:
+    exp = run.Experiment(
+        f"packline-{cfg.name}", base_dir=str(cfg.work_path / "nemo_run"), log_level="WARN"
+    )
+    job_dir = cfg.work_path / "nemo_run" / "experiments"
+    previous = None
+    for stage in pipeline_stages():
+        task = run.Partial(
+            run_stage_task,
+            config_path=str(config_path),
+            stage=stage,
+            parent_run_id=parent_run_id or "",
+        )
+        previous = exp.add(
+            task,
+            executor=make_executor(cfg, job_dir=job_dir),
+            name=stage,
+            dependencies=[previous] if previous else None,
+        )
+    return exp
+
+
+def run_pipeline(
+    cfg: PipelineConfig, *, from_stage: str | None = None, dryrun: bool = False
+) -> PipelineOutcome:
+    """Run the stages in order as NeMo-Run tasks; raise InputError (exit 2) when a stage
+    reported bad input, RuntimeError when one failed otherwise."""
+    config_path = write_resolved_config(cfg)
+    if dryrun:
+        with build_experiment(cfg, config_path, None) as exp:
+            exp.dryrun(delete_exp_dir=True)
+        return PipelineOutcome("dryrun", None, {})
+    if from_stage:
+        invalidate_from(cfg, from_stage)
+    for stage in pipeline_stages():
+        error_path(cfg.work_path, stage).unlink(missing_ok=True)
+    parent = Tracker.start(
+        cfg, f"pipeline-{time.strftime('%Y%m%d-%H%M%S')}", tags={"packline.kind": "pipeline"}
+    )
+    states: dict[str, str] = {}
+    status = "FAILED"
+    try:
+        with build_experiment(cfg, config_path, parent.run_id) as exp:
+            exp.run(sequential=False, detach=False, tail_logs=cfg.executor.kind == ExecutorKind.local)
+        exp_id = exp._id
+        for name, info in exp.status(return_dict=True).items():
+            states[name] = str(info.get("status", "UNKNOWN")).split(".")[-1]
+        _raise_on_failure(cfg, states)
+        for stage in pipeline_stages():
+            rec = read_record(cfg, stage) or {}
+            parent.log_metrics(rec.get("metrics", {}))
+        status = "FINISHED"
+    finally:
+        parent.end(status)
+    return PipelineOutcome(exp_id, parent.run_id, states)
+
+
+def _raise_on_failure(cfg: PipelineConfig, states: dict[str, str]) -> None:
+    for stage in pipeline_stages():
+        err = error_path(cfg.work_path, stage)
+        if err.is_file():
+            info = json.loads(err.read_text())
+            raise InputError(info["problems"], info["header"])
+    failed = [s for s in pipeline_stages() if states.get(s) != "SUCCEEDED"]
+    if failed:
+        logs = cfg.work_path / "nemo_run" / "experiments"
+        raise RuntimeError(
+            f"stage(s) {', '.join(failed)} did not succeed ({states}); logs under {logs}"
+        )
+    console.log("[green]pipeline finished:[/] " + ", ".join(f"{s} {v}" for s, v in states.items()))

@@ -1,0 +1,36 @@
+"""The function NeMo-Run runs for each stage (in its own process).
+
+It takes only plain, serialisable arguments: the path of the resolved pipeline config the
+CLI wrote, the stage name, and the MLflow parent run id. A user error (bad input or
+config) is written to ``<work>/<stage>.error.json`` so the CLI can report it with exit 2.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+ERROR_SUFFIX = ".error.json"
+
+
+def error_path(work_dir: Path, stage: str) -> Path:
+    return Path(work_dir) / f"{stage}{ERROR_SUFFIX}"
+
+
+def run_stage_task(config_path: str, stage: str, parent_run_id: str = "") -> None:
+    """Entry point of one NeMo-Run task: run ``stage`` of the config at ``config_path``."""
+    from schemas.config import ConfigError, load_config
+    from stages.base import InputError
+    from stages.runner import run_stage
+
+    cfg = load_config(config_path)
+    err = error_path(cfg.work_path, stage)
+    err.unlink(missing_ok=True)
+    try:
+        run_stage(cfg, stage, parent_run_id=parent_run_id or None)
+    except (ConfigError, InputError) as exc:
+        header = getattr(exc, "header", str(exc))
+        err.write_text(json.dumps({"header": header, "problems": exc.problems, "exit_code": 2}))
+        print(str(exc), file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,495 @@
+"""The one typed config tree of a packline pipeline.
+
+A YAML file is merged onto these OmegaConf structured dataclasses, then ``key=value``
+overrides on top; every problem (unknown key, wrong type, missing value, a rule a section
+breaks) is collected and reported together as one :class:`ConfigError`. Past
+:func:`load_config` the pipeline passes :class:`PipelineConfig` objects, never raw dicts.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field, fields, is_dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG = PROJECT_ROOT / "configs" / "tiny_cpu.yaml"
+STAGES = ("prepare", "connect", "validate", "train")
+
+
+class ConfigError(ValueError):
+    """Invalid configuration or input; ``problems`` lists every one found."""
+
+    def __init__(self, problems: list[str], header: str = "invalid configuration"):
+        self.problems = list(problems)
+        self.header = header
+        super().__init__(self.render())
+
+    def render(self) -> str:
+        lines = [f"{self.header} ({len(self.problems)} problem(s)):"]
+        lines += [f"  - {p}" for p in self.problems]
+        return "\n".join(lines)
+
+
+def _check(problems: list[str], ok: bool, message: str) -> None:
+    if not ok:
+        problems.append(message)
+
+
+class _Section:
+    """Mixin: ``__post_init__`` gathers every broken rule of a section into one error."""
+
+    def rules(self) -> list[str]:  # pragma: no cover - overridden where a section has rules
+        return []
+
+    def __post_init__(self) -> None:
+        problems = self.rules()
+        if problems:
+            raise ValueError("; ".join(problems))
+
+
+class Algorithm(str, Enum):
+    """Packing selection algorithm."""
+
+    ffd = "ffd"
+    """First-fit decreasing: each sample, longest first, goes to the first pack with room."""
+    bfd = "bfd"
+    """Best-fit decreasing: each sample goes to the fullest pack that still has room."""
+
+
+class OverlengthPolicy(str, Enum):
+    """What happens to a conversation longer than ``packing.seq_length``."""
+
+    drop = "drop"
+    """Drop it and count it in the ledger as ``overlength``."""
+    fail = "fail"
+    """Stop with an error naming the sample."""
+
+
+class ExecutorKind(str, Enum):
+    local = "local"
+    slurm = "slurm"
+
+
+class TrainBackend(str, Enum):
+    local = "local"
+    """HF transformers + PEFT in this process (CPU or one GPU), torchrun for DP."""
+    megatron = "megatron"
+    """Megatron-Bridge inside the NeMo container (cluster only)."""
+
+
+@dataclass(kw_only=True)
+class DataConfig(_Section):
+    """Where the conversations come from."""
+
+    source: str = "synthetic"
+    """``synthetic`` for the built-in shapes set, else a folder holding
+    ``conversations.jsonl`` and the images it names (paths relative to the folder)."""
+    num_train: int = 2000
+    """Synthetic set: number of training conversations."""
+    num_val: int = 200
+    """Synthetic set: number of held-out validation conversations."""
+    seed: int = 0
+    """Synthetic set: seed; the same seed gives byte-identical data."""
+
+    def rules(self) -> list[str]:
+        p: list[str] = []
+        _check(p, self.num_train > 0, f"data.num_train must be > 0, got {self.num_train}")
+        _check(p, self.num_val >= 0, f"data.num_val must be >= 0, got {self.num_val}")
+        if self.source != "synthetic":
+            _check(
+                p,
+                (Path(self.source).expanduser() / "conversations.jsonl").is_file(),
+                f"data.source: {self.source!r} is neither 'synthetic' nor a folder with "
+                "conversations.jsonl",
+            )
+        return p
+
+
+@dataclass(kw_only=True)
+class PrepareConfig(_Section):
+    """Stage prepare: conversations → WebDataset shards + Energon metadata."""
+
+    samples_per_shard: int = 500
+    """Samples per WebDataset tar shard."""
+    val_fraction: float = 0.05
+    """Share of rows sent to the val split when a row has no ``split`` field
+    (chosen by a hash of its id, so stable across reruns)."""
+    max_images: int = 8
+    """Rows with more images are rejected as ``too_many_images``."""
+    max_reject_fraction: float = 0.05
+    """The stage fails (exit 2) when rejected rows exceed this share of all rows."""
+    num_workers: int = 2
+    """Worker processes for Energon's index preparation."""
+
+    def rules(self) -> list[str]:
+        p: list[str] = []
+        _check(p, self.samples_per_shard > 0, "prepare.samples_per_shard must be > 0")
+        _check(p, 0.0 <= self.val_fraction < 1.0, "prepare.val_fraction must be in [0, 1)")
+        _check(p, self.max_images >= 0, "prepare.max_images must be >= 0")
+        _check(
+            p, 0.0 <= self.max_reject_fraction <= 1.0, "prepare.max_reject_fraction must be in [0, 1]"
+        )
+        _check(p, self.num_workers >= 1, "prepare.num_workers must be >= 1")
+        return p
+
+
+@dataclass(kw_only=True)
+class ProcessorConfig(_Section):
+    """The Qwen3-VL processor (tokenizer + chat template + image processor)."""
+
+    path: str | None = None
+    """A local HF Qwen3-VL processor dir; ``null`` builds the built-in tiny one
+    (byte-level BPE, vocab 4,096, patch 16, merge 2) deterministically."""
+
+    def rules(self) -> list[str]:
+        p: list[str] = []
+        if self.path is not None:
+            _check(
+                p,
+                Path(self.path).expanduser().is_dir(),
+                f"processor.path: {self.path!r} is not a directory",
+            )
+        return p
+
+
+@dataclass(kw_only=True)
+class PackingConfig(_Section):
+    """Energon-native online sequence packing (THD rows, one pack per micro-batch)."""
+
+    enabled: bool = True
+    """Pack several conversations per row; ``false`` pads one conversation per row."""
+    seq_length: int = 4096
+    """Tokens per packed row (the capacity C)."""
+    packing_buffer_size: int = 64
+    """Samples per DataLoader worker that selection chooses packs from."""
+    algorithm: Algorithm = Algorithm.ffd
+    """Selection algorithm: ``ffd`` or ``bfd``."""
+    tensor_parallel: int = 1
+    """TP size (alignment only: with sequence parallel each conversation aligns to CP·TP)."""
+    context_parallel: int = 1
+    """CP size (alignment: each conversation aligns to 2·CP when CP > 1)."""
+    sequence_parallel: bool = False
+    """Sequence parallelism on (alignment only)."""
+    pad_to_max_length: bool = False
+    """Pad every row to ``seq_length`` (fixed width; required with EP > 1 or PP > 1)."""
+    overlength: OverlengthPolicy = OverlengthPolicy.drop
+    """What to do with a conversation longer than ``seq_length``: ``drop`` or ``fail``."""
+    forecast_buffer_sizes: list[int] = field(default_factory=lambda: [1, 16, 64, 256, 1024])
+    """Buffer sizes the connect stage forecasts fill for."""
+
+    @property
+    def alignment(self) -> int:
+        """m = lcm(2·CP if CP > 1, CP·TP if SP and TP > 1): every conversation's padded
+        length is a multiple of m."""
+        cp_term = 2 * self.context_parallel if self.context_parallel > 1 else 1
+        sp = self.sequence_parallel and self.tensor_parallel > 1
+        sp_term = self.context_parallel * self.tensor_parallel if sp else 1
+        return math.lcm(cp_term, sp_term)
+
+    def rules(self) -> list[str]:
+        p: list[str] = []
+        _check(p, self.seq_length > 0, f"packing.seq_length must be > 0, got {self.seq_length}")
+        _check(
+            p,
+            self.packing_buffer_size > 0,
+            f"packing.packing_buffer_size must be > 0, got {self.packing_buffer_size}",
+        )
+        _check(p, self.tensor_parallel >= 1, "packing.tensor_parallel must be >= 1")
+        _check(p, self.context_parallel >= 1, "packing.context_parallel must be >= 1")
+        _check(
+            p,
+            all(b > 0 for b in self.forecast_buffer_sizes),
+            "packing.forecast_buffer_sizes must all be > 0",
+        )
+        return p
+
+
+@dataclass(kw_only=True)
+class ModelConfig(_Section):
+    """The Qwen3-VL model trained."""
+
+    name: str = "tiny"
+    """``tiny`` builds a small random Qwen3-VL deterministically; else a label for ``path``."""
+    path: str | None = None
+    """A local HF Qwen3-VL / Qwen3-VL-MoE checkpoint dir (``null`` with ``name: tiny``)."""
+    moe: bool = False
+    """Tiny model only: build the MoE variant (Qwen3VLMoe) instead of the dense one."""
+
+
+@dataclass(kw_only=True)
+class LoraConfig(_Section):
+    """PEFT LoRA adapters on the language model."""
+
+    rank: int = 8
+    """Adapter rank r."""
+    alpha: int = 16
+    """Scaling numerator: adapters are scaled by alpha / rank."""
+    dropout: float = 0.0
+    """Dropout on the adapter input."""
+    target_modules: list[str] = field(
+        default_factory=lambda: [
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ]
+    )
+    """Linear layers wrapped with adapters (attention and dense MLP projections)."""
+    target_parameters: list[str] = field(default_factory=list)
+    """3-D parameters wrapped with adapters (MoE experts, e.g. ``mlp.experts.gate_up_proj``):
+    ``target_modules`` silently match nothing on MoE experts."""
+
+    def rules(self) -> list[str]:
+        p: list[str] = []
+        _check(p, self.rank > 0, f"lora.rank must be > 0, got {self.rank}")
+        _check(p, 0.0 <= self.dropout < 1.0, "lora.dropout must be in [0, 1)")
+        return p
+
+
+@dataclass(kw_only=True)
+class TrainConfig(_Section):
+    """Training loop settings (embedded local backend or Megatron-Bridge)."""
+
+    backend: TrainBackend = TrainBackend.local
+    """``local`` (HF + PEFT, CPU default) or ``megatron`` (Megatron-Bridge on the cluster)."""
+    max_steps: int = 60
+    """Optimizer steps."""
+    global_batch_size: int = 4
+    """Packed rows (micro-batches of one row) per optimizer step, over all DP ranks."""
+    micro_batch_size: int = 1
+    """Physical rows per forward; packing requires 1."""
+    lr: float = 1e-3
+    """Peak learning rate (AdamW)."""
+    warmup_steps: int = 5
+    """Linear warmup steps before cosine decay."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Max global gradient norm."""
+    seed: int = 0
+    """Seed of model init, data order and packing shuffles."""
+    num_workers: int = 0
+    """DataLoader workers per rank."""
+    save_every: int = 20
+    """Checkpoint every N optimizer steps."""
+    keep_last: int = 2
+    """Checkpoints kept."""
+    eval_every: int = 0
+    """Evaluate every N steps (0: only at the end)."""
+
+    def rules(self) -> list[str]:
+        p: list[str] = []
+        _check(p, self.max_steps > 0, f"train.max_steps must be > 0, got {self.max_steps}")
+        _check(p, self.global_batch_size > 0, "train.global_batch_size must be > 0")
+        _check(p, self.micro_batch_size > 0, "train.micro_batch_size must be > 0")
+        _check(p, self.lr > 0, f"train.lr must be > 0, got {self.lr}")
+        _check(p, self.warmup_steps >= 0, "train.warmup_steps must be >= 0")
+        _check(p, self.keep_last >= 1, "train.keep_last must be >= 1")
+        return p
+
+
+@dataclass(kw_only=True)
+class MlflowConfig(_Section):
+    """Experiment tracking."""
+
+    tracking_uri: str | None = None
+    """MLflow tracking URI; ``null`` uses the sqlite store ``<work_dir>/mlflow.db``."""
+    experiment: str | None = None
+    """Experiment name; ``null`` uses the pipeline name."""
+    enabled: bool = True
+    """Log to MLflow at all."""
+
+
+@dataclass(kw_only=True)
+class SlurmConfig(_Section):
+    """SLURM executor settings (used with ``executor.kind: slurm``)."""
+
+    account: str = ""
+    """Account charged for the jobs."""
+    partition: str = ""
+    """Partition to submit to."""
+    nodes: int = 1
+    """Nodes per training job."""
+    gpus_per_node: int = 8
+    """GPUs per node (training job)."""
+    time: str = "04:00:00"
+    """Wall-clock limit per job."""
+    container_image: str | None = None
+    """Container image (pyxis/enroot), e.g. the NeMo container; ``null`` runs on the host."""
+    container_mounts: list[str] = field(default_factory=list)
+    """``host:container`` mounts."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment variables for the jobs."""
+    host: str | None = None
+    """Login host: ``null`` submits from this machine (LocalTunnel), else over SSH."""
+    user: str | None = None
+    """SSH user for ``host``."""
+    job_dir: str | None = None
+    """Remote dir for NeMo-Run job files (SSH only)."""
+
+
+@dataclass(kw_only=True)
+class ExecutorConfig(_Section):
+    """Where the stages run."""
+
+    kind: ExecutorKind = ExecutorKind.local
+    """``local`` (NeMo-Run LocalExecutor) or ``slurm``."""
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    """SLURM settings."""
+
+
+@dataclass(kw_only=True)
+class PipelineConfig(_Section):
+    """The whole pipeline: one run of prepare → connect → validate → train."""
+
+    name: str = MISSING
+    """Pipeline name: default work dir ``runs/<name>`` and MLflow experiment."""
+    work_dir: str | None = None
+    """Where every stage writes; ``null`` → ``./runs/<name>``."""
+    data: DataConfig = field(default_factory=DataConfig)
+    prepare: PrepareConfig = field(default_factory=PrepareConfig)
+    processor: ProcessorConfig = field(default_factory=ProcessorConfig)
+    packing: PackingConfig = field(default_factory=PackingConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    executor: ExecutorConfig = field(default_factory=ExecutorConfig)
+
+    @property
+    def work_path(self) -> Path:
+        """Absolute work dir."""
+        return Path(self.work_dir or Path("runs") / self.name).expanduser().resolve()
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain, JSON-serialisable dict of the resolved config (enums as values)."""
+        return OmegaConf.to_container(OmegaConf.structured(self), resolve=True, enum_to_str=True)
+
+    def section_hash(self, *sections: str) -> str:
+        """Stable hash of the named sections (what a stage's output depends on)."""
+        d = self.to_dict()
+        payload = json.dumps({s: d[s] for s in sections}, sort_keys=True)
+        return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def _suggest(key: str, node: DictConfig) -> str:
+    close = difflib.get_close_matches(key, [str(k) for k in node.keys()], n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _flatten(d: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """Leaf (dotted key, value) pairs of a nested dict; lists and empty dicts are leaves."""
+    if isinstance(d, dict) and d:
+        out: list[tuple[str, Any]] = []
+        for k, v in d.items():
+            out += _flatten(v, f"{prefix}.{k}" if prefix else str(k))
+        return out
+    return [(prefix, d)]
+
+
+def _set_key(cfg: DictConfig, key: str, value: Any, origin: str, problems: list[str]) -> None:
+    """Set one dotted key on the structured config, recording a readable problem on failure."""
+    parts = key.split(".")
+    node: Any = cfg
+    for i, part in enumerate(parts):
+        is_leaf = i == len(parts) - 1
+        if isinstance(node, DictConfig) and part not in node.keys():
+            schema_open = OmegaConf.get_type(node) is dict  # free-form dicts take any key
+            if not schema_open:
+                where = ".".join(parts[:i]) or "the top level"
+                problems.append(
+                    f"{origin}: unknown key '{key}': '{part}' is not a setting of "
+                    f"{where}{_suggest(part, node)}"
+                )
+                return
+        if is_leaf:
+            break
+        node = node[part] if isinstance(node, DictConfig) and part in node.keys() else None
+        if node is None:
+            break
+    try:
+        OmegaConf.update(cfg, key, value, merge=True)
+    except OmegaConfBaseException as exc:
+        expected = _expected_type(key)
+        msg = f"{origin}: '{key}' = {value!r} is invalid"
+        problems.append(f"{msg}: expected {expected}" if expected else f"{msg}: {exc.msg}")
+
+
+def _expected_type(key: str) -> str | None:
+    cls: Any = PipelineConfig
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        fmap = {f.name: f for f in fields(cls)} if is_dataclass(cls) else {}
+        if part not in fmap:
+            return None
+        f = fmap[part]
+        if i == len(parts) - 1:
+            t = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+            enum_cls = globals().get(t.split(" ")[0]) if isinstance(t, str) else None
+            if isinstance(enum_cls, type) and issubclass(enum_cls, Enum):
+                return "one of " + ", ".join(repr(m.value) for m in enum_cls)
+            return t
+        cls = globals().get(f.type) if isinstance(f.type, str) else f.type
+    return None
+
+
+def _parse_override(item: str) -> tuple[str, Any]:
+    if "=" not in item:
+        raise ValueError(f"override '{item}' is not of the form key=value")
+    key, _, raw = item.partition("=")
+    value = OmegaConf.from_dotlist([f"_v={raw}"])["_v"] if raw != "" else ""
+    if isinstance(value, DictConfig):
+        value = OmegaConf.to_container(value)
+    return key.strip(), value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> PipelineConfig:
+    """YAML at ``path`` (default ``configs/tiny_cpu.yaml``) merged onto the schema, then
+    ``key=value`` overrides. Raises :class:`ConfigError` listing every problem."""
+    path = Path(path) if path is not None else DEFAULT_CONFIG
+    problems: list[str] = []
+    cfg = OmegaConf.structured(PipelineConfig)
+    if not path.is_file():
+        raise ConfigError([f"config file {str(path)!r} does not exist"])
+    try:
+        raw = OmegaConf.to_container(OmegaConf.load(path), resolve=False) or {}
+    except Exception as exc:
+        raise ConfigError([f"{path}: not valid YAML: {exc}"]) from None
+    if not isinstance(raw, dict):
+        raise ConfigError([f"{path}: the top level must be a mapping"])
+    for key, value in _flatten(raw):
+        _set_key(cfg, key, value, str(path.name), problems)
+    for item in overrides or []:
+        try:
+            key, value = _parse_override(item)
+        except (ValueError, OmegaConfBaseException) as exc:
+            problems.append(str(exc))
+            continue
+        _set_key(cfg, key, value, "override", problems)
+    for key in sorted(OmegaConf.missing_keys(cfg)):
+        problems.append(f"missing value: '{key}' must be set")
+    # Rules of each section, all sections checked before reporting.
+    sections = [f.name for f in fields(PipelineConfig) if f.name not in ("name", "work_dir")]
+    for name in sections:
+        node = cfg[name]
+        if isinstance(node, DictConfig):
+            try:
+                OmegaConf.to_object(node)
+            except (ValueError, OmegaConfBaseException) as exc:
+                msg = exc.msg if isinstance(exc, OmegaConfBaseException) else str(exc)
+                problems += [m.strip() for m in msg.split("; ")]
+    if problems:
+        raise ConfigError(problems)
+    return OmegaConf.to_object(cfg)  # type: ignore[return-value]

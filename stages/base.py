@@ -1,0 +1,157 @@
+"""What every stage shares: its output dir, atomic publish, and the completion record.
+
+A stage builds its outputs in ``<work>/.tmp-<stage>-*``, renames that dir to
+``<work>/<stage>`` (replacing an older one), then writes ``<work>/<stage>/_COMPLETE.json``
+holding the fingerprint of its inputs and config. A rerun whose fingerprint matches the
+record is skipped; a dir without a record is stale and is rebuilt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import packline
+from schemas.config import STAGES, PipelineConfig
+
+RECORD_NAME = "_COMPLETE.json"
+
+
+class InputError(ValueError):
+    """The stage's input or settings are wrong (exit 2); ``problems`` lists each one."""
+
+    def __init__(self, problems: list[str], header: str):
+        self.problems = list(problems)
+        self.header = header
+        super().__init__(f"{header}:\n" + "\n".join(f"  - {p}" for p in self.problems))
+
+
+@dataclass
+class StageResult:
+    """What a stage reports back: where its outputs are and the figures it logged."""
+
+    stage: str
+    out_dir: Path
+    fingerprint: str
+    skipped: bool
+    metrics: dict[str, float] = field(default_factory=dict)
+    summary: dict[str, Any] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def stage_dir(cfg: PipelineConfig, stage: str) -> Path:
+    return cfg.work_path / stage
+
+
+def read_record(cfg: PipelineConfig, stage: str) -> dict[str, Any] | None:
+    """The completion record of ``stage``, or None when it has not completed."""
+    path = stage_dir(cfg, stage) / RECORD_NAME
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return None
+
+
+def require_record(cfg: PipelineConfig, stage: str, by: str) -> dict[str, Any]:
+    rec = read_record(cfg, stage)
+    if rec is None:
+        raise InputError(
+            [f"{stage} has not completed in {cfg.work_path} (run `packline stage {stage}` first)"],
+            f"{by} cannot start",
+        )
+    return rec
+
+
+def fingerprint(*parts: Any) -> str:
+    """sha256 over JSON of ``parts`` plus the packline version."""
+    payload = json.dumps([packline.__version__, *parts], sort_keys=True, default=str)
+    return hashlib.sha256(payload.encode()).hexdigest()
+
+
+def hash_tree(root: Path, *, content: bool = False) -> str:
+    """Fingerprint of every file under ``root``: relative path, size and mtime — or the bytes
+    themselves with ``content=True`` (for small dirs such as a processor)."""
+    h = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        rel = path.relative_to(root).as_posix()
+        h.update(rel.encode())
+        if content:
+            h.update(path.read_bytes())
+        else:
+            st = path.stat()
+            h.update(f"{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()
+
+
+def is_up_to_date(cfg: PipelineConfig, stage: str, fp: str) -> bool:
+    rec = read_record(cfg, stage)
+    return rec is not None and rec.get("fingerprint") == fp
+
+
+@contextmanager
+def building(cfg: PipelineConfig, stage: str) -> Iterator[Path]:
+    """Yield a fresh temp dir; on success rename it to ``<work>/<stage>`` atomically."""
+    work = cfg.work_path
+    work.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{stage}-", dir=work))
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    final = stage_dir(cfg, stage)
+    if final.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".old-{stage}-", dir=work))
+        os.replace(final, old / stage)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+
+
+def write_record(cfg: PipelineConfig, result: StageResult) -> None:
+    """Write the completion record last: its presence means the stage's outputs are whole."""
+    record = {
+        "stage": result.stage,
+        "fingerprint": result.fingerprint,
+        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "seconds": round(result.seconds, 3),
+        "metrics": result.metrics,
+        "summary": result.summary,
+        "packline_version": packline.__version__,
+    }
+    path = stage_dir(cfg, result.stage) / RECORD_NAME
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=2, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def result_from_record(cfg: PipelineConfig, stage: str) -> StageResult:
+    rec = read_record(cfg, stage)
+    assert rec is not None
+    return StageResult(
+        stage=stage,
+        out_dir=stage_dir(cfg, stage),
+        fingerprint=rec["fingerprint"],
+        skipped=True,
+        metrics=rec.get("metrics", {}),
+        summary=rec.get("summary", {}),
+        seconds=0.0,
+    )
+
+
+def invalidate_from(cfg: PipelineConfig, stage: str) -> None:
+    """Remove the completion records of ``stage`` and every stage after it."""
+    for name in STAGES[STAGES.index(stage) :]:
+        (stage_dir(cfg, name) / RECORD_NAME).unlink(missing_ok=True)

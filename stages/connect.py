@@ -1,0 +1,304 @@
+"""Stage connect: the processor meets the data — exact token lengths of every sample.
+
+Outputs in ``<work>/connect/``::
+
+    processor/              the processor dir every later stage loads (tiny one built here,
+                            or a copy of ``processor.path``)
+    lengths.parquet         key, split, text/image/total/loss tokens, images (exact)
+    forecast.json           packing fill per buffer size and the lower bound
+    length_histogram.png    distribution of conversation lengths vs seq_length
+
+The real processor runs on every sample once, through Energon's loader. The cheap rule
+(image size from the file header → the resize rule → visual tokens, plus tokenized text) is
+computed too and must equal the processor's count for every sample: the packer's large
+buffers rely on it being exact. Any mismatch fails the stage and is listed.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from megatron.energon import WorkerConfig, get_loader, get_train_dataset, get_val_dataset
+
+from packline.energon.sample import ConversationReader, ConversationSample
+from packline.packing.selection import (
+    align_up,
+    best_fit_decreasing,
+    first_fit_decreasing,
+)
+from packline.progress import console, progress
+from packline.qwen.vision import read_image_size
+from schemas.config import Algorithm, PipelineConfig
+from schemas.tables import LengthsModel, validate_table
+from stages.base import InputError, StageResult, building, fingerprint, hash_tree, require_record
+
+STAGE = "connect"
+VisualRule = Callable[[int, int], int]
+
+
+class LengthReader(ConversationReader):
+    """Energon task encoder that measures each sample both ways (exact and cheap)."""
+
+    def __init__(self, processor_dir: Path, visual_tokens: VisualRule | None = None):
+        super().__init__()
+        self.processor_dir = Path(processor_dir)
+        self.visual_tokens = visual_tokens
+        self._processor = None
+
+    @property
+    def processor(self):
+        if self._processor is None:  # loaded once per worker process
+            from packline.qwen.processor import load_processor
+
+            self._processor = load_processor(self.processor_dir)
+        return self._processor
+
+    def encode_sample(self, sample: ConversationSample) -> dict[str, Any]:
+        from PIL import Image
+
+        from packline.qwen.lengths import cheap_lengths, exact_lengths
+
+        sizes = [read_image_size(b) for b in sample.images]
+        images = [Image.open(io.BytesIO(b)) for b in sample.images]
+        exact = exact_lengths(self.processor, sample.conversation, images)
+        cheap = cheap_lengths(
+            self.processor, sample.conversation, sizes, visual_tokens=self.visual_tokens
+        )
+        return {"key": sample.__key__, "exact": asdict(exact), "cheap": asdict(cheap)}
+
+
+def processor_source(cfg: PipelineConfig) -> Path | None:
+    return Path(cfg.processor.path).expanduser().resolve() if cfg.processor.path else None
+
+
+def fingerprint_inputs(cfg: PipelineConfig) -> str:
+    from stages import prepare
+
+    src = processor_source(cfg)
+    return fingerprint(
+        prepare.fingerprint_inputs(cfg),
+        cfg.section_hash("processor"),
+        hash_tree(src, content=True) if src else "tiny",
+        {
+            "seq_length": cfg.packing.seq_length,
+            "alignment": cfg.packing.alignment,
+            "algorithm": cfg.packing.algorithm.value,
+            "buffers": list(cfg.packing.forecast_buffer_sizes),
+            "seed": cfg.train.seed,
+        },
+    )
+
+
+def materialize_processor(cfg: PipelineConfig, out: Path) -> Path:
+    """Put the processor dir under ``out/processor``: a copy of the user's, or the tiny one."""
+    from packline.qwen.processor import build_tiny_processor, load_processor
+
+    dest = out / "processor"
+    src = processor_source(cfg)
+    if src is None:
+        build_tiny_processor(dest)
+    else:
+        shutil.copytree(src, dest)
+    load_processor(dest)  # fail here, with the loader's message, if it is not usable
+    return dest
+
+
+def measure_lengths(
+    dataset_dir: Path,
+    processor_dir: Path,
+    *,
+    num_workers: int,
+    visual_tokens: VisualRule | None = None,
+    expected: int | None = None,
+) -> list[tuple[str, dict[str, Any]]]:
+    """(split, record) for every sample of the prepared dataset, through Energon."""
+    records: list[tuple[str, dict[str, Any]]] = []
+    encoder = LengthReader(processor_dir, visual_tokens)
+    common = dict(batch_size=1, task_encoder=encoder)
+    with progress() as bar:
+        task = bar.add_task("connect lengths", total=expected)
+        for split in ("train", "val"):
+            if not any(dataset_dir.glob(f"{split}-*.tar")):
+                continue
+            wc = WorkerConfig(rank=0, world_size=1, num_workers=num_workers)
+            if split == "train":
+                ds = get_train_dataset(
+                    dataset_dir,
+                    split_part="train",
+                    worker_config=wc,
+                    shuffle_buffer_size=None,
+                    max_samples_per_sequence=None,
+                    repeat=False,
+                    **common,
+                )
+            else:
+                ds = get_val_dataset(dataset_dir, split_part="val", worker_config=wc, **common)
+            for batch in get_loader(ds):
+                for rec in batch:
+                    records.append((split, rec))
+                    bar.advance(task)
+    return records
+
+
+def forecast_fill(
+    lengths: list[int], capacity: int, buffer_sizes: list[int], algorithm: Algorithm, seed: int
+) -> dict[str, Any]:
+    """Fill of packing ``lengths`` (already aligned, none over capacity) in arrival order,
+    one buffer of B samples at a time, for each B; and the lower bound Σlen/(⌈Σlen/C⌉·C)."""
+    order = list(range(len(lengths)))
+    random.Random(seed).shuffle(order)  # Energon's shuffled stream, approximately
+    stream = [lengths[i] for i in order]
+    select = first_fit_decreasing if algorithm == Algorithm.ffd else best_fit_decreasing
+    total = sum(stream)
+    out: dict[str, Any] = {"capacity": capacity, "samples": len(stream), "tokens": total}
+    per_buffer = {}
+    for b in buffer_sizes:
+        packs = 0
+        for start in range(0, len(stream), b):
+            packs += len(select(stream[start : start + b], capacity))
+        per_buffer[str(b)] = {"packs": packs, "fill": total / (packs * capacity) if packs else 0.0}
+    out["buffers"] = per_buffer
+    min_packs = -(-total // capacity)
+    out["lower_bound"] = {
+        "packs": min_packs,
+        "fill": total / (min_packs * capacity) if min_packs else 0.0,
+    }
+    out["unpacked"] = {
+        "rows": len(stream),
+        "fill": total / (len(stream) * capacity) if stream else 0.0,
+    }
+    return out
+
+
+def _histogram(df: pd.DataFrame, seq_length: int, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
+    bins = 50
+    ax.hist(
+        [df["text_tokens"], df["total_tokens"]],
+        bins=bins,
+        label=["text tokens", "total tokens (text + image)"],
+        alpha=0.75,
+    )
+    ax.axvline(seq_length, color="crimson", linestyle="--", label=f"seq_length {seq_length}")
+    ax.set_xlabel("tokens per conversation")
+    ax.set_ylabel("conversations")
+    ax.set_title(f"Conversation lengths ({len(df):,} samples)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def connect_processor(
+    cfg: PipelineConfig, fp: str | None = None, *, visual_tokens: VisualRule | None = None
+) -> StageResult:
+    """Measure every sample with the real processor and check the cheap rule against it."""
+    t0 = time.perf_counter()
+    fp = fp or fingerprint_inputs(cfg)
+    require_record(cfg, "prepare", by="connect")
+    dataset_dir = cfg.work_path / "prepare"
+    manifest = pd.read_parquet(dataset_dir / "manifest.parquet")
+    with building(cfg, STAGE) as out:
+        processor_dir = materialize_processor(cfg, out)
+        records = measure_lengths(
+            dataset_dir,
+            processor_dir,
+            num_workers=cfg.prepare.num_workers,
+            visual_tokens=visual_tokens,
+            expected=len(manifest),
+        )
+        mismatches = [
+            f"{rec['key']}: processor {rec['exact']} != cheap {rec['cheap']}"
+            for _, rec in records
+            if rec["exact"] != rec["cheap"]
+        ]
+        if mismatches:
+            raise InputError(
+                mismatches[:50] + ([f"... and {len(mismatches) - 50} more"] if len(mismatches) > 50 else []),
+                f"connect: the cheap length rule disagrees with the processor on "
+                f"{len(mismatches)} of {len(records)} samples",
+            )
+        df = pd.DataFrame([{"key": rec["key"], "split": split, **rec["exact"]} for split, rec in records])
+        df = df[["key", "split", "text_tokens", "image_tokens", "num_images", "total_tokens", "loss_tokens"]]
+        df = df.sort_values(["split", "key"], kind="stable").reset_index(drop=True)
+        validate_table(LengthsModel, df, "lengths.parquet").to_parquet(out / "lengths.parquet", index=False)
+        missing = sorted(set(manifest["key"]) - set(df["key"]))
+        if missing:
+            raise InputError(
+                [f"{len(missing)} manifest keys never came out of the loader, e.g. {missing[:5]}"],
+                "connect: samples lost between prepare and connect",
+            )
+
+        m = cfg.packing.alignment
+        train = df[df["split"] == "train"]
+        aligned = [align_up(int(n), m) for n in train["total_tokens"]]
+        fits = [n for n in aligned if n <= cfg.packing.seq_length]
+        forecast = forecast_fill(
+            fits,
+            cfg.packing.seq_length,
+            list(cfg.packing.forecast_buffer_sizes),
+            cfg.packing.algorithm,
+            cfg.train.seed,
+        )
+        forecast["overlength"] = len(aligned) - len(fits)
+        forecast["alignment"] = m
+        (out / "forecast.json").write_text(json.dumps(forecast, indent=2))
+        _histogram(df, cfg.packing.seq_length, out / "length_histogram.png")
+
+    out_dir = cfg.work_path / STAGE
+    seconds = time.perf_counter() - t0
+    total = df["total_tokens"]
+    metrics: dict[str, float] = {
+        "connect/samples": len(df),
+        "connect/train_samples": len(train),
+        "connect/tokens_total": int(total.sum()),
+        "connect/tokens_text": int(df["text_tokens"].sum()),
+        "connect/tokens_image": int(df["image_tokens"].sum()),
+        "connect/tokens_loss": int(df["loss_tokens"].sum()),
+        "connect/length_mean": float(total.mean()),
+        "connect/length_p50": float(total.quantile(0.5)),
+        "connect/length_p95": float(total.quantile(0.95)),
+        "connect/length_max": int(total.max()),
+        "connect/overlength": forecast["overlength"],
+        "connect/cheap_mismatches": 0,
+        "connect/fill_lower_bound": forecast["lower_bound"]["fill"],
+        "connect/fill_unpacked": forecast["unpacked"]["fill"],
+        "connect/ms_per_sample": 1000 * seconds / max(len(df), 1),
+    }
+    for b, v in forecast["buffers"].items():
+        metrics[f"connect/forecast_fill_b{b}"] = v["fill"]
+        metrics[f"connect/forecast_packs_b{b}"] = v["packs"]
+    console.log(
+        "connect: forecast fill "
+        + ", ".join(f"B={b}: {v['fill']:.3f}" for b, v in forecast["buffers"].items())
+        + f"; lower bound {forecast['lower_bound']['fill']:.3f}"
+    )
+    return StageResult(
+        stage=STAGE,
+        out_dir=out_dir,
+        fingerprint=fp,
+        skipped=False,
+        metrics={k: float(v) for k, v in metrics.items()},
+        summary={
+            "processor_dir": str(out_dir / "processor"),
+            "artifacts": [
+                str(out_dir / "forecast.json"),
+                str(out_dir / "length_histogram.png"),
+            ],
+        },
+        seconds=seconds,
+    )

@@ -1,0 +1,257 @@
+"""Stage prepare: a conversation folder (or the built-in set) → WebDataset shards + Energon
+metadata + ``manifest.parquet`` + ``rejects.jsonl``.
+
+Outputs in ``<work>/prepare/``::
+
+    train-000000.tar ...  val-000000.tar ...   WebDataset shards (<key>.json, <key>.img<k>.<ext>)
+    .nv-meta/                                   Energon index, split.yaml, dataset.yaml
+    manifest.parquet                            one row per accepted sample
+    rejects.jsonl                               one row per rejected row, with its reason
+
+Every bad row is rejected with a reason and counted; the stage fails (exit 2) only when the
+rejected share exceeds ``prepare.max_reject_fraction``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from pathlib import Path
+
+import pandas as pd
+import webdataset as wds
+import yaml
+
+from packline.conversations import ConversationRow, Rejected, parse_row
+from packline.progress import console, progress
+from packline.qwen.vision import ImageGeometry
+from schemas.config import PipelineConfig
+from schemas.tables import REJECT_REASONS, ManifestModel, RejectsModel, validate_table
+from stages.base import InputError, StageResult, building, fingerprint, hash_tree
+
+STAGE = "prepare"
+SOURCE_DONE = "_SOURCE_COMPLETE"
+DATASET_YAML = {"__module__": "megatron.energon", "__class__": "CrudeWebdataset"}
+
+
+def image_geometry(cfg: PipelineConfig) -> ImageGeometry:
+    """The resize rule of the configured processor (the built-in tiny one by default)."""
+    if cfg.processor.path:
+        return ImageGeometry.from_processor_dir(Path(cfg.processor.path).expanduser())
+    return ImageGeometry()
+
+
+def synthetic_source_dir(cfg: PipelineConfig) -> Path:
+    d = cfg.data
+    return cfg.work_path / "source" / f"shapes-seed{d.seed}-train{d.num_train}-val{d.num_val}"
+
+
+def resolve_source(cfg: PipelineConfig) -> Path:
+    """The folder to read: the user's, or the built-in set generated once into the work dir."""
+    if cfg.data.source != "synthetic":
+        return Path(cfg.data.source).expanduser().resolve()
+    out = synthetic_source_dir(cfg)
+    if (out / SOURCE_DONE).is_file():
+        return out
+    from packline.synthetic import write_shapes_dataset
+
+    tmp = out.with_name(out.name + ".tmp")
+    if tmp.exists():
+        import shutil
+
+        shutil.rmtree(tmp)
+    total = cfg.data.num_train + cfg.data.num_val
+    with progress() as bar:
+        task = bar.add_task("generate shapes", total=total)
+        write_shapes_dataset(
+            tmp,
+            num_train=cfg.data.num_train,
+            num_val=cfg.data.num_val,
+            seed=cfg.data.seed,
+            progress=lambda n: bar.advance(task, n),
+        )
+    (tmp / SOURCE_DONE).write_text("ok\n")
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return out
+
+
+def fingerprint_inputs(cfg: PipelineConfig) -> str:
+    """Config sections prepare depends on, plus the source folder's files when user-given."""
+    source = None
+    if cfg.data.source != "synthetic":
+        source = hash_tree(Path(cfg.data.source).expanduser().resolve())
+    geometry = image_geometry(cfg)
+    return fingerprint(cfg.section_hash("data", "prepare"), geometry, source)
+
+
+def _write_shards(rows: list[ConversationRow], out: Path, split: str, per_shard: int) -> list[str]:
+    names = []
+    for start in range(0, len(rows), per_shard):
+        name = f"{split}-{start // per_shard:06d}.tar"
+        names.append(name)
+        # Fixed mtime: the same rows give byte-identical shards.
+        with wds.TarWriter(str(out / name), mtime=0) as sink:
+            for row in rows[start : start + per_shard]:
+                entry: dict[str, object] = {"__key__": row.key, "json": row.sample_json()}
+                for k, img in enumerate(row.images):
+                    entry[f"img{k}.{img.ext}"] = img.data
+                sink.write(entry)
+    return names
+
+
+def _energon_prepare(out: Path, shards: dict[str, list[str]], workers: int) -> None:
+    """Index the shards with Energon's own prepare API and write the dataset.yaml."""
+    from megatron.energon.flavors.webdataset.base_webdataset import BaseWebdatasetFactory
+
+    paths = [name for names in shards.values() for name in names]
+    # No backslashes: Energon brace-expands the pattern first, which eats them.
+    patterns = [(split, f"^{split}-[0-9]+[.]tar$") for split, names in shards.items() if names]
+    BaseWebdatasetFactory.prepare_dataset(
+        out,
+        paths,
+        split_parts_patterns=patterns,
+        shuffle_seed=None,
+        workers=max(1, min(workers, len(paths))),
+    )
+    (out / ".nv-meta" / "dataset.yaml").write_text(yaml.safe_dump(DATASET_YAML, sort_keys=False))
+
+
+def prepare_dataset(cfg: PipelineConfig, fp: str | None = None) -> StageResult:
+    """Read, check and shard the conversations; index them for Energon."""
+    t0 = time.perf_counter()
+    fp = fp or fingerprint_inputs(cfg)
+    source = resolve_source(cfg)
+    jsonl = source / "conversations.jsonl"
+    if not jsonl.is_file():
+        raise InputError([f"{jsonl} does not exist"], "prepare: no conversations")
+    geometry = image_geometry(cfg)
+    lines = jsonl.read_text(encoding="utf-8", errors="replace").splitlines()
+    accepted: dict[str, list[ConversationRow]] = {"train": [], "val": []}
+    rejects: list[dict[str, object]] = []
+    seen_ids: set[str] = set()
+    seen_keys: set[str] = set()
+    num_rows = 0
+    with progress() as bar:
+        task = bar.add_task("prepare rows", total=len(lines))
+        for lineno, line in enumerate(lines, start=1):
+            bar.advance(task)
+            if not line.strip():
+                continue
+            num_rows += 1
+            try:
+                row = parse_row(
+                    line,
+                    source,
+                    geometry=geometry,
+                    max_images=cfg.prepare.max_images,
+                    val_fraction=cfg.prepare.val_fraction,
+                )
+                if row.id in seen_ids or row.key in seen_keys:
+                    raise Rejected("duplicate_id", f"id {row.id!r} already seen", row.id)
+            except Rejected as rej:
+                rejects.append({"line": lineno, "id": rej.id, "reason": rej.reason, "detail": rej.detail})
+                continue
+            seen_ids.add(row.id)
+            seen_keys.add(row.key)
+            accepted[row.split or "train"].append(row)
+
+    num_accepted = sum(len(v) for v in accepted.values())
+    reject_fraction = len(rejects) / num_rows if num_rows else 0.0
+    by_reason = Counter(str(r["reason"]) for r in rejects)
+    with building(cfg, STAGE) as out:
+        shards = {
+            split: _write_shards(rows, out, split, cfg.prepare.samples_per_shard)
+            for split, rows in accepted.items()
+        }
+        validate_table(
+            RejectsModel,
+            pd.DataFrame(rejects, columns=["line", "id", "reason", "detail"]).astype(
+                {"line": "int64", "reason": "str", "detail": "str"}
+            ),
+            "rejects.jsonl",
+        )
+        with (out / "rejects.jsonl").open("w") as f:
+            for r in rejects:
+                f.write(json.dumps(r) + "\n")
+        if num_accepted == 0:
+            raise InputError(
+                [f"none of the {num_rows} rows of {jsonl} is usable; reasons: {dict(by_reason)}"],
+                "prepare: no usable rows",
+            )
+        if reject_fraction > cfg.prepare.max_reject_fraction:
+            _keep_rejects(cfg, out / "rejects.jsonl")
+            raise InputError(
+                [
+                    f"{len(rejects)} of {num_rows} rows rejected ({reject_fraction:.1%}) exceeds "
+                    f"prepare.max_reject_fraction={cfg.prepare.max_reject_fraction}; "
+                    f"reasons: {dict(by_reason)}; see {cfg.work_path / 'prepare.rejects.jsonl'}",
+                ],
+                "prepare: too many bad rows",
+            )
+        shard_of = {
+            row.key: name
+            for split, names in shards.items()
+            for i, name in enumerate(names)
+            for row in accepted[split][
+                i * cfg.prepare.samples_per_shard : (i + 1) * cfg.prepare.samples_per_shard
+            ]
+        }
+        manifest = pd.DataFrame(
+            [
+                {
+                    "key": row.key,
+                    "id": row.id,
+                    "split": split,
+                    "shard": shard_of[row.key],
+                    "num_images": len(row.images),
+                    "num_turns": len(row.conversation),
+                    "num_assistant_turns": row.num_assistant_turns,
+                    "text_chars": row.text_chars,
+                    "image_bytes": sum(len(i.data) for i in row.images),
+                }
+                for split, rows in accepted.items()
+                for row in rows
+            ]
+        )
+        validate_table(ManifestModel, manifest, "manifest.parquet").to_parquet(
+            out / "manifest.parquet", index=False
+        )
+        console.log(f"prepare: indexing {sum(map(len, shards.values()))} shards with Energon")
+        _energon_prepare(out, shards, cfg.prepare.num_workers)
+
+    out_dir = cfg.work_path / STAGE
+    metrics = {
+        "prepare/rows_total": num_rows,
+        "prepare/rows_accepted": num_accepted,
+        "prepare/rows_rejected": len(rejects),
+        "prepare/reject_fraction": reject_fraction,
+        "prepare/train_samples": len(accepted["train"]),
+        "prepare/val_samples": len(accepted["val"]),
+        "prepare/images": int(manifest["num_images"].sum()),
+        "prepare/image_bytes": int(manifest["image_bytes"].sum()),
+        "prepare/shards": sum(len(v) for v in shards.values()),
+    }
+    metrics.update({f"prepare/rejected_{r}": by_reason.get(r, 0) for r in REJECT_REASONS})
+    return StageResult(
+        stage=STAGE,
+        out_dir=out_dir,
+        fingerprint=fp,
+        skipped=False,
+        metrics={k: float(v) for k, v in metrics.items()},
+        summary={
+            "source": str(source),
+            "rejects_by_reason": dict(by_reason),
+            "artifacts": [str(out_dir / "rejects.jsonl"), str(out_dir / ".nv-meta" / "dataset.yaml")],
+        },
+        seconds=time.perf_counter() - t0,
+    )
+
+
+def _keep_rejects(cfg: PipelineConfig, path: Path) -> None:
+    """Copy the rejects next to the work dir so a failed stage still shows them."""
+    (cfg.work_path / "prepare.rejects.jsonl").write_bytes(path.read_bytes())

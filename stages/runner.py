@@ -1,0 +1,62 @@
+"""Run one stage: skip it when its completion record matches, else build it, record it and
+log it to MLflow as a child of the pipeline's parent run."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from packline.progress import console, summary_table
+from packline.tracking import Tracker
+from schemas.config import PipelineConfig
+from stages import connect, prepare
+from stages.base import StageResult, is_up_to_date, result_from_record, write_record
+
+#: stage name → (fingerprint of its inputs, the stage function)
+REGISTRY: dict[str, tuple[Callable[[PipelineConfig], str], Callable[..., StageResult]]] = {
+    "prepare": (prepare.fingerprint_inputs, prepare.prepare_dataset),
+    "connect": (connect.fingerprint_inputs, connect.connect_processor),
+}
+
+
+def available_stages() -> list[str]:
+    return list(REGISTRY)
+
+
+def run_stage(
+    cfg: PipelineConfig, name: str, *, force: bool = False, parent_run_id: str | None = None
+) -> StageResult:
+    """Run stage ``name`` (or skip it when up to date) and log it to MLflow."""
+    if name not in REGISTRY:
+        raise ValueError(f"unknown stage {name!r}; stages: {', '.join(REGISTRY)}")
+    fingerprint_fn, stage_fn = REGISTRY[name]
+    fp = fingerprint_fn(cfg)
+    if not force and is_up_to_date(cfg, name, fp):
+        result = result_from_record(cfg, name)
+        console.log(f"[green]{name}: up to date[/] (completion record matches), skipped")
+        tracker = Tracker.start(
+            cfg, name, parent_run_id=parent_run_id, tags={"packline.stage": name, "packline.skipped": "true"}
+        )
+        tracker.log_metrics(result.metrics)
+        tracker.end()
+        return result
+    tracker = Tracker.start(
+        cfg, name, parent_run_id=parent_run_id, tags={"packline.stage": name, "packline.skipped": "false"}
+    )
+    try:
+        result = stage_fn(cfg, fp)
+    except BaseException:
+        tracker.end("FAILED")
+        raise
+    write_record(cfg, result)
+    tracker.log_metrics({**result.metrics, f"{name}/seconds": result.seconds})
+    for artifact in result.summary.get("artifacts", []):
+        tracker.log_artifact(Path(artifact))
+    tracker.end()
+    shown = {
+        k.split("/", 1)[1]: v
+        for k, v in result.metrics.items()
+        if not (v == 0 and "/rejected_" in k)  # list only the reasons that occurred
+    }
+    console.print(summary_table(f"{name} ({result.seconds:.1f} s) → {result.out_dir}", shown))
+    return result

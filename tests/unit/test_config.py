@@ -1,0 +1,80 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pipelines.cli import main
+from schemas.config import PROJECT_ROOT, Algorithm, ConfigError, PackingConfig, load_config
+
+SHIPPED = sorted((PROJECT_ROOT / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
+def test_shipped_config_loads_and_validates(path: Path):
+    cfg = load_config(path)
+    assert cfg.name
+    assert cfg.packing.seq_length % cfg.packing.alignment == 0
+
+
+def test_shipped_yaml_keys_each_have_a_comment():
+    for path in SHIPPED:
+        for lineno, line in enumerate(path.read_text().splitlines(), 1):
+            stripped = line.strip()
+            if not stripped or stripped.startswith("#") or stripped.endswith(":"):
+                continue  # blank, comment, or a section header
+            assert "#" in line, f"{path.name}:{lineno} has no comment: {line!r}"
+
+
+def test_override_typo_and_type_error_reported_together():
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["packing.seq_lenght=4096", "train.max_steps=many"])
+    problems = info.value.problems
+    assert problems == [
+        "override: unknown key 'packing.seq_lenght': 'seq_lenght' is not a setting of packing "
+        "(did you mean 'seq_length'?)",
+        "override: 'train.max_steps' = 'many' is invalid: expected int",
+    ]
+
+
+def test_cli_exit_2_lists_every_problem_without_traceback(capsys):
+    code = main(["stage", "prepare", "packing.seq_lenght=4096", "train.max_steps=many", "lr=1"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "3 problem(s)" in err
+    assert "seq_lenght" in err and "'many'" in err and "unknown key 'lr'" in err
+    assert "Traceback" not in err
+
+
+def test_yaml_unknown_key_missing_value_and_rule_reported_together(tmp_path: Path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("packing:\n  algoritm: ffd\n  seq_length: 0\ntrain:\n  lr: 1e-3\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(bad)
+    text = "\n".join(info.value.problems)
+    assert "unknown key 'packing.algoritm'" in text and "did you mean 'algorithm'" in text
+    assert "missing value: 'name' must be set" in text
+    assert "packing.seq_length must be > 0, got 0" in text
+
+
+def test_enum_override_lists_allowed_values():
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["packing.algorithm=greedy"])
+    assert info.value.problems == [
+        "override: 'packing.algorithm' = 'greedy' is invalid: expected one of 'ffd', 'bfd'"
+    ]
+
+
+def test_overrides_apply_after_yaml():
+    cfg = load_config(None, ["packing.algorithm=bfd", "lora.target_modules=[q_proj,v_proj]"])
+    assert cfg.packing.algorithm is Algorithm.bfd
+    assert cfg.lora.target_modules == ["q_proj", "v_proj"]
+
+
+@pytest.mark.parametrize(
+    ("tp", "cp", "sp", "expected"),
+    [(1, 1, False, 1), (1, 2, False, 4), (4, 1, True, 4), (2, 2, True, 4), (4, 2, True, 8), (4, 3, True, 12)],
+)
+def test_alignment_is_lcm_of_cp_and_sp_terms(tp, cp, sp, expected):
+    cfg = PackingConfig(tensor_parallel=tp, context_parallel=cp, sequence_parallel=sp)
+    assert cfg.alignment == expected
