@@ -1,0 +1,843 @@
+"""The built-in ``shapes`` conversation set: deterministic, seeded, and checkable.
+
+Every row is a chat about flat, PIL-drawn pictures of 1-6 coloured shapes (circle, square,
+triangle, rectangle, star, pentagon, hexagon) on a plain background. Each shape sits inside its
+own cell of a 3x3 grid, so shapes never overlap and every count, colour and position has one
+right answer. The mix is made to exercise a packing pipeline, not to be hard:
+
+* **Modality** - about 75% single-image rows, 10% multi-image rows (2-3 images) and 15%
+  text-only rows (shape trivia, or counting shapes described in words).
+* **Image size** - the visual-token count (one token per 32x32 pixel block, the Qwen3-VL
+  merge size) is skewed log-uniform over 16..1,024 with aspect ratios 1:2..2:1; most images
+  are small, a long tail is large. Sides are at least 128 px and lie up to 24 px off the
+  32 px grid, so the processor's resize rule (rounding, max-pixels downscale) does real work.
+* **Answer length** - 1-4 user/assistant turns; most answers are a word or a number, about
+  one in six lists every shape ("describe"), and a few list every shape of every image in
+  detail (hundreds of tokens).
+
+Row layout (one JSON object per line of ``conversations.jsonl``; image paths are relative to
+the dataset directory, and the user text holds one ``<image>`` marker per image, in order)::
+
+    {"id": "shapes-train-000123", "split": "train",
+     "images": ["images/shapes-train-000123-0.png"],
+     "conversations": [{"role": "user", "content": "<image>\\nHow many shapes are there?"},
+                       {"role": "assistant", "content": "3"}],
+     "meta": {"answers": [{"turn": 1, "kind": "count", "answer": "3"}]}}
+
+``meta.answers[i].turn`` indexes the assistant message whose content holds ``answer``;
+``kind`` (one of :data:`ANSWER_KINDS`) tells :func:`answer_matches` how to grade a generated
+reply. Every row draws from its own ``random.Random`` keyed by ``(seed, split, index)``, so a
+row does not depend on the rows around it: a smaller set is a prefix of a larger one, the
+same arguments give byte-identical files, and ``val`` rows are a held-out stream.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import re
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from PIL import Image, ImageDraw
+
+__all__ = [
+    "ANSWER_KINDS",
+    "COLOUR_NAMES",
+    "POSITION_NAMES",
+    "SHAPE_NAMES",
+    "answer_matches",
+    "write_shapes_dataset",
+]
+
+ANSWER_KINDS = ("count", "colour", "position", "describe", "compare", "text")
+"""What an answer checks; selects the rule :func:`answer_matches` applies."""
+
+_COLOURS: dict[str, tuple[int, int, int]] = {
+    "red": (220, 38, 38),
+    "green": (34, 160, 64),
+    "blue": (37, 90, 220),
+    "yellow": (245, 210, 30),
+    "purple": (130, 60, 180),
+    "orange": (245, 135, 25),
+    "black": (20, 20, 20),
+    "white": (245, 245, 245),
+}
+COLOUR_NAMES = tuple(_COLOURS)
+"""Shape colours, as named in questions and answers."""
+
+_BACKGROUNDS: dict[str, tuple[int, int, int]] = {
+    "grey": (128, 128, 128),
+    "tan": (196, 178, 140),
+    "slate": (64, 84, 100),
+    "pale teal": (170, 205, 200),
+    "pink": (225, 190, 200),
+}
+# A shape colour is used on a background only if they are at least this far apart in RGB,
+# so no shape is hard to see (e.g. white on pale teal is skipped).
+_MIN_CONTRAST = 100.0
+
+SHAPE_NAMES = ("circle", "square", "triangle", "rectangle", "star", "pentagon", "hexagon")
+"""Shape kinds drawn in the images."""
+
+_SIDES = {"triangle": 3, "square": 4, "rectangle": 4, "pentagon": 5, "hexagon": 6}
+
+_GRID = (
+    ("top left", "top", "top right"),
+    ("left", "centre", "right"),
+    ("bottom left", "bottom", "bottom right"),
+)
+POSITION_NAMES = tuple(name for row in _GRID for name in row)
+"""Cells of the 3x3 grid a shape can sit in, as answered to "Where is ...?"."""
+
+_PREPOSITION = {
+    "top left": "at the top left",
+    "top": "at the top",
+    "top right": "at the top right",
+    "left": "on the left",
+    "centre": "in the centre",
+    "right": "on the right",
+    "bottom left": "at the bottom left",
+    "bottom": "at the bottom",
+    "bottom right": "at the bottom right",
+}
+
+_ORDINALS = ("first", "second", "third")
+_NUMBER_WORDS = (
+    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen "
+    "fifteen sixteen seventeen eighteen nineteen twenty"
+).split()
+
+_MIN_TOKENS, _MAX_TOKENS = 16, 1024
+_TOKEN_PX = 32  # one LLM token per 32x32 block (16 px ViT patches, 2x2 merge)
+_MIN_SIDE_BLOCKS = 4  # 4 * 32 = 128 px
+_JITTER = 24  # px off the 32 px grid, either way (never below 128 px)
+# u ** _SIZE_SKEW with u uniform puts most images at the small end of the log range.
+_SIZE_SKEW = 1.7
+
+_TEXT_ONLY_FRACTION = 0.15
+_MULTI_IMAGE_FRACTION = 0.10
+_SYSTEM_FRACTION = 0.30
+_TURN_WEIGHTS = (0.45, 0.30, 0.15, 0.10)  # 1, 2, 3, 4 user turns
+
+_SYSTEM_PROMPTS = (
+    "You are a helpful assistant.",
+    "You are a helpful assistant that answers questions about simple pictures of shapes.",
+    "Answer briefly and precisely.",
+    "You are a careful visual assistant. Count carefully and name colours and positions "
+    "exactly as you see them.",
+)
+
+# Fixed PNG options keep the bytes identical across runs; level 1 is fast and flat colours
+# still compress well.
+_PNG_OPTIONS = {"format": "PNG", "compress_level": 1, "optimize": False}
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Shape:
+    """One drawn shape; ``cx``/``cy``/``size`` are in pixels."""
+
+    kind: str
+    colour: str
+    row: int
+    col: int
+    cx: int
+    cy: int
+    size: int
+    """Width of the shape's bounding square in pixels."""
+    size_word: str
+
+    @property
+    def position(self) -> str:
+        return _GRID[self.row][self.col]
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Picture:
+    """One image: its pixel size, background and shapes in reading order."""
+
+    width: int
+    height: int
+    background: str
+    shapes: tuple[_Shape, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Turn:
+    """One question with its assistant reply and the checkable answer inside the reply."""
+
+    question: str
+    reply: str
+    kind: str
+    answer: str
+    topic: str = ""
+    """What is asked, so a conversation never asks it twice in other words (default: the
+    question text)."""
+
+
+# --------------------------------------------------------------------------- images
+
+
+def _sample_picture(rng: random.Random) -> _Picture:
+    tokens = _MIN_TOKENS * (_MAX_TOKENS / _MIN_TOKENS) ** (rng.random() ** _SIZE_SKEW)
+    aspect = 2.0 ** rng.uniform(-1.0, 1.0)  # width / height
+    wb = max(_MIN_SIDE_BLOCKS, round(math.sqrt(tokens * aspect)))
+    hb = max(_MIN_SIDE_BLOCKS, round(math.sqrt(tokens / aspect)))
+    wb, hb = min(wb, 2 * hb), min(hb, 2 * wb)
+    while wb * hb > _MAX_TOKENS:
+        if wb >= hb:
+            wb -= 1
+        else:
+            hb -= 1
+    # Jitter the sides off the 32 px grid so the processor's resize rule (rounding to the
+    # nearest multiple of 32, and the max-pixels downscale) really runs on this data.
+    width = wb * _TOKEN_PX + rng.randint(0 if wb == _MIN_SIDE_BLOCKS else -_JITTER, _JITTER)
+    height = hb * _TOKEN_PX + rng.randint(0 if hb == _MIN_SIDE_BLOCKS else -_JITTER, _JITTER)
+
+    background = rng.choice(list(_BACKGROUNDS))
+    bg_rgb = _BACKGROUNDS[background]
+    palette = [c for c, rgb in _COLOURS.items() if math.dist(rgb, bg_rgb) >= _MIN_CONTRAST]
+    num_shapes = rng.randint(1, 6)
+    cells = sorted(rng.sample(range(9), num_shapes))
+    cell_w, cell_h = width / 3, height / 3
+    shapes = []
+    for cell in cells:
+        row, col = divmod(cell, 3)
+        fraction = rng.uniform(0.45, 0.85)
+        size = int(min(cell_w, cell_h) * fraction)
+        slack_x, slack_y = (cell_w - size) / 2, (cell_h - size) / 2
+        cx = int(col * cell_w + cell_w / 2 + rng.uniform(-0.8, 0.8) * slack_x)
+        cy = int(row * cell_h + cell_h / 2 + rng.uniform(-0.8, 0.8) * slack_y)
+        size_word = "small" if fraction < 0.58 else "medium" if fraction < 0.72 else "large"
+        shapes.append(
+            _Shape(
+                kind=rng.choice(SHAPE_NAMES),
+                colour=rng.choice(palette),
+                row=row,
+                col=col,
+                cx=cx,
+                cy=cy,
+                size=size,
+                size_word=size_word,
+            )
+        )
+    return _Picture(width=width, height=height, background=background, shapes=tuple(shapes))
+
+
+def _star_points(cx: int, cy: int, r: float) -> list[tuple[int, int]]:
+    points = []
+    for i in range(10):
+        radius = r if i % 2 == 0 else r * 0.45
+        angle = -math.pi / 2 + i * math.pi / 5
+        points.append((round(cx + radius * math.cos(angle)), round(cy + radius * math.sin(angle))))
+    return points
+
+
+def _draw_picture(picture: _Picture) -> Image.Image:
+    image = Image.new("RGB", (picture.width, picture.height), _BACKGROUNDS[picture.background])
+    draw = ImageDraw.Draw(image)
+    for s in picture.shapes:
+        fill = _COLOURS[s.colour]
+        r = s.size / 2
+        if s.kind == "circle":
+            draw.ellipse((s.cx - r, s.cy - r, s.cx + r, s.cy + r), fill=fill)
+        elif s.kind == "square":
+            h = r * 0.85
+            draw.rectangle((s.cx - h, s.cy - h, s.cx + h, s.cy + h), fill=fill)
+        elif s.kind == "rectangle":
+            draw.rectangle((s.cx - r, s.cy - r * 0.5, s.cx + r, s.cy + r * 0.5), fill=fill)
+        elif s.kind == "star":
+            draw.polygon(_star_points(s.cx, s.cy, r), fill=fill)
+        else:
+            draw.regular_polygon((s.cx, s.cy, r), _SIDES[s.kind], fill=fill)
+    return image
+
+
+# --------------------------------------------------------------------------- phrasing
+
+
+def _article(phrase: str) -> str:
+    return ("an " if phrase[0] in "aeiou" else "a ") + phrase
+
+
+def _plural(kind: str) -> str:
+    return kind + "s"
+
+
+def _join(items: list[str], conjunction: str = "and") -> str:
+    if len(items) == 1:
+        return items[0]
+    return f"{', '.join(items[:-1])} {conjunction} {items[-1]}"
+
+
+def _shape_phrase(s: _Shape, *, detail: bool) -> str:
+    core = f"{s.colour} {s.kind} {_PREPOSITION[s.position]}"
+    if not detail:
+        return _article(core)
+    return (
+        f"{_article(s.size_word + ' ' + core)}, about {s.size} pixels across, "
+        f"centred near ({s.cx}, {s.cy})"
+    )
+
+
+def _describe(picture: _Picture) -> str:
+    phrases = [_shape_phrase(s, detail=False) for s in picture.shapes]
+    n = len(phrases)
+    head = "There is 1 shape" if n == 1 else f"There are {n} shapes"
+    return f"{head}: {_join(phrases)}."
+
+
+def _describe_detail(picture: _Picture) -> str:
+    n = len(picture.shapes)
+    noun = "shape" if n == 1 else "shapes"
+    lines = [
+        f"The image is {picture.width} by {picture.height} pixels with a {picture.background} "
+        f"background and {n} {noun}."
+    ]
+    for i, s in enumerate(picture.shapes, start=1):
+        phrase = _shape_phrase(s, detail=True)
+        lines.append(f"{i}. {phrase[0].upper()}{phrase[1:]}.")
+    colours = Counter(s.colour for s in picture.shapes)
+    kinds = Counter(s.kind for s in picture.shapes)
+    lines.append("Colours: " + ", ".join(f"{k} {c}" for c, k in sorted(colours.items())) + ".")
+    lines.append(
+        "Kinds: "
+        + ", ".join(f"{k} {c if k == 1 else _plural(c)}" for c, k in sorted(kinds.items()))
+        + "."
+    )
+    return "\n".join(lines)
+
+
+def _count_reply(rng: random.Random, n: int, noun: str, where: str = "") -> str:
+    """The bare number, or a sentence holding it as a digit (0 stays bare)."""
+    if n == 0 or rng.random() < 0.65:
+        return str(n)
+    verb, noun = ("is", noun) if n == 1 else ("are", _plural(noun))
+    return f"There {verb} {n} {noun}{where}."
+
+
+# --------------------------------------------------------------------------- questions
+
+
+def _q_count_total(rng: random.Random, pics: list[_Picture], idx: int | None) -> _Turn | None:
+    if idx is None and len(pics) > 1:
+        n = sum(len(p.shapes) for p in pics)
+        q = rng.choice(
+            (
+                "How many shapes are there in all the images together?",
+                "How many shapes are there across the images in total?",
+            )
+        )
+        return _Turn(
+            question=q,
+            reply=_count_reply(rng, n, "shape", " in total"),
+            kind="count",
+            answer=str(n),
+            topic="count:None",
+        )
+    pic, where = _target(pics, idx)
+    n = len(pic.shapes)
+    q = rng.choice(
+        (
+            f"How many shapes are in {where}?",
+            f"How many shapes are there in {where}?",
+            f"Count the shapes in {where}.",
+        )
+    )
+    return _Turn(
+        question=q,
+        reply=_count_reply(rng, n, "shape"),
+        kind="count",
+        answer=str(n),
+        topic=f"count:{idx}",
+    )
+
+
+def _q_count_colour(rng: random.Random, pics: list[_Picture], idx: int | None) -> _Turn | None:
+    pic, where = _target(pics, idx)
+    present = sorted({s.colour for s in pic.shapes})
+    colour = rng.choice(present) if rng.random() < 0.75 else rng.choice(COLOUR_NAMES)
+    n = sum(s.colour == colour for s in pic.shapes)
+    q = f"How many {colour} shapes are in {where}?"
+    return _Turn(
+        question=q, reply=_count_reply(rng, n, f"{colour} shape"), kind="count", answer=str(n)
+    )
+
+
+def _q_count_kind(rng: random.Random, pics: list[_Picture], idx: int | None) -> _Turn | None:
+    pic, where = _target(pics, idx)
+    present = sorted({s.kind for s in pic.shapes})
+    kind = rng.choice(present) if rng.random() < 0.8 else rng.choice(SHAPE_NAMES)
+    n = sum(s.kind == kind for s in pic.shapes)
+    q = f"How many {_plural(kind)} are in {where}?"
+    return _Turn(question=q, reply=_count_reply(rng, n, kind), kind="count", answer=str(n))
+
+
+def _q_colour(rng: random.Random, pics: list[_Picture], idx: int | None) -> _Turn | None:
+    pic, where = _target(pics, idx)
+    kinds = Counter(s.kind for s in pic.shapes)
+    unique = [s for s in pic.shapes if kinds[s.kind] == 1]
+    if not unique:
+        return None
+    s = rng.choice(unique)
+    suffix = "" if len(pics) == 1 else f" in {where}"
+    q = rng.choice(
+        (f"What colour is the {s.kind}{suffix}?", f"Which colour is the {s.kind}{suffix}?")
+    )
+    reply = s.colour if rng.random() < 0.65 else f"The {s.kind} is {s.colour}."
+    return _Turn(
+        question=q, reply=reply, kind="colour", answer=s.colour, topic=f"colour:{idx}:{s.kind}"
+    )
+
+
+def _q_position(rng: random.Random, pics: list[_Picture], idx: int | None) -> _Turn | None:
+    pic, where = _target(pics, idx)
+    pairs = Counter((s.colour, s.kind) for s in pic.shapes)
+    kinds = Counter(s.kind for s in pic.shapes)
+    unique = [s for s in pic.shapes if pairs[(s.colour, s.kind)] == 1]
+    if not unique:
+        return None
+    s = rng.choice(unique)
+    name = s.kind if kinds[s.kind] == 1 and rng.random() < 0.5 else f"{s.colour} {s.kind}"
+    suffix = "" if len(pics) == 1 else f" in {where}"
+    q = f"Where is the {name}{suffix}?"
+    if rng.random() < 0.65:
+        reply = s.position
+    else:
+        reply = f"The {name} is {_PREPOSITION[s.position]}."
+    return _Turn(
+        question=q,
+        reply=reply,
+        kind="position",
+        answer=s.position,
+        topic=f"position:{idx}:{s.colour}:{s.kind}",
+    )
+
+
+def _q_describe(rng: random.Random, pics: list[_Picture], idx: int | None) -> _Turn | None:
+    if len(pics) == 1:
+        q = rng.choice(
+            (
+                "Describe every shape in the image.",
+                "List all the shapes with their colours and positions.",
+                "What shapes do you see, and where are they?",
+            )
+        )
+        reply = _describe(pics[0])
+    else:
+        q = rng.choice(("Describe the shapes in each image.", "List every shape in every image."))
+        reply = "\n".join(f"Image {i}: {_describe(p)}" for i, p in enumerate(pics, start=1))
+    return _Turn(question=q, reply=reply, kind="describe", answer=reply, topic="describe")
+
+
+def _q_describe_detail(rng: random.Random, pics: list[_Picture], idx: int | None) -> _Turn | None:
+    what = "the image" if len(pics) == 1 else "every image"
+    q = (
+        f"Describe {what} in detail: for each shape give its size, colour, position and "
+        "approximate centre in pixels, then summarise the colours and kinds."
+    )
+    if len(pics) == 1:
+        reply = _describe_detail(pics[0])
+    else:
+        reply = "\n\n".join(
+            f"Image {i}:\n{_describe_detail(p)}" for i, p in enumerate(pics, start=1)
+        )
+    return _Turn(question=q, reply=reply, kind="describe", answer=reply, topic="describe-detail")
+
+
+def _q_compare(rng: random.Random, pics: list[_Picture], idx: int | None) -> _Turn | None:
+    counts = [len(p.shapes) for p in pics]
+    if len(pics) == 2:
+        q = "Which image has more shapes?"
+        if counts[0] == counts[1]:
+            answer = "they have the same number"
+            reply = rng.choice(
+                (
+                    "They have the same number.",
+                    f"They have the same number of shapes ({counts[0]} each).",
+                )
+            )
+            return _Turn(question=q, reply=reply, kind="compare", answer=answer)
+    else:
+        q = "Which image has the most shapes?"
+        if counts.count(max(counts)) > 1:
+            return None
+    best = counts.index(max(counts))
+    answer = f"the {_ORDINALS[best]} image"
+    if rng.random() < 0.5:
+        reply = f"The {_ORDINALS[best]} image."
+    else:
+        reply = f"The {_ORDINALS[best]} image, with {counts[best]} shapes."
+    return _Turn(question=q, reply=reply, kind="compare", answer=answer)
+
+
+def _target(pics: list[_Picture], idx: int | None) -> tuple[_Picture, str]:
+    if len(pics) == 1:
+        return pics[0], "the image"
+    assert idx is not None
+    return pics[idx], f"the {_ORDINALS[idx]} image"
+
+
+_QuestionFn = Callable[[random.Random, list[_Picture], int | None], _Turn | None]
+
+# (weight, builder, needs an image index when there are several images)
+_IMAGE_QUESTIONS: tuple[tuple[float, _QuestionFn, bool], ...] = (
+    (0.14, _q_count_total, False),
+    (0.11, _q_count_colour, True),
+    (0.10, _q_count_kind, True),
+    (0.18, _q_colour, True),
+    (0.22, _q_position, True),
+    (0.15, _q_describe, False),
+    (0.04, _q_describe_detail, False),
+)
+_MULTI_EXTRA: tuple[tuple[float, _QuestionFn, bool], ...] = ((0.25, _q_compare, False),)
+
+
+def _image_turns(rng: random.Random, pics: list[_Picture], num_turns: int) -> list[_Turn]:
+    table = _IMAGE_QUESTIONS + (_MULTI_EXTRA if len(pics) > 1 else ())
+    weights = [w for w, _, _ in table]
+    turns: list[_Turn] = []
+    asked: set[str] = set()
+    for _ in range(num_turns):
+        for _attempt in range(12):
+            _, fn, per_image = rng.choices(table, weights=weights)[0]
+            if len(pics) > 1:
+                # For the total count, None asks about all images; otherwise pick one image.
+                idx = rng.randrange(len(pics)) if per_image or rng.random() < 0.4 else None
+            else:
+                idx = None
+            turn = fn(rng, pics, idx)
+            if turn is not None and (turn.topic or turn.question) not in asked:
+                asked.add(turn.topic or turn.question)
+                turns.append(turn)
+                break
+    if not turns:  # unreachable in practice: the total count always applies
+        turns.append(_q_count_total(rng, pics, None if len(pics) > 1 else 0))
+    return turns
+
+
+def _text_turns(rng: random.Random, num_turns: int) -> tuple[str, list[_Turn]]:
+    """Text-only questions; returns a preamble for the first user message and the turns."""
+    if rng.random() < 0.3:
+        turns = []
+        for kind in rng.sample(sorted(_SIDES), min(num_turns, 3)):
+            if rng.random() < 0.6:
+                n = _SIDES[kind]
+                q = f"How many sides does {_article(kind)} have?"
+                reply = (
+                    str(n)
+                    if rng.random() < 0.6
+                    else f"{_article(kind).capitalize()} has {n} sides."
+                )
+                turns.append(_Turn(question=q, reply=reply, kind="text", answer=str(n)))
+            else:
+                n = _SIDES[kind]
+                others = [k for k in _SIDES if _SIDES[k] != n]
+                options = [*rng.sample(others, 2), kind]
+                rng.shuffle(options)
+                listed = _join([_article(o) for o in options], "or")
+                q = f"Which of these shapes has {n} sides: {listed}?"
+                reply = kind if rng.random() < 0.6 else f"The {kind} has {n} sides."
+                turns.append(_Turn(question=q, reply=reply, kind="text", answer=kind))
+        return "", turns
+
+    groups = []
+    used = set()
+    for _ in range(rng.randint(2, 4)):
+        colour, kind = rng.choice(COLOUR_NAMES), rng.choice(SHAPE_NAMES)
+        if (colour, kind) not in used:
+            used.add((colour, kind))
+            groups.append((rng.randint(1, 4), colour, kind))
+    phrases = [
+        f"{_NUMBER_WORDS[n]} {colour} {kind if n == 1 else _plural(kind)}"
+        for n, colour, kind in groups
+    ]
+    place = rng.choice(("A drawing shows", "A box holds", "On a poster there are"))
+    preamble = f"{place} {_join(phrases)}."
+
+    candidates: list[_Turn] = []
+    total = sum(n for n, _, _ in groups)
+    candidates.append(
+        _Turn(
+            question="How many shapes are there in total?",
+            reply=str(total),
+            kind="text",
+            answer=str(total),
+        )
+    )
+    for colour in sorted({c for _, c, _ in groups}):
+        n = sum(k for k, c, _ in groups if c == colour)
+        candidates.append(
+            _Turn(
+                question=f"How many {colour} shapes are there?",
+                reply=str(n),
+                kind="text",
+                answer=str(n),
+            )
+        )
+    for kind in sorted({k for _, _, k in groups}):
+        of_kind = [(n, c) for n, c, k in groups if k == kind]
+        n = sum(m for m, _ in of_kind)
+        candidates.append(
+            _Turn(
+                question=f"How many {_plural(kind)} are there?",
+                reply=str(n),
+                kind="text",
+                answer=str(n),
+            )
+        )
+        if len(of_kind) == 1:
+            colour = of_kind[0][1]
+            noun = kind if of_kind[0][0] == 1 else _plural(kind)
+            verb = "is" if of_kind[0][0] == 1 else "are"
+            candidates.append(
+                _Turn(
+                    question=f"What colour {verb} the {noun}?",
+                    reply=colour,
+                    kind="text",
+                    answer=colour,
+                )
+            )
+        if kind in _SIDES:
+            corners = n * _SIDES[kind]
+            candidates.append(
+                _Turn(
+                    question=f"How many corners do the {_plural(kind)} have altogether?",
+                    reply=str(corners),
+                    kind="text",
+                    answer=str(corners),
+                )
+            )
+    turns = [candidates[0]] if rng.random() < 0.5 else []
+    rest = candidates[1:] if turns else candidates
+    turns += rng.sample(rest, min(num_turns - len(turns), len(rest)))
+    return preamble, turns
+
+
+# --------------------------------------------------------------------------- rows
+
+
+def _row_rng(seed: int, split: str, index: int) -> random.Random:
+    # A str seed is hashed with SHA-512 by random.Random: stable across runs and processes.
+    return random.Random(f"packline-shapes:{seed}:{split}:{index}")
+
+
+def _make_row(seed: int, split: str, index: int, out_dir: Path) -> dict:
+    rng = _row_rng(seed, split, index)
+    row_id = f"shapes-{split}-{index:06d}"
+    u = rng.random()
+    num_images = 0 if u < _TEXT_ONLY_FRACTION else 1
+    if _TEXT_ONLY_FRACTION <= u < _TEXT_ONLY_FRACTION + _MULTI_IMAGE_FRACTION:
+        num_images = 2 if rng.random() < 0.7 else 3
+    num_turns = rng.choices(range(1, len(_TURN_WEIGHTS) + 1), weights=_TURN_WEIGHTS)[0]
+    system = rng.choice(_SYSTEM_PROMPTS) if rng.random() < _SYSTEM_FRACTION else None
+
+    pics = [_sample_picture(rng) for _ in range(num_images)]
+    images = []
+    for i, pic in enumerate(pics):
+        rel = f"images/{row_id}-{i}.png"
+        _draw_picture(pic).save(out_dir / rel, **_PNG_OPTIONS)
+        images.append(rel)
+
+    if pics:
+        turns = _image_turns(rng, pics, num_turns)
+        if len(pics) == 1:
+            markers = "<image>"
+        elif rng.random() < 0.5:
+            markers = "\n".join("<image>" for _ in pics)
+        else:
+            markers = "\n".join(f"Image {i}: <image>" for i in range(1, len(pics) + 1))
+        if rng.random() < 0.2:
+            first = f"{turns[0].question}\n{markers}"
+        else:
+            first = f"{markers}\n{turns[0].question}"
+    else:
+        preamble, turns = _text_turns(rng, num_turns)
+        first = f"{preamble} {turns[0].question}" if preamble else turns[0].question
+
+    conversations = [{"role": "system", "content": system}] if system else []
+    answers = []
+    for t, turn in enumerate(turns):
+        conversations.append({"role": "user", "content": first if t == 0 else turn.question})
+        answers.append({"turn": len(conversations), "kind": turn.kind, "answer": turn.answer})
+        conversations.append({"role": "assistant", "content": turn.reply})
+    return {
+        "id": row_id,
+        "split": split,
+        "images": images,
+        "conversations": conversations,
+        "meta": {"answers": answers},
+    }
+
+
+def write_shapes_dataset(
+    out_dir: Path,
+    *,
+    num_train: int = 2000,
+    num_val: int = 200,
+    seed: int = 0,
+    progress: Callable[[int], None] | None = None,
+) -> Path:
+    """Write the ``shapes`` set to ``out_dir`` and return ``out_dir``.
+
+    Writes ``out_dir/conversations.jsonl`` (``num_train`` train rows, then ``num_val`` val
+    rows) and one PNG per image under ``out_dir/images/``. The same arguments give
+    byte-identical files; row ``i`` of a split depends only on ``(seed, split, i)``, so
+    changing ``num_train`` does not change the rows both sets share. Files of an earlier run
+    with the same names are overwritten; other files in ``out_dir`` are left alone.
+    ``progress(n)`` is called with the number of rows just finished (``n == 1`` per row).
+
+    Example::
+
+        >>> path = write_shapes_dataset(Path("/tmp/shapes"), num_train=60, num_val=10)
+        >>> sum(1 for _ in open(path / "conversations.jsonl"))
+        70
+    """
+    if num_train < 0 or num_val < 0:
+        raise ValueError(f"num_train and num_val must be >= 0, got {num_train} and {num_val}")
+    if num_train + num_val == 0:
+        raise ValueError("num_train + num_val must be at least 1 to write a dataset")
+    out_dir = Path(out_dir)
+    (out_dir / "images").mkdir(parents=True, exist_ok=True)
+    final = out_dir / "conversations.jsonl"
+    tmp = out_dir / "conversations.jsonl.tmp"
+    with tmp.open("w", encoding="utf-8", newline="\n") as f:
+        for split, count in (("train", num_train), ("val", num_val)):
+            for index in range(count):
+                row = _make_row(seed, split, index, out_dir)
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+                if progress is not None:
+                    progress(1)
+    os.replace(tmp, final)
+    return out_dir
+
+
+# --------------------------------------------------------------------------- checking
+
+_SYNONYMS = {
+    "center": "centre",
+    "middle": "centre",
+    "gray": "grey",
+    "violet": "purple",
+    "upper": "top",
+    "lower": "bottom",
+}
+_POSITION_ALIASES = (
+    ("top centre", "top"),
+    ("bottom centre", "bottom"),
+    ("centre left", "left"),
+    ("centre right", "right"),
+    ("left centre", "left"),
+    ("right centre", "right"),
+    ("left top", "top left"),
+    ("right top", "top right"),
+    ("left bottom", "bottom left"),
+    ("right bottom", "bottom right"),
+)
+_POSITION_RE = re.compile(r"\b(" + "|".join(sorted(POSITION_NAMES, key=len, reverse=True)) + r")\b")
+_TRIPLE_RE = re.compile(
+    r"\b(" + "|".join(COLOUR_NAMES) + r") (" + "|".join(SHAPE_NAMES) + r")s? "
+    r"(?:(?:is|are|sits|located) )?(?:at|in|on) the ("
+    + "|".join(sorted(POSITION_NAMES, key=len, reverse=True))
+    + r")\b"
+)
+_ORDINAL_RE = re.compile(r"\b(?:(first|1st|second|2nd|third|3rd)|image (1|2|3|one|two|three))\b")
+_ORDINAL_INDEX = {
+    "first": 0,
+    "1st": 0,
+    "1": 0,
+    "one": 0,
+    "second": 1,
+    "2nd": 1,
+    "2": 1,
+    "two": 1,
+    "third": 2,
+    "3rd": 2,
+    "3": 2,
+    "three": 2,
+}
+
+
+def _normalize(text: str) -> str:
+    words = re.sub(r"[^a-z0-9]+", " ", text.lower()).split()
+    norm = " ".join(_SYNONYMS.get(w, w) for w in words)
+    for alias, canonical in _POSITION_ALIASES:
+        norm = re.sub(rf"\b{alias}\b", canonical, norm)
+    return norm
+
+
+def _first_number(norm: str) -> int | None:
+    for word in norm.split():
+        if word.isdigit():
+            return int(word)
+        if word in _NUMBER_WORDS:
+            return _NUMBER_WORDS.index(word)
+    words = norm.split()
+    return 0 if "none" in words or "no" in words else None
+
+
+def _triples(norm: str) -> set[tuple[str, str, str]]:
+    return set(_TRIPLE_RE.findall(norm))
+
+
+def answer_matches(expected: str, generated: str, kind: str) -> bool:
+    """Whether a generated reply gives the expected answer, leniently.
+
+    Case, whitespace and punctuation are ignored, and common variants are mapped first
+    (center/middle → centre, gray → grey, upper/lower → top/bottom, "top-left" → "top left").
+
+    * ``count``: the first number in the reply (digits or a word up to "twenty"; "no"/"none"
+      when there is no number) equals the expected number.
+    * ``colour``: the reply names the expected colour and no other palette colour.
+    * ``position``: the first grid position named in the reply is the expected one.
+    * ``describe``: every "<colour> <shape> at/in/on the <position>" phrase of the expected
+      reply also appears in the generated one (in any order, extra detail allowed).
+    * ``compare``: "same"/"equal" for a tie; otherwise the first image ordinal named
+      ("first", "2nd", "image 3", ...) is the expected one and no tie is claimed.
+    * ``text``: the number rule for numeric answers, the colour rule for colours, else the
+      expected words (optionally plural) appear in the reply.
+
+    >>> answer_matches("3", "There are three shapes.", "count")
+    True
+    >>> answer_matches("top left", "It is in the upper-left corner.", "position")
+    True
+    """
+    if kind not in ANSWER_KINDS:
+        raise ValueError(f"unknown answer kind {kind!r}; expected one of {ANSWER_KINDS}")
+    exp, gen = _normalize(expected), _normalize(generated)
+    if kind == "text":
+        if exp.isdigit():
+            kind = "count"
+        elif exp in COLOUR_NAMES:
+            kind = "colour"
+        else:
+            return bool(exp) and re.search(rf"\b{re.escape(exp)}s?\b", gen) is not None
+    if kind == "count":
+        want = _first_number(exp)
+        return want is not None and _first_number(gen) == want
+    if kind == "colour":
+        named = {w for w in gen.split() if w in _COLOURS}
+        return named == {exp}
+    if kind == "position":
+        found = _POSITION_RE.search(gen)
+        return found is not None and found.group(1) == exp
+    if kind == "describe":
+        want = _triples(exp)
+        if not want:
+            return bool(exp) and exp in gen
+        return want <= _triples(gen)
+    # compare
+    tie = re.search(r"\b(same|equal)\b", gen) is not None
+    if re.search(r"\b(same|equal)\b", exp):
+        return tie
+    want_m, got_m = _ORDINAL_RE.search(exp), _ORDINAL_RE.search(gen)
+    if tie or want_m is None or got_m is None:
+        return False
+    return (
+        _ORDINAL_INDEX[want_m.group(1) or want_m.group(2)]
+        == _ORDINAL_INDEX[got_m.group(1) or got_m.group(2)]
+    )
