@@ -124,7 +124,9 @@ def _content_text(content: Any, sid: str | None) -> str:
             else:
                 out.append(part["text"])
         return "".join(out)
-    raise Rejected("malformed", f"message content must be a string, got {type(content).__name__}", sid)
+    raise Rejected(
+        "malformed", f"message content must be a string, got {type(content).__name__}", sid
+    )
 
 
 def _messages(turns: Any, sid: str) -> list[tuple[str, str]]:
@@ -150,7 +152,9 @@ def _load_image(folder: Path, rel: Any, sid: str, geometry: ImageGeometry) -> Im
     if not isinstance(rel, str) or not rel:
         raise Rejected("malformed", f"image path {rel!r} is not a non-empty string", sid)
     if Path(rel).is_absolute():
-        raise Rejected("image_path_unsafe", f"{rel!r} is absolute; paths are relative to the folder", sid)
+        raise Rejected(
+            "image_path_unsafe", f"{rel!r} is absolute; paths are relative to the folder", sid
+        )
     root = folder.resolve()
     path = (root / rel).resolve()
     if not path.is_relative_to(root):
@@ -228,7 +232,9 @@ def parse_row(
     markers = sum(text.count(IMAGE_MARKER) for _, text in messages)
     if markers and markers != len(images):
         raise Rejected(
-            "marker_count_mismatch", f"{markers} {IMAGE_MARKER} markers for {len(images)} images", sid
+            "marker_count_mismatch",
+            f"{markers} {IMAGE_MARKER} markers for {len(images)} images",
+            sid,
         )
     refs = [_load_image(folder, rel, sid, geometry) for rel in images]
     conversation: list[dict[str, Any]] = []

@@ -36,9 +36,8 @@ def cmd_run(ns: argparse.Namespace) -> int:
     extra = [f"executor.kind={ns.executor}"] if ns.executor else []
     cfg = _load(ns.args, extra)
     if ns.from_stage and ns.from_stage not in pipeline_stages():
-        raise ConfigError(
-            [f"--from {ns.from_stage}: not a stage of this pipeline ({', '.join(pipeline_stages())})"]
-        )
+        have = ", ".join(pipeline_stages())
+        raise ConfigError([f"--from {ns.from_stage}: not a stage of this pipeline ({have})"])
     run_pipeline(cfg, from_stage=ns.from_stage, dryrun=ns.dryrun)
     return 0
 
@@ -112,4 +111,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-

@@ -25,8 +25,11 @@ def slurm_executor(cfg: PipelineConfig, *, job_dir: Path) -> run.SlurmExecutor:
     """SLURM executor: LocalTunnel from this machine, or SSHTunnel when ``slurm.host`` is set."""
     s = cfg.executor.slurm
     if s.host:
-        tunnel = run.SSHTunnel(host=s.host, user=s.user or os.environ.get("USER", ""),
-                               job_dir=s.job_dir or str(job_dir))
+        tunnel = run.SSHTunnel(
+            host=s.host,
+            user=s.user or os.environ.get("USER", ""),
+            job_dir=s.job_dir or str(job_dir),
+        )
     else:
         tunnel = run.LocalTunnel(job_dir=str(job_dir))
     return run.SlurmExecutor(

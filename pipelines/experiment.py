@@ -43,14 +43,18 @@ def write_resolved_config(cfg: PipelineConfig) -> Path:
     return path
 
 
-def build_experiment(
-    cfg: PipelineConfig, config_path: Path, parent_run_id: str | None
-) -> run.Experiment:
-    exp = run.Experiment(
+def new_experiment(cfg: PipelineConfig) -> run.Experiment:
+    return run.Experiment(
         f"packline-{cfg.name}", base_dir=str(cfg.work_path / "nemo_run"), log_level="WARN"
     )
+
+
+def add_stages(
+    exp: run.Experiment, cfg: PipelineConfig, config_path: Path, parent_run_id: str | None
+) -> list[str]:
+    """One ``run.Partial`` per stage, each depending on the one before (inside ``with exp``)."""
     job_dir = cfg.work_path / "nemo_run" / "experiments"
-    previous = None
+    ids: list[str] = []
     for stage in pipeline_stages():
         task = run.Partial(
             run_stage_task,
@@ -58,13 +62,15 @@ def build_experiment(
             stage=stage,
             parent_run_id=parent_run_id or "",
         )
-        previous = exp.add(
-            task,
-            executor=make_executor(cfg, job_dir=job_dir),
-            name=stage,
-            dependencies=[previous] if previous else None,
+        ids.append(
+            exp.add(
+                task,
+                executor=make_executor(cfg, job_dir=job_dir),
+                name=stage,
+                dependencies=ids[-1:] or None,
+            )
         )
-    return exp
+    return ids
 
 
 def run_pipeline(
@@ -74,7 +80,8 @@ def run_pipeline(
     reported bad input, RuntimeError when one failed otherwise."""
     config_path = write_resolved_config(cfg)
     if dryrun:
-        with build_experiment(cfg, config_path, None) as exp:
+        with new_experiment(cfg) as exp:
+            add_stages(exp, cfg, config_path, None)
             exp.dryrun(delete_exp_dir=True)
         return PipelineOutcome("dryrun", None, {})
     if from_stage:
@@ -87,8 +94,11 @@ def run_pipeline(
     states: dict[str, str] = {}
     status = "FAILED"
     try:
-        with build_experiment(cfg, config_path, parent.run_id) as exp:
-            exp.run(sequential=False, detach=False, tail_logs=cfg.executor.kind == ExecutorKind.local)
+        with new_experiment(cfg) as exp:
+            add_stages(exp, cfg, config_path, parent.run_id)
+            exp.run(
+                sequential=False, detach=False, tail_logs=cfg.executor.kind == ExecutorKind.local
+            )
         exp_id = exp._id
         for name, info in exp.status(return_dict=True).items():
             states[name] = str(info.get("status", "UNKNOWN")).split(".")[-1]

@@ -56,7 +56,7 @@ class _Section:
             raise ValueError("; ".join(problems))
 
 
-class Algorithm(str, Enum):
+class Algorithm(Enum):
     """Packing selection algorithm."""
 
     ffd = "ffd"
@@ -65,7 +65,7 @@ class Algorithm(str, Enum):
     """Best-fit decreasing: each sample goes to the fullest pack that still has room."""
 
 
-class OverlengthPolicy(str, Enum):
+class OverlengthPolicy(Enum):
     """What happens to a conversation longer than ``packing.seq_length``."""
 
     drop = "drop"
@@ -74,12 +74,12 @@ class OverlengthPolicy(str, Enum):
     """Stop with an error naming the sample."""
 
 
-class ExecutorKind(str, Enum):
+class ExecutorKind(Enum):
     local = "local"
     slurm = "slurm"
 
 
-class TrainBackend(str, Enum):
+class TrainBackend(Enum):
     local = "local"
     """HF transformers + PEFT in this process (CPU or one GPU), torchrun for DP."""
     megatron = "megatron"
@@ -136,7 +136,9 @@ class PrepareConfig(_Section):
         _check(p, 0.0 <= self.val_fraction < 1.0, "prepare.val_fraction must be in [0, 1)")
         _check(p, self.max_images >= 0, "prepare.max_images must be >= 0")
         _check(
-            p, 0.0 <= self.max_reject_fraction <= 1.0, "prepare.max_reject_fraction must be in [0, 1]"
+            p,
+            0.0 <= self.max_reject_fraction <= 1.0,
+            "prepare.max_reject_fraction must be in [0, 1]",
         )
         _check(p, self.num_workers >= 1, "prepare.num_workers must be >= 1")
         return p
@@ -455,7 +457,9 @@ def _parse_override(item: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> PipelineConfig:
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | None = None
+) -> PipelineConfig:
     """YAML at ``path`` (default ``configs/tiny_cpu.yaml``) merged onto the schema, then
     ``key=value`` overrides. Raises :class:`ConfigError` listing every problem."""
     path = Path(path) if path is not None else DEFAULT_CONFIG

@@ -228,14 +228,29 @@ def connect_processor(
         ]
         if mismatches:
             raise InputError(
-                mismatches[:50] + ([f"... and {len(mismatches) - 50} more"] if len(mismatches) > 50 else []),
+                mismatches[:50]
+                + ([f"... and {len(mismatches) - 50} more"] if len(mismatches) > 50 else []),
                 f"connect: the cheap length rule disagrees with the processor on "
                 f"{len(mismatches)} of {len(records)} samples",
             )
-        df = pd.DataFrame([{"key": rec["key"], "split": split, **rec["exact"]} for split, rec in records])
-        df = df[["key", "split", "text_tokens", "image_tokens", "num_images", "total_tokens", "loss_tokens"]]
+        df = pd.DataFrame(
+            [{"key": rec["key"], "split": split, **rec["exact"]} for split, rec in records]
+        )
+        df = df[
+            [
+                "key",
+                "split",
+                "text_tokens",
+                "image_tokens",
+                "num_images",
+                "total_tokens",
+                "loss_tokens",
+            ]
+        ]
         df = df.sort_values(["split", "key"], kind="stable").reset_index(drop=True)
-        validate_table(LengthsModel, df, "lengths.parquet").to_parquet(out / "lengths.parquet", index=False)
+        validate_table(LengthsModel, df, "lengths.parquet").to_parquet(
+            out / "lengths.parquet", index=False
+        )
         missing = sorted(set(manifest["key"]) - set(df["key"]))
         if missing:
             raise InputError(

@@ -154,7 +154,9 @@ def prepare_dataset(cfg: PipelineConfig, fp: str | None = None) -> StageResult:
                 if row.id in seen_ids or row.key in seen_keys:
                     raise Rejected("duplicate_id", f"id {row.id!r} already seen", row.id)
             except Rejected as rej:
-                rejects.append({"line": lineno, "id": rej.id, "reason": rej.reason, "detail": rej.detail})
+                rejects.append(
+                    {"line": lineno, "id": rej.id, "reason": rej.reason, "detail": rej.detail}
+                )
                 continue
             seen_ids.add(row.id)
             seen_keys.add(row.key)
@@ -246,7 +248,10 @@ def prepare_dataset(cfg: PipelineConfig, fp: str | None = None) -> StageResult:
         summary={
             "source": str(source),
             "rejects_by_reason": dict(by_reason),
-            "artifacts": [str(out_dir / "rejects.jsonl"), str(out_dir / ".nv-meta" / "dataset.yaml")],
+            "artifacts": [
+                str(out_dir / "rejects.jsonl"),
+                str(out_dir / ".nv-meta" / "dataset.yaml"),
+            ],
         },
         seconds=time.perf_counter() - t0,
     )

@@ -35,13 +35,19 @@ def run_stage(
         result = result_from_record(cfg, name)
         console.log(f"[green]{name}: up to date[/] (completion record matches), skipped")
         tracker = Tracker.start(
-            cfg, name, parent_run_id=parent_run_id, tags={"packline.stage": name, "packline.skipped": "true"}
+            cfg,
+            name,
+            parent_run_id=parent_run_id,
+            tags={"packline.stage": name, "packline.skipped": "true"},
         )
         tracker.log_metrics(result.metrics)
         tracker.end()
         return result
     tracker = Tracker.start(
-        cfg, name, parent_run_id=parent_run_id, tags={"packline.stage": name, "packline.skipped": "false"}
+        cfg,
+        name,
+        parent_run_id=parent_run_id,
+        tags={"packline.stage": name, "packline.skipped": "false"},
     )
     try:
         result = stage_fn(cfg, fp)

@@ -17,7 +17,13 @@ def make_config(work: Path, *overrides: str) -> PipelineConfig:
     """The default config with its work dir in ``work`` and small counts, plus overrides."""
     return load_config(
         None,
-        [f"work_dir={work}", "data.num_train=60", "data.num_val=8", "prepare.num_workers=1", *overrides],
+        [
+            f"work_dir={work}",
+            "data.num_train=60",
+            "data.num_val=8",
+            "prepare.num_workers=1",
+            *overrides,
+        ],
     )
 
 

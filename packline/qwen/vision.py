@@ -69,7 +69,11 @@ class ImageGeometry:
         if height <= 0 or width <= 0:
             raise ValueError(f"image has no pixels ({width}x{height})")
         return smart_resize(
-            height, width, factor=self.factor, min_pixels=self.min_pixels, max_pixels=self.max_pixels
+            height,
+            width,
+            factor=self.factor,
+            min_pixels=self.min_pixels,
+            max_pixels=self.max_pixels,
         )
 
     def grid_thw(self, height: int, width: int) -> tuple[int, int, int]:

@@ -36,7 +36,9 @@ def make_folder(root: Path) -> tuple[Path, dict[str, str]]:
     for i in range(10):
         if i == 0:  # LLaVA form, no marker: the image goes before the first user text
             conv = [{"from": "human", "value": "What colour?"}, {"from": "gpt", "value": "red"}]
-            good.append(json.dumps({"id": "good0", "images": ["img/good0.png"], "conversations": conv}))
+            good.append(
+                json.dumps({"id": "good0", "images": ["img/good0.png"], "conversations": conv})
+            )
         elif i == 1:  # text only, with a system turn
             conv = [
                 {"role": "system", "content": "Be brief."},
@@ -52,7 +54,10 @@ def make_folder(root: Path) -> tuple[Path, dict[str, str]]:
         "absolute": ("image_path_unsafe", _row("absolute", [str(folder / "img" / "good2.png")])),
         "escape": ("image_path_unsafe", _row("escape", ["../outside.png"])),
         "good3": ("duplicate_id", _row("good3", ["img/good3.png"])),
-        "markers": ("marker_count_mismatch", _row("markers", ["img/good4.png"], "<image><image> hi")),
+        "markers": (
+            "marker_count_mismatch",
+            _row("markers", ["img/good4.png"], "<image><image> hi"),
+        ),
         "sliver": ("image_size_refused", _row("sliver", ["img/sliver.png"])),
         "many": (
             "too_many_images",

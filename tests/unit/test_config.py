@@ -73,7 +73,14 @@ def test_overrides_apply_after_yaml():
 
 @pytest.mark.parametrize(
     ("tp", "cp", "sp", "expected"),
-    [(1, 1, False, 1), (1, 2, False, 4), (4, 1, True, 4), (2, 2, True, 4), (4, 2, True, 8), (4, 3, True, 12)],
+    [
+        (1, 1, False, 1),
+        (1, 2, False, 4),
+        (4, 1, True, 4),
+        (2, 2, True, 4),
+        (4, 2, True, 8),
+        (4, 3, True, 12),
+    ],
 )
 def test_alignment_is_lcm_of_cp_and_sp_terms(tp, cp, sp, expected):
     cfg = PackingConfig(tensor_parallel=tp, context_parallel=cp, sequence_parallel=sp)

@@ -1,0 +1,162 @@
+"""Token counts of one conversation: exact (the real processor) and cheap (no pixels).
+
+Conversations are HF messages, ``[{"role": "system" | "user" | "assistant", "content":
+[{"type": "image"}, {"type": "text", "text": "..."}, ...] | "..."}]``; the i-th image part
+takes the i-th image. Both functions count the same things, so the cheap count can be
+checked against the exact one sample by sample:
+
+- ``text_tokens``: every token that is not an ``<|image_pad|>`` (chat markup included);
+- ``image_tokens``: the ``<|image_pad|>`` tokens, one per merged group of patches;
+- ``loss_tokens``: the tokens inside the chat template's ``{% generation %}`` blocks, i.e.
+  each assistant reply's content and its ``<|im_end|>`` (what training learns from).
+
+Both are deterministic, as Energon's buffer restore re-runs them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from PIL import Image
+
+from packline.qwen.processor import PacklineQwen3VLProcessor, processor_geometry
+
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+Conversation = list[dict]
+"""HF chat messages, see the module docstring."""
+
+
+@dataclass(frozen=True)
+class LengthRecord:
+    """Token counts of one conversation."""
+
+    text_tokens: int
+    """Tokens that are not ``<|image_pad|>``, chat markup and vision start/end included."""
+    image_tokens: int
+    """``<|image_pad|>`` tokens: Σ over images of t·h·w / merge²."""
+    num_images: int
+    """Images in the conversation."""
+    total_tokens: int
+    """``text_tokens + image_tokens``: the conversation's length in a packed row."""
+    loss_tokens: int
+    """Tokens trained on: each assistant reply's content tokens plus its ``<|im_end|>``."""
+
+
+def exact_lengths(
+    processor: PacklineQwen3VLProcessor,
+    conversation: Conversation,
+    images: Sequence[Image.Image],
+) -> LengthRecord:
+    """Count by running the real processor (chat template, image processor, tokenizer).
+
+    Raises ``ValueError`` if the number of image parts differs from ``len(images)``, if an
+    assistant message holds an image, or if the chat template cannot mark assistant tokens.
+    """
+    _check_conversation(processor, conversation, len(images))
+    out = processor.apply_chat_template(
+        _bind_images(conversation, images),
+        tokenize=True,
+        return_dict=True,
+        return_assistant_tokens_mask=True,
+        return_tensors="np",
+        # The pixel values are not needed, only their grid: skip the float passes.
+        processor_kwargs={"do_rescale": False, "do_normalize": False},
+    )
+    input_ids = out["input_ids"][0]
+    image_tokens = int(np.count_nonzero(input_ids == processor.image_token_id))
+    if images:
+        grid_thw = out["image_grid_thw"]  # (num_images, 3): t, h, w in patches
+        merged = int(grid_thw.prod(axis=-1).sum()) // processor.image_processor.merge_size**2
+        assert image_tokens == merged, f"{image_tokens} <|image_pad|> but grids give {merged}"
+    else:
+        assert image_tokens == 0, f"{image_tokens} <|image_pad|> in a conversation without images"
+    text_tokens = len(input_ids) - image_tokens
+    return LengthRecord(
+        text_tokens=text_tokens,
+        image_tokens=image_tokens,
+        num_images=len(images),
+        total_tokens=text_tokens + image_tokens,
+        loss_tokens=int(out["assistant_masks"][0].sum()),
+    )
+
+
+def cheap_lengths(
+    processor: PacklineQwen3VLProcessor,
+    conversation: Conversation,
+    image_sizes: Sequence[tuple[int, int]],
+    visual_tokens: Callable[[int, int], int] | None = None,
+) -> LengthRecord:
+    """Count without pixels, from each image's ``(width, height)`` (its file header).
+
+    The chat template is tokenized with one ``<|image_pad|>`` per image, which is then
+    replaced by the image's token count from the processor's geometry (or from
+    ``visual_tokens(height, width)`` if given). Equal to :func:`exact_lengths` as long as
+    the geometry is the processor's. Raises ``ValueError`` like :func:`exact_lengths`.
+    """
+    _check_conversation(processor, conversation, len(image_sizes))
+    if visual_tokens is None:
+        visual_tokens = processor_geometry(processor).visual_tokens
+    out = processor.tokenizer.apply_chat_template(
+        conversation,
+        chat_template=processor.chat_template,
+        tokenize=True,
+        return_dict=True,
+        return_assistant_tokens_mask=True,
+    )
+    input_ids = out["input_ids"]
+    num_pads = input_ids.count(processor.image_token_id)
+    if num_pads != len(image_sizes):
+        raise ValueError(
+            f"the rendered conversation has {num_pads} {processor.image_token} for "
+            f"{len(image_sizes)} images: does its text contain {processor.image_token}?"
+        )
+    image_tokens = sum(visual_tokens(height, width) for width, height in image_sizes)
+    text_tokens = len(input_ids) - num_pads
+    return LengthRecord(
+        text_tokens=text_tokens,
+        image_tokens=image_tokens,
+        num_images=len(image_sizes),
+        total_tokens=text_tokens + image_tokens,
+        loss_tokens=sum(out["assistant_masks"]),
+    )
+
+
+def _check_conversation(
+    processor: PacklineQwen3VLProcessor, conversation: Conversation, num_images: int
+) -> None:
+    if not _GENERATION_TAG.search(processor.chat_template or ""):
+        raise ValueError(
+            "the processor's chat template has no {% generation %} block, so assistant "
+            "(loss) tokens cannot be counted; use a template that wraps each assistant "
+            "reply and its <|im_end|> in {% generation %}...{% endgeneration %}"
+        )
+    num_parts = 0
+    for message in conversation:
+        content = message.get("content")
+        if isinstance(content, str):
+            continue
+        parts = sum(1 for part in content or [] if part.get("type") == "image")
+        if parts and message.get("role") == "assistant":
+            raise ValueError("an assistant message holds an image; images go in user messages")
+        num_parts += parts
+    if num_parts != num_images:
+        raise ValueError(f"the conversation has {num_parts} image parts but {num_images} images")
+
+
+def _bind_images(conversation: Conversation, images: Sequence[Image.Image]) -> Conversation:
+    """A copy of the conversation whose image parts carry their images, in order."""
+    remaining = iter(images)
+    bound = []
+    for message in conversation:
+        content = message.get("content")
+        if not isinstance(content, str) and content:
+            content = [
+                {**part, "image": next(remaining)} if part.get("type") == "image" else part
+                for part in content
+            ]
+        bound.append({**message, "content": content})
+    return bound

@@ -1,0 +1,392 @@
+"""The Qwen3-VL processor: the built-in tiny one, and loading any Qwen-VL processor dir.
+
+Everything here works offline and without torchvision. The tiny processor is a real
+``Qwen3VLProcessor`` (subclassed so it needs no video processor) around a byte-level BPE
+tokenizer trained on a small corpus generated in this module, Qwen's special tokens at the
+top ids, a Qwen-VL ChatML chat template and the PIL ``Qwen2VLImageProcessorPil`` with
+:class:`~packline.qwen.vision.ImageGeometry`'s default geometry. Built twice, it is
+byte-identical.
+
+The model config must take its token ids from :func:`special_token_ids`: the tiny vocab has
+4,096 ids, so the HF config defaults (``image_token_id=151655``, ...) would be wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+from tokenizers import AddedToken, Regex, Tokenizer, normalizers, pre_tokenizers
+from tokenizers.models import BPE
+from tokenizers.trainers import BpeTrainer
+from transformers import AutoTokenizer
+from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX, Qwen2Tokenizer
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+
+from packline.qwen.vision import ImageGeometry
+
+TINY_VOCAB_SIZE = 4096
+"""Ids in the tiny tokenizer, special tokens included."""
+
+SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+"""Qwen's control tokens in Qwen's id order (151643.. in the real vocab)."""
+
+TAG_TOKENS = ("<tool_call>", "</tool_call>", "<think>", "</think>")
+"""Added tokens that Qwen keeps as ordinary (non-special) text tokens, after the specials."""
+
+# Qwen-VL ChatML. An image part becomes <|vision_start|><|image_pad|><|vision_end|> (the
+# processor expands the pad to the image's token count); string content is written as is.
+# The {% generation %} block spans each assistant reply and its <|im_end|>: that is what
+# ``return_assistant_tokens_mask`` marks, and what packline trains on.
+CHAT_TEMPLATE = """\
+{%- macro render_content(content) -%}
+{%- if content is string -%}
+{{- content -}}
+{%- else -%}
+{%- for item in content -%}
+{%- if item.type == 'image' or 'image' in item or 'image_url' in item -%}
+{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}
+{%- elif item.type == 'video' or 'video' in item -%}
+{{- '<|vision_start|><|video_pad|><|vision_end|>' -}}
+{%- elif 'text' in item -%}
+{{- item.text -}}
+{%- endif -%}
+{%- endfor -%}
+{%- endif -%}
+{%- endmacro -%}
+{%- for message in messages -%}
+{%- if message.role == 'assistant' -%}
+{{- '<|im_start|>assistant\\n' -}}
+{%- generation -%}
+{{- render_content(message.content) + '<|im_end|>' -}}
+{%- endgeneration -%}
+{{- '\\n' -}}
+{%- else -%}
+{{- '<|im_start|>' + message.role + '\\n' + render_content(message.content) + '<|im_end|>\\n' -}}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+{{- '<|im_start|>assistant\\n' -}}
+{%- endif -%}
+"""
+
+
+class PacklineQwen3VLProcessor(Qwen3VLProcessor):
+    """``Qwen3VLProcessor`` for images and text only, so it builds without torchvision.
+
+    The stock class always wants a video processor, and building one without torchvision
+    fails (``VIDEO_PROCESSOR_MAPPING has no attribute _extra_content``). Here the video
+    processor is ``None``; passing ``videos=`` is not supported.
+    """
+
+    @classmethod
+    def get_attributes(cls) -> list[str]:
+        return ["image_processor", "tokenizer"]
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+        self.video_processor = None
+
+
+# --- the built-in tiny processor -------------------------------------------------------
+
+_NUMBER_WORDS = (
+    "zero one two three four five six seven eight nine ten eleven twelve thirteen "
+    "fourteen fifteen sixteen seventeen eighteen nineteen twenty"
+).split()
+_COLOURS = "red green blue yellow purple orange black white grey pink brown".split()
+_SHAPES = "circle square triangle rectangle star pentagon hexagon".split()
+_ROWS = ("top", "middle", "bottom")
+_COLUMNS = ("left", "center", "centre", "right")
+_SHAPES_WORDS = (
+    "small medium large tiny about pixels across centred near background tan slate pale teal "
+    "sides side drawing poster box holds shows shape shapes Image Colours Shapes total together "
+    "same number each most first second third in all the images every detail size position"
+).split()
+_COMMON_WORDS = (
+    "the of and to a in is it you that he was for on are with as I his they be at one have "
+    "this from or had by hot word but what some we can out other were all there when up use "
+    "your how said an each she which do their time if will way about many then them write "
+    "would like so these her long make thing see him two has look more day could go come did "
+    "number sound no most people my over know water than call first who may down side been "
+    "now find any new work part take get place made live where after back little only round "
+    "man year came show every good me give our under name very through just form sentence "
+    "great think say help low line differ turn cause much mean before move right boy old too "
+    "same tell does set three want air well also play small end put home read hand port large "
+    "spell add even land here must big high such follow act why ask men change went light kind "
+    "off need house picture try us again animal point mother world near build self earth father "
+    "head stand own page should country found answer school grow study still learn plant cover "
+    "food sun four between state keep eye never last let thought city tree cross farm hard "
+    "start might story saw far sea draw left late run don't while press close night real life "
+    "few north open seem together next white children begin got walk example ease paper group "
+    "always music those both mark often letter until mile river car feet care second book "
+    "carry took science eat room friend began idea fish mountain stop once base hear horse cut "
+    "sure watch colour face wood main enough plain girl usual young ready above ever red list "
+    "though feel talk bird soon body dog family direct pose leave song measure door product "
+    "black short numeral class wind question happen complete ship area half rock order fire "
+    "south problem piece told knew pass since top whole king space heard best hour better true "
+    "during hundred five remember step early hold west ground interest reach fast verb sing "
+    "listen six table travel less morning ten simple several vowel toward war lay against "
+    "pattern slow center love person money serve appear road map rain rule govern pull cold "
+    "notice voice unit power town fine certain fly fall lead cry dark machine note wait plan "
+    "figure star box noun field rest correct able pound done beauty drive stood contain front "
+    "teach week final gave green oh quick develop ocean warm free minute strong special mind "
+    "behind clear tail produce fact street inch multiply nothing course stay wheel full force "
+    "blue object decide surface deep moon island foot system busy test record boat common gold "
+    "possible plane stead dry wonder laugh thousand ago ran check game shape equate miss "
+    "brought heat snow tire bring yes distant fill east paint language among image images"
+).split()
+_CHAT_WORDS = (
+    "user assistant system You are a helpful assistant . Sure ! Here is the answer : "
+    "Thanks , please look at this picture and tell me Yes No Okay I see"
+).split()
+_SYLLABLES = (
+    "ba be bi bo bu ca ce ci co cu da de di do du fa fe fi fo ga ge go gu ha he hi ho ja jo "
+    "ka ke ki ko la le li lo lu ma me mi mo mu na ne ni no nu pa pe pi po pu ra re ri ro ru "
+    "sa se si so su ta te ti to tu va ve vi vo wa we wi yo za ze zo an en in on un ar er ir "
+    "or ur al el il ol st str th ch sh ph tr pr gr br cr dr fl pl cl bl ing tion ment ness ed "
+    "er est ly ous ive able ful less ism ist ity"
+).split()
+_SYSTEM_PROMPT = "You are a helpful assistant."
+_PUNCTUATION = (".", ".", ".", ",", "?", "!", ";", ":", " -", "...")
+
+
+def _shapes_pairs(rng: random.Random) -> list[tuple[str, str]]:
+    """Question/answer pairs in the vocabulary of the synthetic "shapes" dataset."""
+    n = rng.randrange(len(_NUMBER_WORDS))
+    colour, other = rng.sample(_COLOURS, 2)
+    shape, other_shape = rng.sample(_SHAPES, 2)
+    plural = shape + "s" if n != 1 else shape
+    row, column = rng.choice(_ROWS), rng.choice(_COLUMNS)
+    where = f"{row} {column}" if row != "middle" else column
+    ordinal = rng.choice(["first", "second", "third"])
+    return [
+        (f"How many {colour} {shape}s are there?", f"There are {_NUMBER_WORDS[n]}: {n}."),
+        (f"Count the {colour} {shape}s.", f"{_NUMBER_WORDS[n].capitalize()} {colour} {plural}."),
+        (f"What colour is the {shape} at the {where}?", f"The {shape} is {colour}."),
+        (f"Where is the {other} {other_shape}?", f"It is in the {where} of the image."),
+        (
+            "Describe the image.",
+            f"The image shows {_NUMBER_WORDS[n]} {colour} {plural} and one {other} "
+            f"{other_shape} on a {rng.choice(_COLOURS)} background.",
+        ),
+        (f"Which image has more {other_shape}s?", f"The {ordinal} image has more {other_shape}s."),
+    ]
+
+
+def _english_line(rng: random.Random, made_up: list[str]) -> str:
+    """A sentence of common and made-up words with capitals, digits and punctuation."""
+    words = [rng.choice(_COMMON_WORDS if rng.random() < 0.6 else made_up) for _ in range(12)]
+    words[0] = words[0].capitalize()
+    if rng.random() < 0.3:
+        words.insert(rng.randrange(len(words)), str(rng.randrange(100000)))
+    if rng.random() < 0.2:
+        words.insert(rng.randrange(len(words)), rng.choice(_CHAT_WORDS))
+    return " ".join(words) + rng.choice(_PUNCTUATION)
+
+
+def _tiny_corpus(num_lines: int = 30000, seed: int = 0) -> list[str]:
+    """The deterministic training corpus of the tiny tokenizer: English-ish sentences (which
+    give BPE enough distinct words to fill the vocab), the shapes dataset's questions and
+    answers, and the same laid out as ChatML turns (without the special tokens)."""
+    rng = random.Random(seed)
+    made_up = sorted(
+        {"".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(2, 4))) for _ in range(6000)}
+    )
+    lines = [" ".join(_CHAT_WORDS), " ".join(_COMMON_WORDS), "\n\n", "  \n\t  "]
+    lines += [" ".join(rng.sample(_SHAPES_WORDS, 8)) for _ in range(200)]
+    while len(lines) < num_lines:
+        if rng.random() < 0.7:
+            lines.append(_english_line(rng, made_up))
+            continue
+        for question, answer in _shapes_pairs(rng):
+            if rng.random() < 0.5:
+                lines.extend((question, answer))
+            else:
+                lines.append(f"system\n{_SYSTEM_PROMPT}\nuser\n{question}\nassistant\n{answer}\n")
+    return lines[:num_lines]
+
+
+def _train_bpe(corpus: list[str], num_merged_ids: int) -> tuple[dict[str, int], list[tuple]]:
+    """Train a Qwen2-style byte-level BPE; returns its (vocab, merges)."""
+    tokenizer = Tokenizer(BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    trainer = BpeTrainer(
+        vocab_size=num_merged_ids,
+        min_frequency=2,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[],
+    )
+    tokenizer.train_from_iterator(corpus, trainer=trainer, length=len(corpus))
+    model = json.loads(tokenizer.to_str())["model"]
+    vocab = model["vocab"]
+    assert len(vocab) == num_merged_ids, f"the corpus trained only {len(vocab)} ids: enlarge it"
+    return vocab, [tuple(merge) for merge in model["merges"]]
+
+
+def _build_tiny_tokenizer() -> Qwen2Tokenizer:
+    """The tiny tokenizer: 4,078 trained byte-level BPE ids, then Qwen's 14 control tokens
+    and 4 tag tokens at the top ids (4078..4095), in Qwen's order."""
+    top = SPECIAL_TOKENS + TAG_TOKENS
+    vocab, merges = _train_bpe(_tiny_corpus(), TINY_VOCAB_SIZE - len(top))
+    vocab = {**vocab, **{token: TINY_VOCAB_SIZE - len(top) + i for i, token in enumerate(top)}}
+    tokenizer = Qwen2Tokenizer(
+        vocab=vocab,
+        merges=merges,
+        unk_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        extra_special_tokens=list(SPECIAL_TOKENS),
+    )
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in TAG_TOKENS])
+    return tokenizer
+
+
+def build_tiny_processor(out_dir: Path) -> Path:
+    """Build the built-in tiny processor into ``out_dir`` (created) and return it.
+
+    Offline and deterministic: the same inputs give a byte-identical ``tokenizer.json``.
+    Load it back with :func:`load_processor`.
+    """
+    geometry = ImageGeometry()
+    image_processor = Qwen2VLImageProcessorPil(
+        patch_size=geometry.patch_size,
+        temporal_patch_size=geometry.temporal_patch_size,
+        merge_size=geometry.merge_size,
+        image_mean=[0.5, 0.5, 0.5],
+        image_std=[0.5, 0.5, 0.5],
+        size={"shortest_edge": geometry.min_pixels, "longest_edge": geometry.max_pixels},
+    )
+    processor = PacklineQwen3VLProcessor(
+        image_processor=image_processor,
+        tokenizer=_build_tiny_tokenizer(),
+        chat_template=CHAT_TEMPLATE,
+    )
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    processor.save_pretrained(out_dir)
+    return out_dir
+
+
+# --- loading and reading a processor ---------------------------------------------------
+
+_VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+
+
+def _read_chat_template(path: Path, tokenizer) -> str:
+    """The processor's chat template: ``chat_template.jinja``, else ``chat_template.json``
+    (older HF dirs), else the tokenizer's own."""
+    if (jinja := path / "chat_template.jinja").is_file():
+        return jinja.read_text()
+    if (legacy := path / "chat_template.json").is_file():
+        template = json.loads(legacy.read_text()).get("chat_template")
+        if template:
+            return template
+    if isinstance(tokenizer.chat_template, str) and tokenizer.chat_template:
+        return tokenizer.chat_template
+    raise ValueError(
+        f"{path} has no chat template (chat_template.jinja, chat_template.json or "
+        "tokenizer_config.json 'chat_template')"
+    )
+
+
+def load_processor(path: str | Path) -> PacklineQwen3VLProcessor:
+    """Load a Qwen-VL processor dir: the built-in tiny one or a real Qwen3-VL HF dir.
+
+    Always builds the PIL image processor (``Qwen2VLImageProcessorPil``), whatever image
+    processor the dir names (real Qwen3-VL dirs name the torchvision-backed one), plus the
+    tokenizer and the chat template, so no torchvision is needed. Raises ``ValueError`` if
+    the dir is missing or does not hold a Qwen-VL processor.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise ValueError(f"processor dir {path} does not exist")
+    ImageGeometry.from_processor_dir(path)  # ValueError if there is no image processor config
+    config_type = _image_processor_type(path)
+    if config_type is not None and not config_type.startswith("Qwen2VLImageProcessor"):
+        raise ValueError(
+            f"{path} is not a Qwen-VL processor: its image processor is {config_type}, "
+            "expected a Qwen2VLImageProcessor (Qwen2-VL, Qwen2.5-VL, Qwen3-VL)"
+        )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path} holds no loadable tokenizer: {exc}") from exc
+    vocab = tokenizer.get_vocab()
+    if missing := [token for token in _VISION_TOKENS if token not in vocab]:
+        raise ValueError(
+            f"{path} is not a Qwen-VL processor: its tokenizer lacks {', '.join(missing)}"
+        )
+    image_processor = Qwen2VLImageProcessorPil.from_pretrained(path, local_files_only=True)
+    return PacklineQwen3VLProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        chat_template=_read_chat_template(path, tokenizer),
+    )
+
+
+def _image_processor_type(path: Path) -> str | None:
+    """The image processor class the dir's config names, if it names one."""
+    for name, key in (
+        ("preprocessor_config.json", None),
+        ("processor_config.json", "image_processor"),
+    ):
+        if (file := path / name).is_file():
+            params = json.loads(file.read_text())
+            params = params.get(key) or {} if key else params
+            if "image_processor_type" in params:
+                return params["image_processor_type"]
+    return None
+
+
+def special_token_ids(processor: PacklineQwen3VLProcessor) -> dict[str, int]:
+    """The token ids the model config must take (``Qwen3VLConfig(**special_token_ids(p))``)."""
+    tokenizer = processor.tokenizer
+    ids = {
+        "image_token_id": tokenizer.convert_tokens_to_ids("<|image_pad|>"),
+        "video_token_id": tokenizer.convert_tokens_to_ids("<|video_pad|>"),
+        "vision_start_token_id": tokenizer.convert_tokens_to_ids("<|vision_start|>"),
+        "vision_end_token_id": tokenizer.convert_tokens_to_ids("<|vision_end|>"),
+        "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+    }
+    if missing := [name for name, value in ids.items() if value is None]:
+        raise ValueError(f"the tokenizer has no {', '.join(missing)}")
+    return ids
+
+
+def processor_geometry(processor: PacklineQwen3VLProcessor) -> ImageGeometry:
+    """The image geometry (patch, merge, min/max pixels) of a loaded processor."""
+    image_processor = processor.image_processor
+    size = image_processor.size
+    return ImageGeometry(
+        patch_size=int(image_processor.patch_size),
+        merge_size=int(image_processor.merge_size),
+        temporal_patch_size=int(image_processor.temporal_patch_size),
+        min_pixels=int(size["shortest_edge"]),
+        max_pixels=int(size["longest_edge"]),
+    )
