@@ -16,8 +16,8 @@ from packline.tracking import Tracker
 from pipelines.executors import make_executor
 from pipelines.tasks import error_path, run_stage_task
 from schemas.config import STAGES, ExecutorKind, PipelineConfig
-from stages.base import InputError, invalidate_from, read_record
-from stages.runner import available_stages
+from stages.base import InputError, invalidate_from, is_up_to_date, read_record
+from stages.runner import REGISTRY, available_stages, run_stage
 
 
 @dataclass
@@ -50,12 +50,16 @@ def new_experiment(cfg: PipelineConfig) -> run.Experiment:
 
 
 def add_stages(
-    exp: run.Experiment, cfg: PipelineConfig, config_path: Path, parent_run_id: str | None
+    exp: run.Experiment,
+    cfg: PipelineConfig,
+    config_path: Path,
+    parent_run_id: str | None,
+    stages: list[str],
 ) -> list[str]:
     """One ``run.Partial`` per stage, each depending on the one before (inside ``with exp``)."""
     job_dir = cfg.work_path / "nemo_run" / "experiments"
     ids: list[str] = []
-    for stage in pipeline_stages():
+    for stage in stages:
         task = run.Partial(
             run_stage_task,
             config_path=str(config_path),
@@ -73,35 +77,59 @@ def add_stages(
     return ids
 
 
+def stages_to_launch(cfg: PipelineConfig) -> list[str]:
+    """The first stage whose completion record does not match its inputs, and every stage
+    after it; the stages before it are up to date and are not launched at all."""
+    stages = pipeline_stages()
+    for i, stage in enumerate(stages):
+        fingerprint_fn = REGISTRY[stage][0]
+        if not is_up_to_date(cfg, stage, fingerprint_fn(cfg)):
+            return stages[i:]
+    return []
+
+
 def run_pipeline(
     cfg: PipelineConfig, *, from_stage: str | None = None, dryrun: bool = False
 ) -> PipelineOutcome:
     """Run the stages in order as NeMo-Run tasks; raise InputError (exit 2) when a stage
-    reported bad input, RuntimeError when one failed otherwise."""
+    reported bad input, RuntimeError when one failed otherwise.
+
+    Up-to-date stages are skipped here, in this process, from their completion records
+    (logged to MLflow as skipped children); the rest run as dependent NeMo-Run tasks.
+    """
     config_path = write_resolved_config(cfg)
     if dryrun:
         with new_experiment(cfg) as exp:
-            add_stages(exp, cfg, config_path, None)
+            add_stages(exp, cfg, config_path, None, pipeline_stages())
             exp.dryrun(delete_exp_dir=True)
         return PipelineOutcome("dryrun", None, {})
     if from_stage:
         invalidate_from(cfg, from_stage)
-    for stage in pipeline_stages():
+    launch = stages_to_launch(cfg)
+    for stage in launch:
         error_path(cfg.work_path, stage).unlink(missing_ok=True)
     parent = Tracker.start(
         cfg, f"pipeline-{time.strftime('%Y%m%d-%H%M%S')}", tags={"packline.kind": "pipeline"}
     )
     states: dict[str, str] = {}
+    exp_id = ""
     status = "FAILED"
     try:
-        with new_experiment(cfg) as exp:
-            add_stages(exp, cfg, config_path, parent.run_id)
-            exp.run(
-                sequential=False, detach=False, tail_logs=cfg.executor.kind == ExecutorKind.local
-            )
-        exp_id = exp._id
-        for name, info in exp.status(return_dict=True).items():
-            states[name] = str(info.get("status", "UNKNOWN")).split(".")[-1]
+        for stage in pipeline_stages():
+            if stage not in launch:
+                run_stage(cfg, stage, parent_run_id=parent.run_id)  # skips: record matches
+                states[stage] = "SKIPPED"
+        if launch:
+            with new_experiment(cfg) as exp:
+                add_stages(exp, cfg, config_path, parent.run_id, launch)
+                exp.run(
+                    sequential=False,
+                    detach=False,
+                    tail_logs=cfg.executor.kind == ExecutorKind.local,
+                )
+            exp_id = exp._id
+            for name, info in exp.status(return_dict=True).items():
+                states[name] = str(info.get("status", "UNKNOWN")).split(".")[-1]
         _raise_on_failure(cfg, states)
         for stage in pipeline_stages():
             rec = read_record(cfg, stage) or {}
@@ -118,7 +146,7 @@ def _raise_on_failure(cfg: PipelineConfig, states: dict[str, str]) -> None:
         if err.is_file():
             info = json.loads(err.read_text())
             raise InputError(info["problems"], info["header"])
-    failed = [s for s in pipeline_stages() if states.get(s) != "SUCCEEDED"]
+    failed = [s for s in pipeline_stages() if states.get(s) not in ("SUCCEEDED", "SKIPPED")]
     if failed:
         logs = cfg.work_path / "nemo_run" / "experiments"
         raise RuntimeError(

@@ -39,7 +39,15 @@ from packline.progress import console, progress
 from packline.qwen.vision import read_image_size
 from schemas.config import Algorithm, PipelineConfig
 from schemas.tables import LengthsModel, validate_table
-from stages.base import InputError, StageResult, building, fingerprint, hash_tree, require_record
+from stages.base import (
+    InputError,
+    StageResult,
+    building,
+    fingerprint,
+    hash_tree,
+    require_record,
+    write_record,
+)
 
 STAGE = "connect"
 VisualRule = Callable[[int, int], int]
@@ -222,7 +230,10 @@ def connect_processor(
             expected=len(manifest),
         )
         mismatches = [
-            f"{rec['key']}: processor {rec['exact']} != cheap {rec['cheap']}"
+            f"{rec['key']}: the processor counts {rec['exact']['total_tokens']} tokens "
+            f"({rec['exact']['image_tokens']} image, {rec['exact']['loss_tokens']} loss), the "
+            f"cheap rule {rec['cheap']['total_tokens']} ({rec['cheap']['image_tokens']} image, "
+            f"{rec['cheap']['loss_tokens']} loss)"
             for _, rec in records
             if rec["exact"] != rec["cheap"]
         ]
@@ -302,7 +313,7 @@ def connect_processor(
         + ", ".join(f"B={b}: {v['fill']:.3f}" for b, v in forecast["buffers"].items())
         + f"; lower bound {forecast['lower_bound']['fill']:.3f}"
     )
-    return StageResult(
+    result = StageResult(
         stage=STAGE,
         out_dir=out_dir,
         fingerprint=fp,
@@ -317,3 +328,5 @@ def connect_processor(
         },
         seconds=seconds,
     )
+    write_record(cfg, result)
+    return result

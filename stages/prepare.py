@@ -28,7 +28,14 @@ from packline.progress import console, progress
 from packline.qwen.vision import ImageGeometry
 from schemas.config import PipelineConfig
 from schemas.tables import REJECT_REASONS, ManifestModel, RejectsModel, validate_table
-from stages.base import InputError, StageResult, building, fingerprint, hash_tree
+from stages.base import (
+    InputError,
+    StageResult,
+    building,
+    fingerprint,
+    hash_tree,
+    write_record,
+)
 
 STAGE = "prepare"
 SOURCE_DONE = "_SOURCE_COMPLETE"
@@ -239,7 +246,7 @@ def prepare_dataset(cfg: PipelineConfig, fp: str | None = None) -> StageResult:
         "prepare/shards": sum(len(v) for v in shards.values()),
     }
     metrics.update({f"prepare/rejected_{r}": by_reason.get(r, 0) for r in REJECT_REASONS})
-    return StageResult(
+    result = StageResult(
         stage=STAGE,
         out_dir=out_dir,
         fingerprint=fp,
@@ -255,6 +262,8 @@ def prepare_dataset(cfg: PipelineConfig, fp: str | None = None) -> StageResult:
         },
         seconds=time.perf_counter() - t0,
     )
+    write_record(cfg, result)
+    return result
 
 
 def _keep_rejects(cfg: PipelineConfig, path: Path) -> None:

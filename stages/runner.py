@@ -10,7 +10,7 @@ from packline.progress import console, summary_table
 from packline.tracking import Tracker
 from schemas.config import PipelineConfig
 from stages import connect, prepare
-from stages.base import StageResult, is_up_to_date, result_from_record, write_record
+from stages.base import StageResult, is_up_to_date, result_from_record
 
 #: stage name → (fingerprint of its inputs, the stage function)
 REGISTRY: dict[str, tuple[Callable[[PipelineConfig], str], Callable[..., StageResult]]] = {
@@ -54,7 +54,6 @@ def run_stage(
     except BaseException:
         tracker.end("FAILED")
         raise
-    write_record(cfg, result)
     tracker.log_metrics({**result.metrics, f"{name}/seconds": result.seconds})
     for artifact in result.summary.get("artifacts", []):
         tracker.log_artifact(Path(artifact))

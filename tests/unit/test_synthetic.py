@@ -13,6 +13,8 @@ from PIL import Image
 from packline.qwen.vision import ImageGeometry
 from packline.synthetic import answer_matches, write_shapes_dataset
 
+GOLDEN_JSONL_SHA256 = "314153fc515c389dda0738f132a07fdd16a159dc3d9cd869190f69a5661a6f52"
+
 
 def _digest(out_dir: Path) -> str:
     """sha256 over conversations.jsonl and every image file, in name order."""
@@ -195,3 +197,11 @@ def test_answer_matches_text_number_and_word() -> None:
 def test_answer_matches_rejects_unknown_kind() -> None:
     with pytest.raises(ValueError, match="unknown answer kind"):
         answer_matches("3", "3", "size")
+
+
+def test_small_set_matches_golden_hash(tmp_path: Path) -> None:
+    """Pins the generator's text output: a change to the built-in set must be deliberate.
+    (The image bytes depend on zlib, so only conversations.jsonl is pinned.)"""
+    write_shapes_dataset(tmp_path, num_train=20, num_val=4, seed=0)
+    digest = hashlib.sha256((tmp_path / "conversations.jsonl").read_bytes()).hexdigest()
+    assert digest == GOLDEN_JSONL_SHA256

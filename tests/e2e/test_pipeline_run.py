@@ -1,0 +1,96 @@
+"""`packline run` as a user runs it: a subprocess, NeMo-Run tasks, a real sqlite MLflow store."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from mlflow.tracking import MlflowClient
+
+pytestmark = pytest.mark.slow
+
+PACKLINE = [sys.executable, "-m", "pipelines.cli"]
+
+
+def _run(work: Path, *overrides: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "COLUMNS": "160"}
+    return subprocess.run(
+        [*PACKLINE, "run", f"work_dir={work}", "prepare.num_workers=1", *overrides],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+
+
+def _record(work: Path, stage: str) -> dict:
+    return json.loads((work / stage / "_COMPLETE.json").read_text())
+
+
+def test_run_twice_skips_then_a_changed_sample_count_reruns(tmp_path: Path):
+    work = tmp_path / "work"
+    small = ["data.num_train=40", "data.num_val=6"]
+
+    first = _run(work, *small)
+    assert first.returncode == 0, first.stderr[-3000:]
+    out = first.stdout + first.stderr
+    assert "Task 0: prepare" in out and "Task 1: connect" in out  # NeMo-Run tasks
+    assert out.count("Status: SUCCEEDED") == 2
+    prep1, conn1 = _record(work, "prepare"), _record(work, "connect")
+    assert len(pd.read_parquet(work / "connect" / "lengths.parquet")) == 46
+
+    second = _run(work, *small)
+    assert second.returncode == 0, second.stderr[-3000:]
+    out2 = second.stdout + second.stderr
+    assert "prepare: up to date" in out2 and "connect: up to date" in out2
+    assert "Task 0: prepare" not in out2  # nothing launched
+    assert _record(work, "prepare") == prep1 and _record(work, "connect") == conn1
+
+    third = _run(work, "data.num_train=50", "data.num_val=6")
+    assert third.returncode == 0, third.stderr[-3000:]
+    prep3, conn3 = _record(work, "prepare"), _record(work, "connect")
+    assert prep3["fingerprint"] != prep1["fingerprint"]
+    assert conn3["fingerprint"] != conn1["fingerprint"]
+    assert prep3["metrics"]["prepare/train_samples"] == 50
+    assert len(pd.read_parquet(work / "connect" / "lengths.parquet")) == 56
+
+    # The sqlite store: one parent per pipeline run, a child per stage, named metrics.
+    client = MlflowClient(tracking_uri=f"sqlite:///{work / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("tiny_cpu")
+    runs = client.search_runs([exp.experiment_id], max_results=100)
+    parents = [r for r in runs if r.data.tags.get("packline.kind") == "pipeline"]
+    assert len(parents) == 3
+    assert all(p.info.status == "FINISHED" for p in parents)
+    for parent in parents:
+        children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+        assert sorted(c.data.tags["mlflow.runName"] for c in children) == ["connect", "prepare"]
+        for child in children:
+            assert child.data.params["packing.seq_length"] == "2048"
+    latest = max(parents, key=lambda r: r.info.start_time)
+    kids = {
+        r.data.tags["mlflow.runName"]: r
+        for r in runs
+        if r.data.tags.get("mlflow.parentRunId") == latest.info.run_id
+    }
+    assert kids["prepare"].data.metrics["prepare/train_samples"] == 50
+    assert kids["prepare"].data.tags["packline.skipped"] == "false"
+    assert kids["connect"].data.metrics["connect/samples"] == 56
+    assert 0 < kids["connect"].data.metrics["connect/forecast_fill_b64"] <= 1
+    assert latest.data.metrics["connect/samples"] == 56
+    artifacts = {a.path for a in client.list_artifacts(kids["connect"].info.run_id)}
+    assert {"forecast.json", "length_histogram.png"} <= artifacts
+    assert "rejects.jsonl" in {a.path for a in client.list_artifacts(kids["prepare"].info.run_id)}
+
+
+def test_run_with_bad_overrides_exits_2_listing_both(tmp_path: Path):
+    result = _run(tmp_path / "work", "packing.seq_lenght=10", "packing.seq_length=big")
+    assert result.returncode == 2
+    assert "2 problem(s)" in result.stderr
+    assert "did you mean 'seq_length'" in result.stderr and "expected int" in result.stderr
+    assert "Traceback" not in result.stderr

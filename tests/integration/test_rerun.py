@@ -1,0 +1,41 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipelines.experiment import stages_to_launch
+from stages.base import invalidate_from, read_record
+from stages.connect import connect_processor
+from stages.prepare import prepare_dataset
+from stages.runner import run_stage
+from tests.conftest import make_config
+
+
+def test_stage_records_decide_what_reruns(tmp_path: Path):
+    work = tmp_path / "work"
+    cfg = make_config(work, "data.num_train=30", "data.num_val=4", "mlflow.enabled=false")
+    assert stages_to_launch(cfg) == ["prepare", "connect"]
+    prepare_dataset(cfg)
+    assert stages_to_launch(cfg) == ["connect"]
+    connect_processor(cfg)
+    assert stages_to_launch(cfg) == []
+
+    # A setting only connect reads reruns connect alone; prepare's record still matches.
+    longer = make_config(work, "data.num_train=30", "data.num_val=4", "packing.seq_length=4096")
+    assert stages_to_launch(longer) == ["connect"]
+    # A data setting reruns both.
+    more = make_config(work, "data.num_train=31", "data.num_val=4")
+    assert stages_to_launch(more) == ["prepare", "connect"]
+
+    # --from connect drops connect's record (and those after it), keeps prepare's.
+    before = read_record(cfg, "prepare")
+    invalidate_from(cfg, "connect")
+    assert read_record(cfg, "connect") is None and read_record(cfg, "prepare") == before
+    assert stages_to_launch(cfg) == ["connect"]
+
+    # run_stage skips an up-to-date stage without touching its outputs.
+    result = run_stage(cfg, "prepare")
+    assert result.skipped and read_record(cfg, "prepare") == before
+    forced = run_stage(cfg, "prepare", force=True)
+    assert (
+        not forced.skipped and read_record(cfg, "prepare")["finished_at"] >= before["finished_at"]
+    )
