@@ -38,7 +38,13 @@ def write_resolved_config(cfg: PipelineConfig) -> Path:
     cfg.work_path.mkdir(parents=True, exist_ok=True)
     path = cfg.work_path / "pipeline.yaml"
     d = cfg.to_dict()
+    # Absolute paths: stage processes may start in another working directory.
     d["work_dir"] = str(cfg.work_path)
+    if d["data"]["source"] != "synthetic":
+        d["data"]["source"] = str(Path(d["data"]["source"]).expanduser().resolve())
+    for section in ("processor", "model"):
+        if d[section]["path"]:
+            d[section]["path"] = str(Path(d[section]["path"]).expanduser().resolve())
     path.write_text(OmegaConf.to_yaml(OmegaConf.create(d)))
     return path
 

@@ -21,6 +21,7 @@ import json
 import random
 import shutil
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -129,6 +130,8 @@ def measure_lengths(
     expected: int | None = None,
 ) -> list[tuple[str, dict[str, Any]]]:
     """(split, record) for every sample of the prepared dataset, through Energon."""
+    # Energon's loader asks for pinned memory; on a CPU-only machine torch warns each time.
+    warnings.filterwarnings("ignore", message=".*pin_memory.*no accelerator.*")
     records: list[tuple[str, dict[str, Any]]] = []
     encoder = LengthReader(processor_dir, visual_tokens)
     common = dict(batch_size=1, task_encoder=encoder)
