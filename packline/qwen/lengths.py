@@ -7,15 +7,15 @@ checked against the exact one sample by sample:
 
 - ``text_tokens``: every token that is not an ``<|image_pad|>`` (chat markup included);
 - ``image_tokens``: the ``<|image_pad|>`` tokens, one per merged group of patches;
-- ``loss_tokens``: the tokens inside the chat template's ``{% generation %}`` blocks, i.e.
-  each assistant reply's content and its ``<|im_end|>`` (what training learns from).
+- ``loss_tokens``: each assistant reply's tokens and its ``<|im_end|>`` (what training
+  learns from), found from the token ids by :func:`assistant_mask` — so any ChatML
+  template works, a real Qwen3-VL one without ``{% generation %}`` markers included.
 
 Both are deterministic, as Energon's buffer restore re-runs them.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -23,8 +23,6 @@ import numpy as np
 from PIL import Image
 
 from packline.qwen.processor import PacklineQwen3VLProcessor, processor_geometry
-
-_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 Conversation = list[dict]
 """HF chat messages, see the module docstring."""
@@ -61,7 +59,6 @@ def exact_lengths(
         _bind_images(conversation, images),
         tokenize=True,
         return_dict=True,
-        return_assistant_tokens_mask=True,
         return_tensors="np",
         # The pixel values are not needed, only their grid: skip the float passes.
         processor_kwargs={"do_rescale": False, "do_normalize": False},
@@ -80,7 +77,7 @@ def exact_lengths(
         image_tokens=image_tokens,
         num_images=len(images),
         total_tokens=text_tokens + image_tokens,
-        loss_tokens=int(out["assistant_masks"][0].sum()),
+        loss_tokens=int(assistant_mask(input_ids, processor.tokenizer).sum()),
     )
 
 
@@ -105,7 +102,6 @@ def cheap_lengths(
         chat_template=processor.chat_template,
         tokenize=True,
         return_dict=True,
-        return_assistant_tokens_mask=True,
     )
     input_ids = out["input_ids"]
     num_pads = input_ids.count(processor.image_token_id)
@@ -121,19 +117,49 @@ def cheap_lengths(
         image_tokens=image_tokens,
         num_images=len(image_sizes),
         total_tokens=text_tokens + image_tokens,
-        loss_tokens=sum(out["assistant_masks"]),
+        loss_tokens=int(assistant_mask(np.asarray(input_ids), processor.tokenizer).sum()),
     )
+
+
+def assistant_mask(input_ids: np.ndarray, tokenizer) -> np.ndarray:
+    """True on every token an assistant turn is trained on, from ChatML token ids.
+
+    A turn starts with ``<|im_start|>`` and the tokens of ``assistant``; the newline token
+    that ends the header is skipped; everything after it up to and including the turn's
+    ``<|im_end|>`` is marked. (A reply that starts with newlines may merge with the header's
+    newline into one token; that token is marked.) Works for any ChatML chat template.
+
+    Worked example (ids shown as text)::
+
+        <|im_start|> user \n Hi <|im_end|> \n <|im_start|> assistant \n Hello <|im_end|> \n
+        0            0    0  0  0          0  0            0         0  1     1          0
+    """
+    ids = np.asarray(input_ids).reshape(-1)
+    start = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    header = tokenizer.encode("assistant", add_special_tokens=False)
+    newline = tokenizer.encode("\n", add_special_tokens=False)
+    mask = np.zeros(len(ids), dtype=bool)
+    n, h = len(ids), len(header)
+    i = 0
+    while i < n:
+        if ids[i] == start and ids[i + 1 : i + 1 + h].tolist() == header:
+            j = i + 1 + h
+            if len(newline) == 1 and j < n and ids[j] == newline[0]:
+                j += 1
+            k = j
+            while k < n and ids[k] != end:
+                k += 1
+            mask[j : min(k + 1, n)] = True
+            i = k + 1
+        else:
+            i += 1
+    return mask
 
 
 def _check_conversation(
     processor: PacklineQwen3VLProcessor, conversation: Conversation, num_images: int
 ) -> None:
-    if not _GENERATION_TAG.search(processor.chat_template or ""):
-        raise ValueError(
-            "the processor's chat template has no {% generation %} block, so assistant "
-            "(loss) tokens cannot be counted; use a template that wraps each assistant "
-            "reply and its <|im_end|> in {% generation %}...{% endgeneration %}"
-        )
     num_parts = 0
     for message in conversation:
         content = message.get("content")

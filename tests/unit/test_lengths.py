@@ -6,10 +6,11 @@ import copy
 import io
 import random
 
+import numpy as np
 import pytest
 from PIL import Image
 
-from packline.qwen.lengths import LengthRecord, cheap_lengths, exact_lengths
+from packline.qwen.lengths import LengthRecord, assistant_mask, cheap_lengths, exact_lengths
 from packline.qwen.processor import build_tiny_processor, load_processor
 from packline.qwen.vision import ImageGeometry, read_image_size
 
@@ -216,11 +217,41 @@ def test_cheap_lengths_rejects_an_image_pad_written_as_text(processor):
         cheap_lengths(processor, conversation, [])
 
 
-def test_lengths_need_a_template_that_marks_assistant_tokens(processor):
+def test_loss_tokens_do_not_depend_on_generation_markers(processor):
+    """A real Qwen3-VL template has no {% generation %} block: the count is the same."""
     plain = copy.copy(processor)
     plain.chat_template = processor.chat_template.replace("{%- generation -%}", "").replace(
         "{%- endgeneration -%}", ""
     )
-    conversation = [{"role": "user", "content": "Hi"}]
-    with pytest.raises(ValueError, match="no \\{% generation %\\} block"):
-        cheap_lengths(plain, conversation, [])
+    assert "endgeneration" not in plain.chat_template
+    conversation = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Colour?"}]},
+        {"role": "assistant", "content": "red"},
+        {"role": "user", "content": "And the shape?"},
+        {"role": "assistant", "content": "\n\na circle, at the top left"},
+    ]
+    sizes = [(300, 200)]
+    images = [Image.new("RGB", sizes[0])]
+    marked = exact_lengths(processor, conversation, images)
+    assert exact_lengths(plain, conversation, images) == marked
+    assert cheap_lengths(plain, conversation, sizes) == marked
+
+
+def test_assistant_mask_agrees_with_hf_generation_mask(processor):
+    """Where the template has {% generation %} markers, HF's own mask gives the same count."""
+    conversation = [
+        {"role": "user", "content": "How many sides has a hexagon?"},
+        {"role": "assistant", "content": "6"},
+        {"role": "user", "content": "Describe it."},
+        {"role": "assistant", "content": "A hexagon has six equal sides."},
+    ]
+    out = processor.tokenizer.apply_chat_template(
+        conversation,
+        chat_template=processor.chat_template,
+        tokenize=True,
+        return_dict=True,
+        return_assistant_tokens_mask=True,
+    )
+    ours = assistant_mask(np.asarray(out["input_ids"]), processor.tokenizer)
+    assert ours.tolist() == [bool(m) for m in out["assistant_masks"]]
