@@ -79,3 +79,36 @@ def test_forecast_fill_worked_example():
     assert out["buffers"]["1"] == {"packs": 4, "fill": 18 / 40}
     assert out["buffers"]["4"] == {"packs": 2, "fill": 18 / 20}
     assert out["lower_bound"] == {"packs": 2, "fill": 18 / 20}
+
+
+def _hf_style_processor_dir(root: Path) -> Path:
+    """A processor dir laid out like a downloaded Qwen3-VL one: preprocessor_config.json
+    naming the torchvision image processor with Qwen3-VL's real pixel bounds, and a
+    chat_template.json without {% generation %} markers."""
+    from packline.qwen.processor import build_tiny_processor
+
+    d = build_tiny_processor(root / "hf")
+    proc_cfg = json.loads((d / "processor_config.json").read_text())
+    image_cfg = dict(proc_cfg.pop("image_processor"))
+    image_cfg["image_processor_type"] = "Qwen2VLImageProcessorFast"
+    image_cfg["size"] = {"shortest_edge": 65536, "longest_edge": 16777216}
+    (d / "preprocessor_config.json").write_text(json.dumps(image_cfg))
+    (d / "processor_config.json").unlink()
+    template = (d / "chat_template.jinja").read_text()
+    template = template.replace("{%- generation -%}", "").replace("{%- endgeneration -%}", "")
+    (d / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    (d / "chat_template.jinja").unlink()
+    return d
+
+
+def test_connect_with_a_hf_style_processor_dir(tmp_path: Path):
+    proc = _hf_style_processor_dir(tmp_path)
+    cfg = make_config(tmp_path / "work", f"processor.path={proc}")
+    prepare_dataset(cfg)
+    result = connect_processor(cfg)
+    lengths = pd.read_parquet(result.out_dir / "lengths.parquet")
+    assert result.metrics["connect/cheap_mismatches"] == 0
+    # Qwen3-VL's real minimum of 65,536 pixels upscales every image to >= 64 visual tokens.
+    with_images = lengths[lengths["num_images"] > 0]
+    assert (with_images["image_tokens"] >= 64 * with_images["num_images"]).all()
+    assert (result.out_dir / "processor" / "preprocessor_config.json").is_file()
