@@ -10,6 +10,7 @@ from pathlib import Path
 
 import nemo_run as run
 from omegaconf import OmegaConf
+from rich.table import Table
 
 from packline.progress import console
 from packline.tracking import Tracker
@@ -137,6 +138,7 @@ def run_pipeline(
             for name, info in exp.status(return_dict=True).items():
                 states[name] = str(info.get("status", "UNKNOWN")).split(".")[-1]
         _raise_on_failure(cfg, states)
+        console.print(summary_table(cfg, states))
         for stage in pipeline_stages():
             rec = read_record(cfg, stage) or {}
             parent.log_metrics(rec.get("metrics", {}))
@@ -159,3 +161,35 @@ def _raise_on_failure(cfg: PipelineConfig, states: dict[str, str]) -> None:
             f"stage(s) {', '.join(failed)} did not succeed ({states}); logs under {logs}"
         )
     console.log("[green]pipeline finished:[/] " + ", ".join(f"{s} {v}" for s, v in states.items()))
+
+
+def _headline(cfg: PipelineConfig, stage: str, m: dict[str, float]) -> str:
+    """The one figure per stage a user looks for first."""
+    if stage == "prepare":
+        return (
+            f"{m.get('prepare/rows_accepted', 0):,.0f} samples "
+            f"({m.get('prepare/train_samples', 0):,.0f} train), "
+            f"{m.get('prepare/rows_rejected', 0):,.0f} rejected"
+        )
+    if stage == "connect":
+        b = cfg.packing.packing_buffer_size
+        fill = m.get(f"connect/forecast_fill_b{b}")
+        fill_text = f"forecast fill {fill:.3f} at buffer {b}" if fill is not None else ""
+        return (
+            f"{m.get('connect/tokens_total', 0):,.0f} tokens, "
+            f"{m.get('connect/overlength', 0):,.0f} over seq_length; {fill_text}"
+        )
+    return ""
+
+
+def summary_table(cfg: PipelineConfig, states: dict[str, str]) -> Table:
+    """Stage, state, time and headline figure of the pipeline just run."""
+    table = Table(title=f"packline run · {cfg.name} · {cfg.work_path}", title_justify="left")
+    for col in ("stage", "state", "seconds", "result"):
+        table.add_column(col, justify="right" if col == "seconds" else "left")
+    for stage in pipeline_stages():
+        rec = read_record(cfg, stage) or {}
+        state = states.get(stage, "-")
+        seconds = "-" if state == "SKIPPED" else f"{rec.get('seconds', 0):.1f}"
+        table.add_row(stage, state, seconds, _headline(cfg, stage, rec.get("metrics", {})))
+    return table
