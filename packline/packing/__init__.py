@@ -7,4 +7,4 @@ from packline.packing.selection import (
     pack_fill,
 )
 
-__all__ = ["align_up", "best_fit_decreasing", "first_fit_decreasing", "pack_fill"]
+__all__ = ["align_up", "best_fit_decreasing", "first_fit_decreasing", "pack_fill", "select_packs"]

@@ -18,6 +18,7 @@ Worked example, capacity 10::
 from __future__ import annotations
 
 import bisect
+import random
 
 
 def align_up(length: int, multiple: int) -> int:
@@ -94,3 +95,42 @@ def pack_fill(lengths: list[int], groups: list[list[int]], capacity: int) -> flo
     if not groups:
         return 0.0
     return sum(lengths[i] for g in groups for i in g) / (len(groups) * capacity)
+
+
+def select_packs(
+    lengths: list[int],
+    *,
+    capacity: int,
+    alignment: int = 1,
+    algorithm: str = "ffd",
+    seed: int | None = 0,
+) -> list[list[int]]:
+    """Groups of indices for one buffer round: lengths aligned up to ``alignment``, packed
+    into ``capacity`` by ``algorithm`` (``ffd`` or ``bfd``), then the groups shuffled with
+    ``seed`` so the longest conversations are not always emitted first (``seed=None`` keeps
+    the algorithm's order). Every index is in exactly one group; an item whose aligned
+    length exceeds ``capacity`` gets a group of its own (the caller drops or rejects it).
+
+    Worked example, capacity 8, alignment 4 (lengths 5, 3, 2 align to 8, 4, 4)::
+
+        >>> select_packs([5, 3, 2], capacity=8, alignment=4, seed=None)
+        [[0], [1, 2]]
+        >>> select_packs([], capacity=8)
+        []
+        >>> select_packs([8, 8], capacity=8, seed=None)  # exact fits
+        [[0], [1]]
+        >>> select_packs([3, 9, 2], capacity=8, seed=None)  # one oversize
+        [[0, 2], [1]]
+    """
+    if alignment < 1:
+        raise ValueError(f"alignment must be >= 1, got {alignment}")
+    aligned = [align_up(n, alignment) for n in lengths]
+    if algorithm == "ffd":
+        groups = first_fit_decreasing(aligned, capacity)
+    elif algorithm == "bfd":
+        groups = best_fit_decreasing(aligned, capacity)
+    else:
+        raise ValueError(f"unknown packing algorithm {algorithm!r}: use 'ffd' or 'bfd'")
+    if seed is not None:
+        random.Random(seed).shuffle(groups)
+    return groups

@@ -56,7 +56,7 @@ def exact_lengths(
     """
     _check_conversation(processor, conversation, len(images))
     out = processor.apply_chat_template(
-        _bind_images(conversation, images),
+        bind_images(conversation, images),
         tokenize=True,
         return_dict=True,
         return_tensors="np",
@@ -173,7 +173,7 @@ def _check_conversation(
         raise ValueError(f"the conversation has {num_parts} image parts but {num_images} images")
 
 
-def _bind_images(conversation: Conversation, images: Sequence[Image.Image]) -> Conversation:
+def bind_images(conversation: Conversation, images: Sequence[Image.Image]) -> Conversation:
     """A copy of the conversation whose image parts carry their images, in order."""
     remaining = iter(images)
     bound = []

@@ -1,0 +1,189 @@
+"""THD rows: several conversations in one physical row, each attending only to itself.
+
+Shape legend: ``L`` one conversation's tokens, ``T`` the row's physical length (aligned
+conversations + tail padding), ``n`` conversations, ``P`` image patches, ``D`` patch dim.
+
+A row is the packed micro-batch of DESIGN.md (MBS 1)::
+
+    input_ids     (1, T)      conversations back to back, pad_token_id in the gaps
+    labels        (1, T)      next token inside each conversation on assistant targets,
+                              -100 elsewhere: at each conversation's last token and in gaps
+    loss_mask     (1, T)      labels != -100
+    position_ids  (4, 1, T)   row 0: text positions, restarting at 0 per conversation;
+                              rows 1-3: that conversation's own M-RoPE rows
+    cu_seqlens          (n+1,)  boundaries of the real tokens
+    cu_seqlens_padded   (n+1,)  boundaries of the aligned segments
+    max_seqlen          int     longest aligned segment
+    pixel_values   (P, D)     every image's patches, in order of appearance
+    image_grid_thw (k, 3)     one row per image, same order
+
+Worked example (m = 4, seq_length 12, pad_to_max_length): conversations of 5 and 4 tokens
+→ segments 8 and 4 → ``cu_seqlens [0, 5, 9]``, ``cu_seqlens_padded [0, 8, 12]``,
+``max_seqlen 8``, T = 12 (Megatron-Bridge gives the same for this case).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from packline.packing.selection import align_up
+
+IGNORE_INDEX = -100
+
+
+@dataclass(kw_only=True)
+class EncodedConversation:
+    """One conversation ready to be placed in a row."""
+
+    key: str
+    input_ids: torch.Tensor  # (L,) int64
+    target_mask: torch.Tensor  # (L,) bool: tokens trained on (assistant replies + <|im_end|>)
+    mrope: torch.Tensor  # (3, L) int64: this conversation's own M-RoPE positions
+    pixel_values: torch.Tensor | None = None  # (P_i, D)
+    image_grid_thw: torch.Tensor | None = None  # (k_i, 3) int64
+
+    def __len__(self) -> int:
+        return int(self.input_ids.numel())
+
+    @property
+    def num_images(self) -> int:
+        return 0 if self.image_grid_thw is None else int(self.image_grid_thw.shape[0])
+
+
+@dataclass(kw_only=True)
+class PackedBatch:
+    """One packed row plus its counters and its ledger entries."""
+
+    input_ids: torch.Tensor  # (1, T)
+    labels: torch.Tensor  # (1, T)
+    loss_mask: torch.Tensor  # (1, T) bool
+    position_ids: torch.Tensor  # (4, 1, T)
+    cu_seqlens: torch.Tensor  # (n+1,) int32
+    cu_seqlens_padded: torch.Tensor  # (n+1,) int32
+    max_seqlen: int
+    pixel_values: torch.Tensor | None  # (P, D)
+    image_grid_thw: torch.Tensor | None  # (k, 3)
+    keys: list[str] = field(default_factory=list)
+    """Keys of the conversations in this row, in row order."""
+    dropped: dict[str, list[str]] = field(default_factory=dict)
+    """Ledger entries that travel with this row: reason → keys dropped since the last row."""
+    num_real_tokens: int = 0
+    num_padded_tokens: int = 0
+    num_conversations: int = 0
+    num_images: int = 0
+    num_image_tokens: int = 0
+    num_loss_tokens: int = 0
+
+    @property
+    def seq_lens(self) -> list[int]:
+        """Real tokens of each conversation."""
+        return (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).tolist()
+
+    def token_type_ids(self, image_token_id: int) -> torch.Tensor:
+        """(1, T) HF ``mm_token_type_ids``: 1 on image placeholder tokens, else 0."""
+        return (self.input_ids == image_token_id).to(torch.int32)
+
+
+def shifted_labels(input_ids: torch.Tensor, target_mask: torch.Tensor) -> torch.Tensor:
+    """Labels of one conversation: position i predicts token i+1 when that token is a
+    target; the last position predicts nothing.
+
+    >>> shifted_labels(torch.tensor([5, 6, 7, 8]), torch.tensor([0, 0, 1, 1]).bool()).tolist()
+    [-100, 7, 8, -100]
+    """
+    labels = torch.full_like(input_ids, IGNORE_INDEX)
+    nxt = input_ids[1:]
+    labels[:-1] = torch.where(target_mask[1:], nxt, torch.full_like(nxt, IGNORE_INDEX))
+    return labels
+
+
+def build_packed_batch(
+    convs: list[EncodedConversation],
+    *,
+    seq_length: int,
+    alignment: int = 1,
+    pad_to_max_length: bool = False,
+    pad_token_id: int = 0,
+    image_token_id: int | None = None,
+    merge_size: int = 2,
+    dropped: dict[str, list[str]] | None = None,
+) -> PackedBatch:
+    """Lay ``convs`` out in one row (see the module docstring for the layout).
+
+    Raises ``ValueError`` when the aligned conversations do not fit ``seq_length`` or when a
+    conversation's image placeholder tokens disagree with its image features.
+    """
+    padded = [align_up(len(c), alignment) for c in convs]
+    total = sum(padded)
+    if total > seq_length:
+        raise ValueError(
+            f"conversations of {[len(c) for c in convs]} tokens (aligned {padded}) do not fit "
+            f"seq_length {seq_length}"
+        )
+    if pad_to_max_length and convs:
+        padded[-1] += seq_length - total  # Megatron-Bridge puts the tail on the last segment
+    ids, labels, pos0, mrope, pixels, grids = [], [], [], [], [], []
+    num_image_tokens = 0
+    for conv, width in zip(convs, padded, strict=True):
+        n = len(conv)
+        gap = width - n
+        if image_token_id is not None:
+            placeholders = int((conv.input_ids == image_token_id).sum())
+            features = 0
+            if conv.image_grid_thw is not None and len(conv.image_grid_thw):
+                features = int(conv.image_grid_thw.prod(dim=-1).sum()) // merge_size**2
+                patches = int(conv.image_grid_thw.prod(dim=-1).sum())
+                if conv.pixel_values is None or conv.pixel_values.shape[0] != patches:
+                    got = None if conv.pixel_values is None else conv.pixel_values.shape[0]
+                    raise ValueError(
+                        f"{conv.key}: {patches} patches in the grids, {got} pixel rows"
+                    )
+            if placeholders != features:
+                raise ValueError(
+                    f"{conv.key}: {placeholders} image placeholder tokens but {features} "
+                    "image features"
+                )
+            num_image_tokens += placeholders
+        ids.append(torch.cat([conv.input_ids, torch.full((gap,), pad_token_id)]))
+        labels.append(
+            torch.cat([shifted_labels(conv.input_ids, conv.target_mask), torch.full((gap,), -100)])
+        )
+        pos0.append(torch.arange(width))
+        # Gap tokens continue the conversation's positions; causal attention keeps them
+        # from influencing its real tokens.
+        start = int(conv.mrope.max()) + 1 if n else 0
+        tail = torch.arange(start, start + gap).expand(3, gap)
+        mrope.append(torch.cat([conv.mrope, tail], dim=1))
+        if conv.pixel_values is not None and conv.num_images:
+            pixels.append(conv.pixel_values)
+            grids.append(conv.image_grid_thw)
+    lens = [len(c) for c in convs]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()] if lens else [0])
+    cu_padded = torch.tensor([0, *torch.tensor(padded).cumsum(0).tolist()] if lens else [0])
+    input_ids = torch.cat(ids).view(1, -1) if ids else torch.zeros(1, 0, dtype=torch.long)
+    label_row = torch.cat(labels).view(1, -1) if labels else torch.zeros(1, 0, dtype=torch.long)
+    text_pos = torch.cat(pos0) if pos0 else torch.zeros(0, dtype=torch.long)
+    rope = torch.cat(mrope, dim=1) if mrope else torch.zeros(3, 0, dtype=torch.long)
+    position_ids = torch.cat([text_pos.view(1, -1), rope], dim=0).view(4, 1, -1)
+    loss_mask = label_row != IGNORE_INDEX
+    return PackedBatch(
+        input_ids=input_ids.long(),
+        labels=label_row.long(),
+        loss_mask=loss_mask,
+        position_ids=position_ids.long(),
+        cu_seqlens=cu.to(torch.int32),
+        cu_seqlens_padded=cu_padded.to(torch.int32),
+        max_seqlen=max(padded, default=0),
+        pixel_values=torch.cat(pixels) if pixels else None,
+        image_grid_thw=torch.cat(grids).long() if grids else None,
+        keys=[c.key for c in convs],
+        dropped=dict(dropped or {}),
+        num_real_tokens=sum(lens),
+        num_padded_tokens=sum(padded) - sum(lens),
+        num_conversations=len(convs),
+        num_images=sum(c.num_images for c in convs),
+        num_image_tokens=num_image_tokens,
+        num_loss_tokens=int(loss_mask.sum()),
+    )

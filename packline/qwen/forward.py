@@ -1,0 +1,80 @@
+"""The packed forward of HF Qwen3-VL, and the guard against silent contamination.
+
+HF Qwen3-VL isolates the conversations of a packed row only when it gets 4-row
+``position_ids`` (row 0 = text positions restarting per conversation), no 2-D attention
+mask and no KV cache: it then builds a block-diagonal causal mask from the position
+resets. A 2-D mask, 3-row (M-RoPE only) positions or an enabled cache make every
+conversation attend to the ones before it — with no error. :func:`check_packed_inputs`
+turns each of those into a ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from packline.packing.thd import IGNORE_INDEX, PackedBatch
+
+
+def check_packed_inputs(
+    *, position_ids: torch.Tensor, attention_mask: torch.Tensor | None, use_cache: bool | None
+) -> None:
+    """Refuse the inputs under which HF Qwen3-VL silently attends across conversations."""
+    problems = []
+    if attention_mask is not None:
+        problems.append(
+            f"attention_mask of shape {tuple(attention_mask.shape)} given: a packed row must "
+            "pass attention_mask=None (a 2-D mask disables per-conversation isolation)"
+        )
+    if position_ids.dim() != 3 or position_ids.shape[0] != 4:
+        problems.append(
+            f"position_ids of shape {tuple(position_ids.shape)}: a packed row needs (4, 1, T) "
+            "— row 0 text positions restarting per conversation, rows 1-3 M-RoPE (3-row "
+            "positions hide the conversation boundaries)"
+        )
+    if use_cache is not False:
+        problems.append(
+            f"use_cache={use_cache!r}: a packed forward must pass use_cache=False (a KV cache "
+            "disables packed-sequence detection)"
+        )
+    if problems:
+        raise ValueError("unsafe packed forward: " + "; ".join(problems))
+
+
+def packed_forward(
+    model,
+    batch: PackedBatch,
+    *,
+    image_token_id: int,
+    attention_mask: torch.Tensor | None = None,
+    use_cache: bool | None = False,
+    position_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Logits (1, T, V) of a packed row; every conversation sees only itself."""
+    position_ids = batch.position_ids if position_ids is None else position_ids
+    check_packed_inputs(
+        position_ids=position_ids, attention_mask=attention_mask, use_cache=use_cache
+    )
+    out = model(
+        input_ids=batch.input_ids,
+        pixel_values=batch.pixel_values,
+        image_grid_thw=batch.image_grid_thw,
+        mm_token_type_ids=batch.token_type_ids(image_token_id),
+        position_ids=position_ids,
+        attention_mask=None,
+        use_cache=False,
+    )
+    return out.logits
+
+
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(Σ token cross-entropy, number of target tokens): labels are already shifted, so
+    no shift happens here. Divide by the global target count, never average per row."""
+    flat = labels.reshape(-1)
+    loss = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(),
+        flat,
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
+    return loss, int((flat != IGNORE_INDEX).sum())
