@@ -53,7 +53,7 @@ class _Section:
     def __post_init__(self) -> None:
         problems = self.rules()
         if problems:
-            raise ValueError("; ".join(problems))
+            raise ValueError("\n".join(problems))
 
 
 class Algorithm(Enum):
@@ -207,6 +207,16 @@ class PackingConfig(_Section):
         )
         _check(p, self.tensor_parallel >= 1, "packing.tensor_parallel must be >= 1")
         _check(p, self.context_parallel >= 1, "packing.context_parallel must be >= 1")
+        if self.tensor_parallel >= 1 and self.context_parallel >= 1 and self.seq_length > 0:
+            m = self.alignment
+            _check(
+                p,
+                self.seq_length % m == 0,
+                f"packing.seq_length {self.seq_length} is not a multiple of the alignment "
+                f"m = lcm(2·CP, CP·TP) = {m} (TP {self.tensor_parallel}, CP "
+                f"{self.context_parallel}, SP {self.sequence_parallel}); use "
+                f"{(self.seq_length // m + 1) * m} or {(self.seq_length // m) * m}",
+            )
         _check(
             p,
             all(b > 0 for b in self.forecast_buffer_sizes),
@@ -493,7 +503,7 @@ def load_config(
                 OmegaConf.to_object(node)
             except (ValueError, OmegaConfBaseException) as exc:
                 msg = exc.msg if isinstance(exc, OmegaConfBaseException) else str(exc)
-                problems += [m.strip() for m in msg.split("; ")]
+                problems += [m.strip() for m in msg.split("\n") if m.strip()]
     if problems:
         raise ConfigError(problems)
     return OmegaConf.to_object(cfg)  # type: ignore[return-value]

@@ -69,6 +69,8 @@ class PackedBatch:
     """Keys of the conversations in this row, in row order."""
     dropped: dict[str, list[str]] = field(default_factory=dict)
     """Ledger entries that travel with this row: reason → keys dropped since the last row."""
+    seen: int = 0
+    """Ledger: source samples the loader worker read since its previous row."""
     num_real_tokens: int = 0
     num_padded_tokens: int = 0
     num_conversations: int = 0
@@ -109,6 +111,7 @@ def build_packed_batch(
     image_token_id: int | None = None,
     merge_size: int = 2,
     dropped: dict[str, list[str]] | None = None,
+    seen: int = 0,
 ) -> PackedBatch:
     """Lay ``convs`` out in one row (see the module docstring for the layout).
 
@@ -180,6 +183,7 @@ def build_packed_batch(
         image_grid_thw=torch.cat(grids).long() if grids else None,
         keys=[c.key for c in convs],
         dropped=dict(dropped or {}),
+        seen=seen,
         num_real_tokens=sum(lens),
         num_padded_tokens=sum(padded) - sum(lens),
         num_conversations=len(convs),

@@ -83,5 +83,7 @@ def test_overrides_apply_after_yaml():
     ],
 )
 def test_alignment_is_lcm_of_cp_and_sp_terms(tp, cp, sp, expected):
-    cfg = PackingConfig(tensor_parallel=tp, context_parallel=cp, sequence_parallel=sp)
+    cfg = PackingConfig(
+        tensor_parallel=tp, context_parallel=cp, sequence_parallel=sp, seq_length=2400
+    )
     assert cfg.alignment == expected

@@ -1,0 +1,60 @@
+"""Loader factory over Energon's ``get_train_dataset`` / ``get_val_dataset`` and
+``get_savable_loader``, one per data-parallel rank."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from megatron.energon import (
+    WorkerConfig,
+    get_savable_loader,
+    get_train_dataset,
+    get_val_dataset,
+)
+
+
+def train_loader(
+    dataset_dir: Path,
+    encoder,
+    *,
+    packing_buffer_size: int | None,
+    rank: int = 0,
+    world_size: int = 1,
+    num_workers: int = 0,
+    repeat: bool = True,
+    shuffle_buffer_size: int | None = None,
+    max_samples_per_sequence: int | None = None,
+    seed_offset: int = 0,
+):
+    """A savable loader of packed rows (one per micro-batch) for DP rank ``rank``."""
+    worker_config = WorkerConfig(
+        rank=rank, world_size=world_size, num_workers=num_workers, seed_offset=seed_offset
+    )
+    dataset = get_train_dataset(
+        Path(dataset_dir),
+        split_part="train",
+        worker_config=worker_config,
+        batch_size=1,
+        packing_buffer_size=packing_buffer_size,
+        shuffle_buffer_size=shuffle_buffer_size,
+        max_samples_per_sequence=max_samples_per_sequence,
+        task_encoder=encoder,
+        repeat=repeat,
+    )
+    return get_savable_loader(dataset, checkpoint_every_min_n_samples=1, n_checkpoints=None)
+
+
+def val_loader(
+    dataset_dir: Path, encoder, *, packing_buffer_size: int | None, num_workers: int = 0
+):
+    """The val split once, packed the same way (rank 0 of 1)."""
+    worker_config = WorkerConfig(rank=0, world_size=1, num_workers=num_workers)
+    dataset = get_val_dataset(
+        Path(dataset_dir),
+        split_part="val",
+        worker_config=worker_config,
+        batch_size=1,
+        packing_buffer_size=packing_buffer_size,
+        task_encoder=encoder,
+    )
+    return get_savable_loader(dataset)

@@ -1,0 +1,264 @@
+"""Energon task encoders that pack Qwen3-VL conversations online.
+
+Hook order per loader worker (Energon): ``preencode_sample`` (or ``encode_sample``) →
+``select_samples_to_pack`` over the whole buffer → ``postencode_sample`` for the members
+of each chosen group → ``pack_selected_samples`` → ``batch``.
+
+- :class:`LazyQwenPackingEncoder`: before selection only the exact length is computed
+  (tokenized text + image sizes from the file headers); images are decoded and processed
+  only for the conversations of a chosen group. The buffer holds token ids and encoded
+  image bytes.
+- :class:`EagerQwenPackingEncoder`: the full processor runs before selection, as
+  Megatron-Bridge's encoder does; the buffer holds pixel tensors. Kept as the baseline.
+
+Rules kept here: ``select_samples_to_pack`` returns every sample it is given (Energon
+clears the buffer each round and drops whatever is not in a group); an overlength
+conversation is dropped *with a ledger entry* (or stops the run, per the overlength
+policy); a malformed one is a counted skip under Energon's bounded failure tolerance; and
+``batch`` enforces one packed row per micro-batch.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+from megatron.energon import Cooker, DefaultTaskEncoder, Sample, edataclass, stateless
+from megatron.energon.errors import FatalSampleError
+
+from packline.energon.sample import ConversationSample, cook_conversation
+from packline.packing.selection import align_up, select_packs
+from packline.packing.thd import EncodedConversation, PackedBatch, build_packed_batch
+from packline.qwen.encode import ConversationEncoder, Tokenized
+
+
+@dataclass(frozen=True, kw_only=True)
+class PackingSettings:
+    """What the encoder needs from ``packing`` (plain values, picklable into workers)."""
+
+    seq_length: int
+    alignment: int = 1
+    algorithm: str = "ffd"
+    pad_to_max_length: bool = False
+    overlength: str = "drop"
+    seed: int = 0
+
+    @classmethod
+    def from_config(cls, packing, seed: int = 0) -> PackingSettings:
+        return cls(
+            seq_length=packing.seq_length,
+            alignment=packing.alignment,
+            algorithm=packing.algorithm.value,
+            pad_to_max_length=packing.pad_to_max_length,
+            overlength=packing.overlength.value,
+            seed=seed,
+        )
+
+
+@edataclass
+class QwenConversation(Sample):
+    """A conversation between encoding and packing."""
+
+    #: Exact tokens of the conversation (image tokens included), before alignment.
+    length: int
+    #: Set when the conversation is dropped (the ledger's reason); it then carries no data.
+    drop_reason: str | None
+    #: Lazy mode: ids and targets, images still encoded.
+    tokenized: Tokenized | None
+    #: Eager mode, or lazy after ``postencode_sample``: ready for a row.
+    encoded: EncodedConversation | None
+
+
+@edataclass
+class QwenPack(Sample):
+    """One packed row (THD), the micro-batch the trainer consumes."""
+
+    batch: PackedBatch
+
+
+class _QwenPackingEncoder(
+    DefaultTaskEncoder[ConversationSample, QwenConversation, QwenPack, QwenPack]
+):
+    cookers = [Cooker(cook_conversation)]
+    decoder = None  # images stay encoded bytes until they are needed
+
+    def __init__(self, processor_dir, settings: PackingSettings):
+        super().__init__()
+        self.processor_dir = str(processor_dir)
+        self.settings = settings
+        self._encoder: ConversationEncoder | None = None
+        # Ledger entries of this worker not yet attached to a row.
+        self._pending_seen = 0
+        self._pending_dropped: dict[str, list[str]] = defaultdict(list)
+
+    @property
+    def encoder(self) -> ConversationEncoder:
+        if self._encoder is None:  # loaded once per worker process
+            self._encoder = ConversationEncoder(self.processor_dir)
+        return self._encoder
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _checked_length(self, sample: ConversationSample, length: int) -> str | None:
+        """None when the conversation fits, else the drop reason (or stop, per policy)."""
+        aligned = align_up(length, self.settings.alignment)
+        if aligned <= self.settings.seq_length:
+            return None
+        if self.settings.overlength == "fail":
+            raise FatalSampleError.from_sample(
+                sample,
+                f"conversation {sample.__key__} has {length} tokens (aligned {aligned}) > "
+                f"packing.seq_length {self.settings.seq_length} and packing.overlength is "
+                "'fail'; raise seq_length or set packing.overlength=drop",
+            )
+        return "overlength"
+
+    def _dropped(self, sample: ConversationSample, length: int, reason: str) -> QwenConversation:
+        return QwenConversation.derive_from(
+            sample, length=length, drop_reason=reason, tokenized=None, encoded=None
+        )
+
+    def _malformed(self, key: str) -> None:
+        self._pending_dropped["malformed"].append(key)
+
+    # -- Energon hooks ----------------------------------------------------------------------
+
+    def select_samples_to_pack(
+        self, samples: list[QwenConversation]
+    ) -> list[list[QwenConversation]]:
+        """Every sample given is returned in exactly one group."""
+        real = [s for s in samples if s.drop_reason is None]
+        dropped = [s for s in samples if s.drop_reason is not None]
+        # Seeded by the round's keys: deterministic, no state to save.
+        round_seed = zlib.crc32("|".join(s.__key__ for s in samples).encode()) ^ self.settings.seed
+        groups = select_packs(
+            [s.length for s in real],
+            capacity=self.settings.seq_length,
+            alignment=self.settings.alignment,
+            algorithm=self.settings.algorithm,
+            seed=round_seed,
+        )
+        out = [[real[i] for i in g] for g in groups]
+        if dropped:  # ride along with a row so the ledger sees them
+            if out:
+                out[0].extend(dropped)
+            else:
+                out.append(dropped)
+        assert sum(map(len, out)) == len(samples), "selection lost samples"
+        return out
+
+    @stateless
+    def pack_selected_samples(self, samples: list[QwenConversation]) -> QwenPack:
+        dropped: dict[str, list[str]] = defaultdict(list)
+        for reason, keys in self._pending_dropped.items():
+            dropped[reason].extend(keys)
+        self._pending_dropped.clear()
+        convs = []
+        for s in samples:
+            if s.drop_reason is not None:
+                dropped[s.drop_reason].append(s.__key__)
+            else:
+                convs.append(s.encoded)
+        enc = self.encoder
+        batch = build_packed_batch(
+            convs,
+            seq_length=self.settings.seq_length,
+            alignment=self.settings.alignment,
+            pad_to_max_length=self.settings.pad_to_max_length,
+            pad_token_id=enc.pad_token_id,
+            image_token_id=enc.image_token_id,
+            merge_size=enc.geometry.merge_size,
+            dropped=dict(dropped),
+            seen=self._pending_seen,
+        )
+        self._pending_seen = 0
+        return QwenPack(
+            __key__=",".join(batch.keys),
+            __restore_key__=(),
+            __subflavors__=samples[0].__subflavors__,
+            __sources__=samples[0].__sources__,
+            batch=batch,
+        )
+
+    def batch(self, samples: list[QwenPack]) -> QwenPack:
+        """Physical micro-batch of exactly one packed row."""
+        if len(samples) != 1:
+            raise ValueError(
+                f"a packed micro-batch holds exactly one row, got {len(samples)}: set "
+                "train.micro_batch_size=1 (pack more conversations per row instead)"
+            )
+        return samples[0]
+
+
+class LazyQwenPackingEncoder(_QwenPackingEncoder):
+    """Cheap exact length before selection; images processed only once selected."""
+
+    @stateless(failure_tolerance=100)
+    def preencode_sample(self, sample: ConversationSample) -> QwenConversation:
+        self._pending_seen += 1
+        try:
+            tok = self.encoder.tokenize(sample.__key__, sample.conversation, sample.images)
+        except Exception:
+            self._malformed(sample.__key__)
+            raise
+        reason = self._checked_length(sample, len(tok))
+        if reason:
+            return self._dropped(sample, len(tok), reason)
+        return QwenConversation.derive_from(
+            sample, length=len(tok), drop_reason=None, tokenized=tok, encoded=None
+        )
+
+    @stateless(failure_tolerance=100)
+    def postencode_sample(self, sample: QwenConversation) -> QwenConversation:
+        if sample.drop_reason is not None:
+            return sample
+        try:
+            encoded = self.encoder.finish(sample.tokenized)
+        except Exception:
+            self._malformed(sample.__key__)
+            raise
+        return QwenConversation.derive_from(
+            sample, length=sample.length, drop_reason=None, tokenized=None, encoded=encoded
+        )
+
+
+class EagerQwenPackingEncoder(_QwenPackingEncoder):
+    """The full processor before selection (the Megatron-Bridge way)."""
+
+    @stateless(failure_tolerance=100)
+    def encode_sample(self, sample: ConversationSample) -> QwenConversation:
+        self._pending_seen += 1
+        try:
+            enc = self.encoder.encode_eager(sample.__key__, sample.conversation, sample.images)
+        except Exception:
+            self._malformed(sample.__key__)
+            raise
+        reason = self._checked_length(sample, len(enc))
+        if reason:
+            return self._dropped(sample, len(enc), reason)
+        return QwenConversation.derive_from(
+            sample, length=len(enc), drop_reason=None, tokenized=None, encoded=enc
+        )
+
+
+def make_encoder(mode: str, processor_dir, settings: PackingSettings) -> _QwenPackingEncoder:
+    """``lazy`` (default) or ``eager``."""
+    if mode == "lazy":
+        return LazyQwenPackingEncoder(processor_dir, settings)
+    if mode == "eager":
+        return EagerQwenPackingEncoder(processor_dir, settings)
+    raise ValueError(f"unknown encoder mode {mode!r}: use 'lazy' or 'eager'")
+
+
+def describe(pack: QwenPack) -> dict[str, Any]:
+    """Counters of a pack, for logs."""
+    b = pack.batch
+    return {
+        "keys": b.keys,
+        "real_tokens": b.num_real_tokens,
+        "padded_tokens": b.num_padded_tokens,
+        "conversations": b.num_conversations,
+        "dropped": {k: len(v) for k, v in b.dropped.items()},
+    }

@@ -1,0 +1,135 @@
+from __future__ import annotations
+
+import doctest
+import random
+
+import pytest
+import torch
+
+import packline.packing.selection as selection
+import packline.packing.thd as thd
+from packline.packing.selection import (
+    best_fit_decreasing,
+    first_fit_decreasing,
+    select_packs,
+)
+from packline.packing.thd import EncodedConversation, build_packed_batch
+from schemas.config import ConfigError, load_config
+
+
+@pytest.mark.parametrize("module", [selection, thd])
+def test_docstring_worked_examples_hold(module):
+    result = doctest.testmod(module)
+    assert result.attempted > 0 and result.failed == 0
+
+
+@pytest.mark.parametrize("fn", [first_fit_decreasing, best_fit_decreasing])
+def test_selection_edge_cases(fn):
+    assert fn([], 10) == []
+    assert fn([10], 10) == [[0]]  # exact fit
+    assert fn([4, 6, 10], 10) == [[2], [1, 0]]  # two exact fits
+    assert fn([3, 11, 2], 10) == [[0, 2], [1]]  # one oversize gets its own group
+    with pytest.raises(ValueError, match="capacity must be > 0"):
+        fn([1], 0)
+
+
+@pytest.mark.parametrize("fn", [first_fit_decreasing, best_fit_decreasing])
+def test_selection_covers_every_index_once_and_respects_capacity(fn):
+    rng = random.Random(7)
+    for _ in range(50):
+        lengths = [rng.randint(1, 120) for _ in range(rng.randint(0, 300))]
+        groups = fn(lengths, 128)
+        flat = sorted(i for g in groups for i in g)
+        assert flat == list(range(len(lengths)))
+        assert all(sum(lengths[i] for i in g) <= 128 for g in groups)
+
+
+def test_ffd_and_bfd_differ_where_best_fit_matters():
+    # 7 → g0 (3 free), 4 → g1, 4 → g1 (2 free); 2 fits both: FFD takes the first group,
+    # BFD the fullest one.
+    assert first_fit_decreasing([7, 4, 4, 2], 10) == [[0, 3], [1, 2]]
+    assert best_fit_decreasing([7, 4, 4, 2], 10) == [[0], [1, 2, 3]]
+
+
+def test_select_packs_shuffles_groups_with_the_seed_only():
+    lengths = list(range(1, 40))
+    a = select_packs(lengths, capacity=64, seed=1)
+    b = select_packs(lengths, capacity=64, seed=1)
+    c = select_packs(lengths, capacity=64, seed=2)
+    plain = select_packs(lengths, capacity=64, seed=None)
+    assert a == b and sorted(a) == sorted(c) == sorted(plain)
+    assert a != plain  # the longest conversations are not always emitted first
+    with pytest.raises(ValueError, match="unknown packing algorithm"):
+        select_packs([1], capacity=4, algorithm="greedy")
+
+
+def _conv(key: str, n: int) -> EncodedConversation:
+    ids = torch.arange(1, n + 1)
+    return EncodedConversation(
+        key=key,
+        input_ids=ids,
+        target_mask=ids % 2 == 0,
+        mrope=torch.arange(n).expand(3, n),
+    )
+
+
+ALIGN_CASES = [  # (TP, CP, SP, m)
+    (1, 1, False, 1),
+    (8, 1, False, 1),
+    (1, 2, False, 4),
+    (2, 1, True, 2),
+    (4, 2, True, 8),
+    (2, 4, True, 8),
+    (4, 3, True, 12),
+]
+
+
+@pytest.mark.parametrize(("tp", "cp", "sp", "m"), ALIGN_CASES)
+def test_padded_boundaries_are_multiples_of_the_alignment(tp, cp, sp, m):
+    cfg = load_config(
+        None,
+        [
+            f"packing.tensor_parallel={tp}",
+            f"packing.context_parallel={cp}",
+            f"packing.sequence_parallel={sp}",
+            "packing.seq_length=2400",
+        ],
+    )
+    assert cfg.packing.alignment == m
+    convs = [_conv(f"c{i}", n) for i, n in enumerate([5, 17, 1, 33, 64, 7])]
+    batch = build_packed_batch(convs, seq_length=2400, alignment=m)
+    assert all(b % m == 0 for b in batch.cu_seqlens_padded.tolist())
+    assert batch.seq_lens == [5, 17, 1, 33, 64, 7]
+    fixed = build_packed_batch(convs, seq_length=2400, alignment=m, pad_to_max_length=True)
+    assert fixed.input_ids.shape == (1, 2400) and fixed.cu_seqlens_padded[-1] == 2400
+
+
+def test_seq_length_not_divisible_by_the_alignment_is_rejected():
+    with pytest.raises(ConfigError) as info:
+        load_config(
+            None,
+            [
+                "packing.tensor_parallel=4",
+                "packing.context_parallel=2",
+                "packing.sequence_parallel=true",
+                "packing.seq_length=2044",
+            ],
+        )
+    assert info.value.problems == [
+        "packing.seq_length 2044 is not a multiple of the alignment m = lcm(2·CP, CP·TP) = 8 "
+        "(TP 4, CP 2, SP True); use 2048 or 2040"
+    ]
+
+
+def test_labels_never_cross_a_conversation_boundary():
+    a, b = _conv("a", 6), _conv("b", 5)
+    batch = build_packed_batch([a, b], seq_length=16, alignment=4)
+    labels = batch.labels[0].tolist()
+    # a occupies 0..5 (+2 gap), b 8..12 (+3 gap); last token of each and gaps are -100
+    assert labels[5] == labels[6] == labels[7] == -100
+    assert labels[12:] == [-100] * 4
+    # targets are the even ids (target_mask = id % 2 == 0), shifted left by one
+    assert labels[:5] == [2, -100, 4, -100, 6]
+    assert batch.num_loss_tokens == sum(x != -100 for x in labels)
+    with pytest.raises(ValueError, match="do not fit seq_length 12"):
+        build_packed_batch([a, b], seq_length=12, alignment=4)
