@@ -276,6 +276,11 @@ def step_flops(
     ``mode="full"`` trains every weight (``freeze_vision=True`` keeps the ViT and mergers
     frozen); ``mode="lora"`` freezes the base model and adds rank-``lora_rank`` adapters on
     ``lora_targets`` (names from :data:`LORA_TARGETS_ALL`; the ViT is always frozen).
+
+    The row is one forward call: the per-call fold of LoRA-adapted MoE experts
+    (``W + s·B·A``, independent of the tokens) is counted once. PEFT also evaluates that fold
+    a second time per call, only to validate the parametrization it registers; that wasted
+    work is not counted.
     """
     if mode not in ("full", "lora"):
         raise ValueError(f"mode must be 'full' or 'lora', got {mode!r}")
@@ -381,12 +386,12 @@ def _lm_flops(text, seq_lens, *, train_base: bool, targets, rank: int, tally: _T
         k_rg = linear("k_proj", tokens, hidden, kv_width, stream_rg)
         v_rg = linear("v_proj", tokens, hidden, kv_width, stream_rg)
         # QKᵀ and AV: 2·len²·heads·head_dim each (k/v heads are repeated to all q heads).
+        # Backward of S = QKᵀ: dQ if q requires grad, dK if k does; of O = PV: dP if the
+        # scores do, dV if v does — each as many FLOPs as the forward matmul.
         attention = 2 * sum_sq * q_width
         scores_rg = q_rg or k_rg
-        tally.add(
-            "lm_attention", _matmul(attention, weight_grad=q_rg, input_grad=k_rg)
-        )  # dQ needs K, dK needs Q
-        tally.add("lm_attention", _matmul(attention, weight_grad=scores_rg, input_grad=v_rg))
+        tally.add("lm_attention", Flops(attention, attention * (q_rg + k_rg)))
+        tally.add("lm_attention", Flops(attention, attention * (scores_rg + v_rg)))
         o_rg = linear("o_proj", tokens, q_width, hidden, scores_rg or v_rg)
         stream_rg = stream_rg or o_rg
         if _is_moe_layer(text, layer):
@@ -439,7 +444,8 @@ def _moe_flops(text, tokens, input_rg, train_base, targets, rank, tally, linear)
     out_rg = out_rg or gate_up_rg or down_trained
     # PEFT target_parameters: each forward folds W + s·(B·A) for all experts with one baddbmm
     # (experts × d_out × r × d_in MACs); backward gives dA and dB, each as large again.
-    for name, size in (("experts.gate_up_proj", 2 * inter * hidden), ("experts.down_proj", inter * hidden)):
+    folds = (("experts.gate_up_proj", 2 * inter * hidden), ("experts.down_proj", inter * hidden))
+    for name, size in folds:
         if name in targets:
             tally.add(
                 "lora_adapters",
