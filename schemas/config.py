@@ -74,6 +74,16 @@ class OverlengthPolicy(Enum):
     """Stop with an error naming the sample."""
 
 
+class EncoderMode(Enum):
+    """When the image processor runs relative to pack selection."""
+
+    lazy = "lazy"
+    """Only the exact length before selection; images processed once selected (less
+    worker memory, so larger buffers)."""
+    eager = "eager"
+    """The full processor before selection, as Megatron-Bridge does (the baseline)."""
+
+
 class ExecutorKind(Enum):
     local = "local"
     slurm = "slurm"
@@ -185,6 +195,8 @@ class PackingConfig(_Section):
     """Pad every row to ``seq_length`` (fixed width; required with EP > 1 or PP > 1)."""
     overlength: OverlengthPolicy = OverlengthPolicy.drop
     """What to do with a conversation longer than ``seq_length``: ``drop`` or ``fail``."""
+    encoder: EncoderMode = EncoderMode.lazy
+    """``lazy`` (images processed after selection) or ``eager`` (before, Bridge-style)."""
     forecast_buffer_sizes: list[int] = field(default_factory=lambda: [1, 16, 64, 256, 1024])
     """Buffer sizes the connect stage forecasts fill for."""
 
