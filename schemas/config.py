@@ -294,6 +294,8 @@ class TrainConfig(_Section):
     """Packed rows (micro-batches of one row) per optimizer step, over all DP ranks."""
     micro_batch_size: int = 1
     """Physical rows per forward; packing requires 1."""
+    unpacked_micro_batch_size: int = 8
+    """Packing off (the baseline): conversations per micro-batch, padded to the longest."""
     lr: float = 1e-3
     """Peak learning rate (AdamW)."""
     warmup_steps: int = 5
@@ -318,6 +320,7 @@ class TrainConfig(_Section):
         _check(p, self.max_steps > 0, f"train.max_steps must be > 0, got {self.max_steps}")
         _check(p, self.global_batch_size > 0, "train.global_batch_size must be > 0")
         _check(p, self.micro_batch_size > 0, "train.micro_batch_size must be > 0")
+        _check(p, self.unpacked_micro_batch_size > 0, "train.unpacked_micro_batch_size must be > 0")
         _check(p, self.lr > 0, f"train.lr must be > 0, got {self.lr}")
         _check(p, self.warmup_steps >= 0, "train.warmup_steps must be >= 0")
         _check(p, self.keep_last >= 1, "train.keep_last must be >= 1")

@@ -75,6 +75,8 @@ class LengthsModel(pa.DataFrameModel):
     num_images: Series[int] = pa.Field(ge=0)
     total_tokens: Series[int] = pa.Field(ge=1)
     loss_tokens: Series[int] = pa.Field(ge=1)
+    image_grids: Series[str] = pa.Field(str_startswith="[")
+    """JSON list of each image's (t, h, w) patch grid, in order."""
 
     class Config:
         strict = True

@@ -35,6 +35,7 @@ from packline.packing.selection import (
     align_up,
     best_fit_decreasing,
     first_fit_decreasing,
+    select_packs,
 )
 from packline.progress import console, progress
 from packline.qwen.vision import read_image_size
@@ -51,6 +52,16 @@ from stages.base import (
 )
 
 STAGE = "connect"
+LENGTH_COLUMNS = [
+    "key",
+    "split",
+    "text_tokens",
+    "image_tokens",
+    "num_images",
+    "total_tokens",
+    "loss_tokens",
+    "image_grids",
+]
 VisualRule = Callable[[int, int], int]
 
 
@@ -82,7 +93,16 @@ class LengthReader(ConversationReader):
         cheap = cheap_lengths(
             self.processor, sample.conversation, sizes, visual_tokens=self.visual_tokens
         )
-        return {"key": sample.__key__, "exact": asdict(exact), "cheap": asdict(cheap)}
+        from packline.qwen.processor import processor_geometry
+
+        geometry = processor_geometry(self.processor)
+        grids = [list(geometry.grid_thw(h, w)) for w, h in sizes]
+        return {
+            "key": sample.__key__,
+            "exact": asdict(exact),
+            "cheap": asdict(cheap),
+            "image_grids": json.dumps(grids),
+        }
 
 
 def processor_source(cfg: PipelineConfig) -> Path | None:
@@ -190,6 +210,77 @@ def forecast_fill(
     return out
 
 
+def forecast_flops(
+    cfg: PipelineConfig, processor_dir: Path, train: pd.DataFrame
+) -> dict[str, float]:
+    """FLOPs and tokens of one training epoch with packing on (at the configured buffer)
+    and off (``train.unpacked_micro_batch_size`` conversations padded to the longest), before
+    any training. Useful FLOPs are the same both ways; what packing saves is the padding."""
+    from packline.counters import flops_model_for
+    from packline.qwen.processor import load_processor
+
+    model = flops_model_for(cfg, load_processor(processor_dir))
+    p = cfg.packing
+    rows = [
+        (int(n), [tuple(g) for g in json.loads(grids)], int(loss))
+        for n, grids, loss in zip(
+            train["total_tokens"], train["image_grids"], train["loss_tokens"], strict=True
+        )
+        if align_up(int(n), p.alignment) <= p.seq_length
+    ]
+    order = list(range(len(rows)))
+    random.Random(cfg.train.seed).shuffle(order)
+    stream = [rows[i] for i in order]
+    useful = sum(model.useful([n], grids, n, loss) for n, grids, loss in stream)
+
+    packed_exec = packed_rows = packed_real = 0
+    b = p.packing_buffer_size
+    for start in range(0, len(stream), b):
+        chunk = stream[start : start + b]
+        groups = select_packs(
+            [n for n, _, _ in chunk],
+            capacity=p.seq_length,
+            alignment=p.alignment,
+            algorithm=p.algorithm.value,
+            seed=None,
+        )
+        for g in groups:
+            segments = [align_up(chunk[i][0], p.alignment) for i in g]
+            if p.pad_to_max_length:
+                segments[-1] += p.seq_length - sum(segments)
+            grids = [grid for i in g for grid in chunk[i][1]]
+            packed_exec += model.executed(segments, grids)
+            packed_rows += 1
+            packed_real += sum(chunk[i][0] for i in g)
+
+    k = cfg.train.unpacked_micro_batch_size
+    unpacked_exec = unpacked_rows = unpacked_capacity = 0
+    for start in range(0, len(stream), k):
+        chunk = stream[start : start + k]
+        longest = max(n for n, _, _ in chunk)
+        grids = [grid for _, gs, _ in chunk for grid in gs]
+        unpacked_exec += model.executed([longest] * len(chunk), grids)
+        unpacked_rows += len(chunk)
+        unpacked_capacity += longest * len(chunk)
+
+    packed_capacity = packed_rows * p.seq_length
+    return {
+        "epoch_useful": float(useful),
+        "epoch_executed_packed": float(packed_exec),
+        "epoch_executed_unpacked": float(unpacked_exec),
+        "epoch_nominal_packed": float(model.nominal(packed_capacity)),
+        "epoch_nominal_unpacked": float(model.nominal(unpacked_capacity)),
+        "padding_share_packed": 1 - useful / packed_exec if packed_exec else 0.0,
+        "padding_share_unpacked": 1 - useful / unpacked_exec if unpacked_exec else 0.0,
+        "saving": 1 - packed_exec / unpacked_exec if unpacked_exec else 0.0,
+        "rows_packed": float(packed_rows),
+        "rows_unpacked": float(unpacked_rows),
+        "tokens_real": float(packed_real),
+        "tokens_capacity_packed": float(packed_capacity),
+        "tokens_capacity_unpacked": float(unpacked_capacity),
+    }
+
+
 def _histogram(df: pd.DataFrame, seq_length: int, path: Path) -> None:
     import matplotlib
 
@@ -248,19 +339,17 @@ def connect_processor(
                 f"{len(mismatches)} of {len(records)} samples",
             )
         df = pd.DataFrame(
-            [{"key": rec["key"], "split": split, **rec["exact"]} for split, rec in records]
-        )
-        df = df[
             [
-                "key",
-                "split",
-                "text_tokens",
-                "image_tokens",
-                "num_images",
-                "total_tokens",
-                "loss_tokens",
+                {
+                    "key": rec["key"],
+                    "split": split,
+                    **rec["exact"],
+                    "image_grids": rec["image_grids"],
+                }
+                for split, rec in records
             ]
-        ]
+        )
+        df = df[LENGTH_COLUMNS]
         df = df.sort_values(["split", "key"], kind="stable").reset_index(drop=True)
         validate_table(LengthsModel, df, "lengths.parquet").to_parquet(
             out / "lengths.parquet", index=False
@@ -285,6 +374,7 @@ def connect_processor(
         )
         forecast["overlength"] = len(aligned) - len(fits)
         forecast["alignment"] = m
+        forecast["flops"] = forecast_flops(cfg, processor_dir, train)
         (out / "forecast.json").write_text(json.dumps(forecast, indent=2))
         _histogram(df, cfg.packing.seq_length, out / "length_histogram.png")
 
@@ -308,6 +398,7 @@ def connect_processor(
         "connect/fill_unpacked": forecast["unpacked"]["fill"],
         "connect/ms_per_sample": 1000 * seconds / max(len(df), 1),
     }
+    metrics.update({f"flops/{k}": v for k, v in forecast["flops"].items()})
     for b, v in forecast["buffers"].items():
         metrics[f"connect/forecast_fill_b{b}"] = v["fill"]
         metrics[f"connect/forecast_packs_b{b}"] = v["packs"]

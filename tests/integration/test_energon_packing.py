@@ -179,3 +179,34 @@ def test_all_samples_malformed_stops_instead_of_looping(tmp_path, processor_dir)
     loader = train_loader(dataset, encoder, packing_buffer_size=4, repeat=True)
     with pytest.raises(FatalSampleError):
         next(iter(loader))
+
+
+def test_counters_after_save_and_restore_equal_an_uninterrupted_run(small_dataset, processor_dir):
+    from packline.counters import PackCounts, RunningCounters, flops_model_for
+    from packline.qwen.processor import load_processor
+    from schemas.config import load_config
+
+    model = flops_model_for(load_config(), load_processor(processor_dir))
+    settings = PackingSettings(seq_length=1024)
+
+    def loader():
+        return train_loader(
+            small_dataset, make_encoder("lazy", processor_dir, settings), packing_buffer_size=16
+        )
+
+    def count(it, counters, n):
+        for _ in range(n):
+            counters.add(PackCounts.of(next(it).batch, model, 1024))
+
+    straight = RunningCounters.fresh()
+    count(iter(loader()), straight, 10)
+
+    first, interrupted = loader(), RunningCounters.fresh()
+    count(iter(first), interrupted, 4)
+    saved = (first.save_state_rank(), interrupted.state_dict())
+    resumed_loader, resumed = loader(), RunningCounters.fresh()
+    resumed_loader.restore_state_rank(saved[0])
+    resumed.load_state_dict(saved[1])
+    count(iter(resumed_loader), resumed, 6)
+    assert resumed.total == straight.total
+    assert straight.total.rows == 10 and straight.total.flops_useful > 0

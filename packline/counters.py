@@ -1,0 +1,159 @@
+"""Per-step counters of packed rows, and the FLOPs each row costs.
+
+Two FLOPs figures per row, both exact (:func:`packline.flops.step_flops`):
+
+- **useful**: over the real tokens — linear layers on Σ len, attention Σ len², images once;
+  this is the work the model must do whatever the layout, and what TFLOP/s and MFU use;
+- **executed**: over the physical layout — alignment gaps and tail padding run through the
+  linear layers, each padded segment attends over its padded length;
+and the **nominal** 6·N·capacity that other stacks report, for contrast.
+
+:class:`RunningCounters` sums them; its state goes into training checkpoints so the
+cumulative figures stay exact across a resume.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+from packline.flops import LORA_TARGETS_ALL, PackShape, nominal_flops, step_flops
+from packline.packing.thd import PackedBatch
+
+
+@dataclass(frozen=True, kw_only=True)
+class FlopsModel:
+    """The model and training mode FLOPs are counted for."""
+
+    config: object
+    """HF Qwen3VLConfig / Qwen3VLMoeConfig."""
+    mode: str = "lora"
+    """``lora`` (frozen base, adapters) or ``full``."""
+    lora_rank: int = 8
+    lora_targets: tuple[str, ...] = LORA_TARGETS_ALL
+
+    def _flops(self, shape: PackShape) -> int:
+        return step_flops(
+            self.config,
+            shape,
+            mode=self.mode,
+            lora_rank=self.lora_rank if self.mode == "lora" else 0,
+            lora_targets=self.lora_targets,
+        ).total
+
+    def useful(self, seq_lens, image_grids, padded_len: int, loss_tokens: int = 0) -> int:
+        if not seq_lens:
+            return 0
+        return self._flops(
+            PackShape(
+                seq_lens=tuple(seq_lens),
+                image_grids=tuple(image_grids),
+                padded_len=padded_len,
+                loss_tokens=loss_tokens,
+            )
+        )
+
+    def executed(self, segment_lens, image_grids, loss_tokens: int = 0) -> int:
+        """Padding counted as tokens: each segment at its physical length."""
+        if not segment_lens:
+            return 0
+        return self._flops(
+            PackShape(
+                seq_lens=tuple(segment_lens),
+                image_grids=tuple(image_grids),
+                padded_len=sum(segment_lens),
+                loss_tokens=loss_tokens,
+            )
+        )
+
+    def nominal(self, capacity_tokens: int) -> int:
+        return nominal_flops(self.config, capacity_tokens)
+
+
+def _grids(batch: PackedBatch) -> list[tuple[int, int, int]]:
+    if batch.image_grid_thw is None:
+        return []
+    return [tuple(int(v) for v in row) for row in batch.image_grid_thw.tolist()]
+
+
+@dataclass
+class PackCounts:
+    """The counters of one row (or the sum of many)."""
+
+    rows: int = 0
+    real_tokens: int = 0
+    padded_tokens: int = 0
+    loss_tokens: int = 0
+    conversations: int = 0
+    images: int = 0
+    image_tokens: int = 0
+    flops_useful: int = 0
+    flops_executed: int = 0
+    flops_nominal: int = 0
+
+    @classmethod
+    def of(cls, batch: PackedBatch, model: FlopsModel, capacity: int) -> PackCounts:
+        if batch.num_conversations == 0:  # a row that only carries ledger entries
+            return cls()
+        grids = _grids(batch)
+        segments = (batch.cu_seqlens_padded[1:] - batch.cu_seqlens_padded[:-1]).tolist()
+        return cls(
+            rows=1,
+            real_tokens=batch.num_real_tokens,
+            padded_tokens=batch.num_padded_tokens,
+            loss_tokens=batch.num_loss_tokens,
+            conversations=batch.num_conversations,
+            images=batch.num_images,
+            image_tokens=batch.num_image_tokens,
+            flops_useful=model.useful(
+                batch.seq_lens, grids, batch.input_ids.shape[1], batch.num_loss_tokens
+            ),
+            flops_executed=model.executed(segments, grids, batch.num_loss_tokens),
+            flops_nominal=model.nominal(capacity),
+        )
+
+    def __add__(self, other: PackCounts) -> PackCounts:
+        return PackCounts(
+            **{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)}
+        )
+
+    def to_metrics(self, prefix: str) -> dict[str, float]:
+        return {f"{prefix}/{k}": float(v) for k, v in asdict(self).items()}
+
+
+@dataclass
+class RunningCounters:
+    """Cumulative counters of a training run; saved and restored with its checkpoints."""
+
+    total: PackCounts
+
+    @classmethod
+    def fresh(cls) -> RunningCounters:
+        return cls(PackCounts())
+
+    def add(self, counts: PackCounts) -> None:
+        self.total = self.total + counts
+
+    def state_dict(self) -> dict[str, int]:
+        return asdict(self.total)
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.total = PackCounts(**state)
+
+
+def flops_model_for(cfg, processor) -> FlopsModel:
+    """FLOPs model of the configured model: the tiny one, a real config by name
+    (``qwen3-vl-8b`` ...), or the ``config.json`` of ``model.path``; LoRA on the configured
+    targets."""
+    from packline.qwen.model import tiny_config
+    from packline.qwen.real_configs import real_config
+
+    if cfg.model.path:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(cfg.model.path, local_files_only=True)
+    elif cfg.model.name == "tiny":
+        config = tiny_config(processor, moe=cfg.model.moe)
+    else:
+        config = real_config(cfg.model.name)
+    targets = tuple(cfg.lora.target_modules) + tuple(cfg.lora.target_parameters)
+    return FlopsModel(config=config, mode="lora", lora_rank=cfg.lora.rank, lora_targets=targets)
