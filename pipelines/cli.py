@@ -53,7 +53,7 @@ def cmd_stage(ns: argparse.Namespace) -> int:
 
 
 def cmd_bench(ns: argparse.Namespace) -> int:
-    from packline.bench import bench_packing
+    from pipelines.bench import bench_packing
 
     if ns.what != "packing":
         raise ConfigError([f"bench {ns.what!r}: only 'packing' exists so far"])

@@ -313,7 +313,11 @@ class TrainConfig(_Section):
     keep_last: int = 2
     """Checkpoints kept."""
     eval_every: int = 0
-    """Evaluate every N steps (0: only at the end)."""
+    """Evaluate every N steps (0: only at the start and the end)."""
+    eval_samples: int = 100
+    """Val questions answered greedily for the accuracy figure."""
+    compare_packing: bool = True
+    """Train packing on and off side by side (the A/B); false trains ``packing.enabled`` only."""
 
     def rules(self) -> list[str]:
         p: list[str] = []

@@ -9,14 +9,17 @@ from pathlib import Path
 from packline.progress import console, summary_table
 from packline.tracking import Tracker
 from schemas.config import PipelineConfig
-from stages import connect, prepare
+from stages import connect, prepare, train
 from stages.base import StageResult, is_up_to_date, result_from_record
 
 #: stage name → (fingerprint of its inputs, the stage function)
 REGISTRY: dict[str, tuple[Callable[[PipelineConfig], str], Callable[..., StageResult]]] = {
     "prepare": (prepare.fingerprint_inputs, prepare.prepare_dataset),
     "connect": (connect.fingerprint_inputs, connect.connect_processor),
+    "train": (train.fingerprint_inputs, train.train_lora),
 }
+#: stages whose own MLflow runs nest under the stage's run
+NESTS_RUNS = {"train"}
 
 
 def available_stages() -> list[str]:
@@ -50,7 +53,10 @@ def run_stage(
         tags={"packline.stage": name, "packline.skipped": "false"},
     )
     try:
-        result = stage_fn(cfg, fp)
+        if name in NESTS_RUNS:
+            result = stage_fn(cfg, fp, parent_run_id=tracker.run_id)
+        else:
+            result = stage_fn(cfg, fp)
     except BaseException:
         tracker.end("FAILED")
         raise

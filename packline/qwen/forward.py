@@ -78,3 +78,17 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Te
         reduction="sum",
     )
     return loss, int((flat != IGNORE_INDEX).sum())
+
+
+def padded_forward(model, batch, *, image_token_id: int) -> torch.Tensor:
+    """Logits (k, Lmax, V) of right-padded rows (packing off): the 2-D mask marks padding
+    and HF computes each row's M-RoPE itself."""
+    out = model(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        pixel_values=batch.pixel_values,
+        image_grid_thw=batch.image_grid_thw,
+        mm_token_type_ids=batch.token_type_ids(image_token_id),
+        use_cache=False,
+    )
+    return out.logits

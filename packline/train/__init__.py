@@ -1,0 +1,1 @@
+"""The embedded (local) training backend: loop, LoRA model set-up, evaluation."""

@@ -1,0 +1,102 @@
+"""Evaluation on the val split: per-token loss over packed rows, and answer accuracy of
+greedy generation on the built-in set's checkable questions."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import torch
+from megatron.energon import WorkerConfig, get_loader, get_val_dataset
+from PIL import Image
+
+from packline.energon.loader import val_loader
+from packline.energon.packing import PackingSettings, make_encoder
+from packline.energon.sample import ConversationReader
+from packline.qwen.forward import packed_forward, token_loss_sum
+from packline.qwen.lengths import bind_images
+from packline.synthetic import answer_matches
+
+
+@torch.no_grad()
+def eval_loss(
+    model,
+    dataset_dir: Path,
+    processor_dir: Path,
+    settings: PackingSettings,
+    *,
+    buffer: int,
+    image_token_id: int,
+) -> tuple[float, int]:
+    """(mean token loss, target tokens) over the whole val split, packed."""
+    model.eval()
+    loader = val_loader(
+        dataset_dir, make_encoder("lazy", processor_dir, settings), packing_buffer_size=buffer
+    )
+    total = torch.zeros((), dtype=torch.float64)
+    targets = 0
+    for pack in loader:
+        batch = pack.batch
+        if not batch.num_conversations:
+            continue
+        logits = packed_forward(model, batch, image_token_id=image_token_id)
+        loss, n = token_loss_sum(logits, batch.labels)
+        total += loss.double()
+        targets += n
+    return (float(total / targets) if targets else float("nan")), targets
+
+
+@torch.no_grad()
+def eval_accuracy(
+    model, processor, dataset_dir: Path, *, max_samples: int, max_new_tokens: int = 32
+) -> tuple[float, int]:
+    """(share of correct answers, questions asked): for each val conversation with a
+    checkable answer, the model answers the first such question greedily."""
+    model.eval()
+    ds = get_val_dataset(
+        Path(dataset_dir),
+        split_part="val",
+        worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0),
+        batch_size=1,
+        task_encoder=ConversationReader(),
+    )
+    asked = correct = 0
+    for batch in get_loader(ds):
+        sample = batch[0]
+        answers = sample.meta.get("answers") or []
+        if not answers:
+            continue
+        first = answers[0]
+        prompt = sample.conversation[: first["turn"]]
+        n_images = sum(
+            1
+            for m in prompt
+            for p in m["content"]
+            if isinstance(p, dict) and p.get("type") == "image"
+        )
+        images = []
+        for data in sample.images[:n_images]:
+            with Image.open(io.BytesIO(data)) as img:
+                images.append(img.convert("RGB"))
+        inputs = processor.apply_chat_template(
+            bind_images(prompt, images),
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
+            return_tensors="pt",
+        )
+        out = model.generate(
+            **{k: v for k, v in inputs.items() if k != "token_type_ids"},
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            use_cache=True,
+            pad_token_id=processor.tokenizer.pad_token_id,
+        )
+        text = processor.tokenizer.decode(
+            out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True
+        )
+        asked += 1
+        correct += answer_matches(first["answer"], text, first["kind"])
+        if asked >= max_samples:
+            break
+    return (correct / asked if asked else float("nan")), asked

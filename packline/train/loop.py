@@ -1,0 +1,323 @@
+"""The embedded training loop: Qwen3-VL + PEFT LoRA on packed (or padded) rows.
+
+One optimizer step consumes ``global_batch_size`` packed rows across all data-parallel
+ranks. Packing off lays the *very same conversations* of each step out as padded
+micro-batches of ``unpacked_micro_batch_size``: with the per-token loss below, both modes
+then compute the same gradient, so the A/B compares cost alone (a loss or accuracy gap
+between them would be a bug, not a finding).
+
+Loss: Σ token losses / number of target tokens of the whole global batch (all micro-batches
+on all ranks), with gradients summed (never averaged) across ranks — the only normalization
+under which packing is invisible.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from packline.counters import FlopsModel, PackCounts, RunningCounters
+from packline.energon.loader import train_loader
+from packline.energon.packing import PackingSettings, make_encoder
+from packline.packing.ledger import Ledger
+from packline.packing.thd import PackedBatch, build_padded_batch
+from packline.qwen.forward import packed_forward, padded_forward, token_loss_sum
+
+CHECKPOINT_PREFIX = "step_"
+FAULT_ENV = "PACKLINE_FAULT"  # test hook: "kill_in_checkpoint:<step>" SIGKILLs mid-write
+
+
+@dataclass(kw_only=True)
+class LoopSettings:
+    """Plain values the loop needs (picklable, rank-independent)."""
+
+    packed: bool
+    max_steps: int
+    global_batch_size: int
+    unpacked_micro_batch_size: int
+    lr: float
+    warmup_steps: int
+    weight_decay: float
+    grad_clip: float
+    seed: int
+    save_every: int
+    keep_last: int
+    num_workers: int
+    packing_buffer_size: int
+    encoder_mode: str
+    packing: PackingSettings
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _all_reduce(t: torch.Tensor) -> torch.Tensor:
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def lr_lambda(step: int, *, warmup: int, total: int) -> float:
+    """Linear warmup to 1, then cosine to 0 at ``total``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+@dataclass
+class StepResult:
+    step: int
+    loss: float
+    lr: float
+    grad_norm: float
+    seconds: float
+    counts: PackCounts
+    rank_real_tokens: list[int] = field(default_factory=list)
+
+
+class Trainer:
+    """Trains one run (packing on or off) from the prepared dataset and processor dir."""
+
+    def __init__(
+        self,
+        model,
+        *,
+        settings: LoopSettings,
+        dataset_dir: Path,
+        processor_dir: Path,
+        run_dir: Path,
+        flops_model: FlopsModel,
+        image_token_id: int,
+        pad_token_id: int,
+    ):
+        self.model = model
+        self.s = settings
+        self.run_dir = Path(run_dir)
+        self.rank, self.world = _rank_world()
+        if settings.global_batch_size % self.world:
+            raise ValueError(
+                f"train.global_batch_size {settings.global_batch_size} is not divisible by "
+                f"the {self.world} data-parallel ranks"
+            )
+        self.rows_per_rank = settings.global_batch_size // self.world
+        self.flops_model = flops_model
+        self.image_token_id = image_token_id
+        self.pad_token_id = pad_token_id
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=settings.lr, weight_decay=settings.weight_decay
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            lambda step: lr_lambda(step, warmup=settings.warmup_steps, total=settings.max_steps),
+        )
+        encoder = make_encoder(settings.encoder_mode, processor_dir, settings.packing)
+        self.loader = train_loader(
+            dataset_dir,
+            encoder,
+            packing_buffer_size=settings.packing_buffer_size,
+            rank=self.rank,
+            world_size=self.world,
+            num_workers=settings.num_workers,
+            repeat=True,
+            shuffle_buffer_size=100,
+            max_samples_per_sequence=100,
+            seed_offset=settings.seed,
+        )
+        self._rows = None
+        self.step = 0
+        self.counters = RunningCounters.fresh()
+        self.ledger = Ledger()
+
+    # -- data -------------------------------------------------------------------------------
+
+    def _next_rows(self) -> list[PackedBatch]:
+        if self._rows is None:
+            self._rows = iter(self.loader)
+        rows = []
+        while len(rows) < self.rows_per_rank:
+            batch = next(self._rows).batch
+            self.ledger.add(seen=batch.seen, packed=batch.num_conversations, dropped=batch.dropped)
+            if batch.num_conversations:  # rows that only carry ledger entries are skipped
+                rows.append(batch)
+        return rows
+
+    # -- one optimizer step -----------------------------------------------------------------
+
+    def train_step(self) -> StepResult:
+        t0 = time.perf_counter()
+        self.model.train()
+        rows = self._next_rows()
+        counts = PackCounts()
+        for row in rows:
+            counts = counts + PackCounts.of(row, self.flops_model, self.s.packing.seq_length)
+        if self.s.packed:
+            micro = rows
+        else:
+            convs = [c for row in rows for c in row.conversations()]
+            k = self.s.unpacked_micro_batch_size
+            micro = [
+                build_padded_batch(convs[i : i + k], pad_token_id=self.pad_token_id)
+                for i in range(0, len(convs), k)
+            ]
+            padded = sum(m.num_padded_tokens for m in micro)
+            counts.padded_tokens = padded
+            counts.flops_executed = sum(
+                self.flops_model.executed(
+                    [m.input_ids.shape[1]] * m.input_ids.shape[0],
+                    [
+                        tuple(g)
+                        for g in (m.image_grid_thw.tolist() if m.image_grid_thw is not None else [])
+                    ],
+                )
+                for m in micro
+            )
+        local_targets = sum(m.num_loss_tokens for m in micro)
+        global_targets = int(_all_reduce(torch.tensor([local_targets], dtype=torch.float64)).item())
+        loss_total = torch.zeros((), dtype=torch.float64)
+        for m in micro:
+            if self.s.packed:
+                logits = packed_forward(self.model, m, image_token_id=self.image_token_id)
+            else:
+                logits = padded_forward(self.model, m, image_token_id=self.image_token_id)
+            loss_sum, _ = token_loss_sum(logits, m.labels)
+            (loss_sum / global_targets).backward()
+            loss_total += loss_sum.detach().double()
+        if self.world > 1:
+            for p in self.params:  # sum, never average: the loss is already divided globally
+                if p.grad is not None:
+                    _all_reduce(p.grad)
+        loss_total = _all_reduce(loss_total)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.s.grad_clip)
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        per_rank = torch.zeros(self.world, dtype=torch.float64)
+        per_rank[self.rank] = counts.real_tokens
+        _all_reduce(per_rank)
+        self.counters.add(counts)
+        return StepResult(
+            step=self.step,
+            loss=float(loss_total.item() / global_targets),
+            lr=lr,
+            grad_norm=float(grad_norm),
+            seconds=time.perf_counter() - t0,
+            counts=counts,
+            rank_real_tokens=[int(v) for v in per_rank.tolist()],
+        )
+
+    # -- checkpoints ------------------------------------------------------------------------
+
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad}
+
+    def save_checkpoint(self) -> Path:
+        """Write ``checkpoints/step_NNNNNN`` atomically (temp dir, then rename); keep the
+        last ``keep_last``."""
+        root = self.run_dir / "checkpoints"
+        final = root / f"{CHECKPOINT_PREFIX}{self.step:06d}"
+        tmp = root / f".tmp-{CHECKPOINT_PREFIX}{self.step:06d}"
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        _barrier()
+        torch.save(self.loader.save_state_rank(), tmp / f"loader_rank{self.rank:03d}.pt")
+        torch.save(_rng_state(), tmp / f"rng_rank{self.rank:03d}.pt")
+        _barrier()
+        if self.rank == 0:
+            torch.save(self.trainable_state(), tmp / "adapter.pt")
+            _maybe_fault("kill_in_checkpoint", self.step)
+            torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
+            torch.save(self.scheduler.state_dict(), tmp / "scheduler.pt")
+            state = {
+                "step": self.step,
+                "counters": self.counters.state_dict(),
+                "ledger": {
+                    "seen": self.ledger.seen,
+                    "packed": self.ledger.packed,
+                    "dropped": dict(self.ledger.dropped),
+                },
+                "world_size": self.world,
+            }
+            (tmp / "state.json").write_text(json.dumps(state, indent=2))
+            os.replace(tmp, final)
+            done = sorted(root.glob(f"{CHECKPOINT_PREFIX}*"))
+            for old in done[: -self.s.keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+        _barrier()
+        return final
+
+    def resume(self) -> int:
+        """Load the latest complete checkpoint, if any; returns its step (0 when fresh)."""
+        root = self.run_dir / "checkpoints"
+        done = sorted(root.glob(f"{CHECKPOINT_PREFIX}*")) if root.is_dir() else []
+        if not done:
+            return 0
+        ckpt = done[-1]
+        state = json.loads((ckpt / "state.json").read_text())
+        if state["world_size"] != self.world:
+            raise ValueError(
+                f"{ckpt} was written by {state['world_size']} ranks, this run has {self.world}: "
+                "the loader state is per rank"
+            )
+        adapter = torch.load(ckpt / "adapter.pt")
+        with torch.no_grad():
+            for n, p in self.model.named_parameters():
+                if n in adapter:
+                    p.copy_(adapter[n])
+        self.optimizer.load_state_dict(torch.load(ckpt / "optimizer.pt"))
+        self.scheduler.load_state_dict(torch.load(ckpt / "scheduler.pt"))
+        self.loader.restore_state_rank(
+            torch.load(ckpt / f"loader_rank{self.rank:03d}.pt", weights_only=False)
+        )
+        _set_rng_state(torch.load(ckpt / f"rng_rank{self.rank:03d}.pt", weights_only=False))
+        self.step = state["step"]
+        self.counters.load_state_dict(state["counters"])
+        led = state["ledger"]
+        self.ledger = Ledger(seen=led["seen"], packed=led["packed"])
+        self.ledger.dropped.update(led["dropped"])
+        return self.step
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _rng_state() -> dict:
+    return {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+    }
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+
+
+def _maybe_fault(kind: str, step: int) -> None:
+    """Fault injection for the resume tests: a real SIGKILL at a chosen point."""
+    spec = os.environ.get(FAULT_ENV, "")
+    if spec == f"{kind}:{step}":
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,173 @@
+from __future__ import annotations
+
+import doctest
+import statistics
+import subprocess
+import sys
+
+import pytest
+
+import pipelines.bench as bench
+from pipelines.bench import (
+    VlmSftShape,
+    WorkerRss,
+    count_packs,
+    fill_by_method,
+    lower_bound_fill,
+    shuffled,
+    unpacked_capacity,
+    vlm_sft_lengths,
+    vlm_sft_samples,
+)
+
+
+def test_docstring_worked_examples_hold():
+    result = doctest.testmod(bench)
+    assert result.attempted > 0 and result.failed == 0
+
+
+@pytest.mark.parametrize("algorithm", ["ffd", "bfd"])
+def test_count_packs_buffers_cut_the_stream_and_drop_overlength(algorithm):
+    stream = [6, 5, 4, 3, 12, 2]  # capacity 10: the 12 takes a slot and no row
+    packs = {
+        b: count_packs(stream, capacity=10, buffer_size=b, algorithm=algorithm)
+        for b in (1, 2, 3, 6, None)
+    }
+    # 1: one row per fitting sample; 2: [6][5] [4,3] [2]; 3: [6,4][5] [3,2]; one buffer:
+    # [6,4][5,3,2]
+    assert packs == {1: 5, 2: 4, 3: 3, 6: 2, None: 2}
+    assert count_packs([], capacity=10, buffer_size=4, algorithm=algorithm) == 0
+    with pytest.raises(ValueError, match="buffer_size must be >= 1"):
+        count_packs(stream, capacity=10, buffer_size=0, algorithm=algorithm)
+
+
+def test_unpacked_capacity_pads_each_batch_to_its_longest():
+    # fitting samples [6, 5, 4, 3, 2] in batches of 2: 2x6 + 2x4 + 1x2
+    assert unpacked_capacity([6, 5, 4, 3, 12, 2], capacity=10, batch_size=2) == 22
+    assert unpacked_capacity([1, 9, 2, 3], capacity=10, batch_size=8) == 4 * 9
+    assert unpacked_capacity([], capacity=10, batch_size=8) == 0
+
+
+def test_lower_bound_fill_rounds_rows_up():
+    assert lower_bound_fill([6, 5, 4, 3, 12, 2], 10) == 1.0  # 20 tokens, 2 rows
+    assert lower_bound_fill([6, 5], 10) == 11 / 20
+    assert lower_bound_fill([12], 10) == 0.0
+
+
+def test_fill_by_method_exact_on_equal_lengths():
+    # Twenty samples of 3 tokens, capacity 10: three per row. Order does not matter.
+    fill = fill_by_method([3] * 20, capacity=10, seed=0)
+    assert list(fill) == [
+        "none",
+        "eager_ffd@16",
+        "lazy_ffd@16",
+        "lazy_ffd@64",
+        "lazy_ffd@256",
+        "lazy_ffd@1024",
+        "lazy_bfd@16",
+        "lazy_bfd@64",
+        "lazy_bfd@256",
+        "lazy_bfd@1024",
+        "offline_bfd",
+        "lower_bound",
+    ]
+    assert fill["none"] == 1.0  # every batch is padded to 3
+    # B=16: 16 samples → 6 rows (5 of 3 samples, 1 of 1); the last 4 → 2 rows: 60 / 80
+    assert fill["lazy_ffd@16"] == fill["lazy_bfd@16"] == fill["eager_ffd@16"] == 0.75
+    for name in ("lazy_ffd@64", "lazy_bfd@1024", "offline_bfd"):
+        assert fill[name] == 60 / 70  # one buffer: 7 rows
+    assert fill["lower_bound"] == 1.0  # 60 tokens fit 6 rows exactly
+
+
+def test_fill_by_method_eager_equals_lazy_and_is_bounded():
+    lengths = vlm_sft_lengths(3000, seed=5)
+    fill = fill_by_method(lengths, capacity=2048, seed=1)
+    assert fill["eager_ffd@16"] == fill["lazy_ffd@16"]
+    assert all(0 < v <= 1 for v in fill.values())
+    assert all(fill[name] <= fill["lower_bound"] for name in fill)
+    assert fill["none"] < fill["lazy_ffd@16"] < fill["lazy_ffd@256"] <= fill["offline_bfd"]
+    with pytest.raises(ValueError, match="no sample fits"):
+        fill_by_method([4000], capacity=2048, seed=0)
+
+
+def test_shuffled_is_a_seeded_permutation():
+    lengths = list(range(100))
+    assert shuffled(lengths, 3) == shuffled(lengths, 3)
+    assert shuffled(lengths, 3) != shuffled(lengths, 4)
+    assert sorted(shuffled(lengths, 3)) == lengths
+    assert lengths == list(range(100))  # input untouched
+
+
+def test_vlm_sft_samples_are_deterministic_and_in_range():
+    shape = VlmSftShape()
+    samples = vlm_sft_samples(5000, seed=0)
+    assert samples == vlm_sft_samples(5000, seed=0)
+    assert samples != vlm_sft_samples(5000, seed=1)
+    assert vlm_sft_samples(100, seed=0) == samples[:100]
+    for text, images in samples:
+        assert 16 <= text <= shape.text_max
+        assert 0 <= len(images) <= 4
+        assert all(shape.image_tokens_min <= n <= shape.image_tokens_max for n in images)
+        assert sum(images) <= shape.visual_budget
+    counts = [len(images) for _, images in samples]
+    assert abs(counts.count(0) / len(counts) - 0.35) < 0.03
+    assert abs(counts.count(4) / len(counts) - 0.05) < 0.015
+    assert 200 <= statistics.median(t for t, _ in samples) <= 240
+    assert vlm_sft_lengths(50, seed=0) == [t + sum(v) for t, v in samples[:50]]
+    # Heavy tail: some, but few, conversations do not fit 2048 tokens.
+    overlength = sum(n > 2048 for n in vlm_sft_lengths(5000, seed=0)) / 5000
+    assert 0.02 < overlength < 0.10
+
+
+def test_vlm_sft_shape_rejects_a_budget_too_small_for_its_images():
+    with pytest.raises(ValueError, match="raise it to at least 1024"):
+        VlmSftShape(visual_budget=1000)
+    with pytest.raises(ValueError, match="image_tokens_min <= image_tokens_max"):
+        VlmSftShape(image_tokens_min=600, image_tokens_max=500)
+
+
+def test_worker_rss_sees_a_new_child_only():
+    with WorkerRss(interval_s=0.02) as rss:
+        assert rss.sample() == 0.0  # no child yet
+        child = subprocess.Popen(
+            [sys.executable, "-c", "import time; x = b'x' * (64 * 2**20); time.sleep(1.5)"]
+        )
+        child.wait()
+    assert rss.peak_mb >= 64
+
+
+def _result(*, fill256: float, offline: float, rss256: float, overhead: float, select: float):
+    fill = {"lazy_ffd@256": fill256, "lazy_bfd@256": fill256, "offline_bfd": offline}
+    return {
+        "default": {"fill": fill},
+        "vlm_sft": {"fill": fill},
+        "worker_rss_mb": {"eager_ffd@16": 700.0, "lazy_ffd@256": rss256},
+        "packing_overhead": overhead,
+        "select_100k_s": select,
+    }
+
+
+def test_targets_hold_or_not():
+    good = bench._targets(
+        _result(fill256=0.99, offline=0.995, rss256=600.0, overhead=0.03, select=0.5)
+    )
+    assert all(t["held"] for t in good.values())
+    assert len(good) == 7
+    bad = bench._targets(
+        _result(fill256=0.985, offline=0.9999, rss256=701.0, overhead=0.06, select=1.0)
+    )
+    assert not any(t["held"] for t in bad.values())
+    assert bad["default.fill.lazy_ffd@256"]["vs_offline_bfd"] == pytest.approx(0.985 / 0.9999)
+    low = bench._targets(
+        _result(fill256=0.975, offline=0.976, rss256=600.0, overhead=0.0, select=0.1)
+    )
+    assert not low["vlm_sft.fill.lazy_bfd@256"]["held"]  # within 1% but under 0.98
+
+
+def test_torch_threads_sets_and_restores():
+    import torch
+
+    before = torch.get_num_threads()
+    with bench.torch_threads(1):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before
