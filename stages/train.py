@@ -100,7 +100,7 @@ def train_run(cfg: PipelineConfig, *, packed: bool, run_dir: Path, tracker: Trac
             }
             tracker.log_metrics(metrics, step=r.step)
             with log.open("a") as f:
-                f.write(json.dumps({"step": r.step, **metrics}) + "\n")
+                f.write(json.dumps({"step": r.step, **metrics, "keys": r.keys}) + "\n")
             bar.update(task, completed=r.step, description=f"train {name} loss {r.loss:.3f}")
             if settings.save_every and r.step % settings.save_every == 0:
                 trainer.save_checkpoint()
@@ -109,7 +109,11 @@ def train_run(cfg: PipelineConfig, *, packed: bool, run_dir: Path, tracker: Trac
     final_eval = evaluate(trainer.step)
     model.save_pretrained(run_dir / "adapter")
     tracker.log_artifact(run_dir / "adapter")
-    steps = [json.loads(line) for line in log.read_text().splitlines()]
+    by_step = {}
+    for line in log.read_text().splitlines():  # a resumed run re-logs the replayed steps
+        rec = json.loads(line)
+        by_step[rec["step"]] = rec
+    steps = [by_step[k] for k in sorted(by_step)]
     real = sum(s["train/real_tokens"] for s in steps)
     wall = sum(s["train/step_seconds"] for s in steps)
     return {

@@ -69,15 +69,17 @@ def packed_forward(
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
     """(Σ token cross-entropy, number of target tokens): labels are already shifted, so
-    no shift happens here. Divide by the global target count, never average per row."""
+    no shift happens here. Per-token losses are summed in float64, so the sum does not
+    depend on how the tokens were laid out. Divide by the global target count, never
+    average per row."""
     flat = labels.reshape(-1)
-    loss = F.cross_entropy(
+    per_token = F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]).float(),
         flat,
         ignore_index=IGNORE_INDEX,
-        reduction="sum",
+        reduction="none",
     )
-    return loss, int((flat != IGNORE_INDEX).sum())
+    return per_token.double().sum(), int((flat != IGNORE_INDEX).sum())
 
 
 def padded_forward(model, batch, *, image_token_id: int) -> torch.Tensor:

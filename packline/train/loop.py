@@ -87,6 +87,7 @@ class StepResult:
     seconds: float
     counts: PackCounts
     rank_real_tokens: list[int] = field(default_factory=list)
+    keys: list[str] = field(default_factory=list)
 
 
 class Trainer:
@@ -158,34 +159,21 @@ class Trainer:
 
     # -- one optimizer step -----------------------------------------------------------------
 
-    def train_step(self) -> StepResult:
-        t0 = time.perf_counter()
-        self.model.train()
-        rows = self._next_rows()
-        counts = PackCounts()
-        for row in rows:
-            counts = counts + PackCounts.of(row, self.flops_model, self.s.packing.seq_length)
+    def micro_batches(self, rows: list[PackedBatch]) -> list:
+        """The step's micro-batches: the packed rows themselves, or (packing off) the same
+        conversations right-padded in groups of ``unpacked_micro_batch_size``."""
         if self.s.packed:
-            micro = rows
-        else:
-            convs = [c for row in rows for c in row.conversations()]
-            k = self.s.unpacked_micro_batch_size
-            micro = [
-                build_padded_batch(convs[i : i + k], pad_token_id=self.pad_token_id)
-                for i in range(0, len(convs), k)
-            ]
-            padded = sum(m.num_padded_tokens for m in micro)
-            counts.padded_tokens = padded
-            counts.flops_executed = sum(
-                self.flops_model.executed(
-                    [m.input_ids.shape[1]] * m.input_ids.shape[0],
-                    [
-                        tuple(g)
-                        for g in (m.image_grid_thw.tolist() if m.image_grid_thw is not None else [])
-                    ],
-                )
-                for m in micro
-            )
+            return rows
+        convs = [c for row in rows for c in row.conversations()]
+        k = self.s.unpacked_micro_batch_size
+        return [
+            build_padded_batch(convs[i : i + k], pad_token_id=self.pad_token_id)
+            for i in range(0, len(convs), k)
+        ]
+
+    def accumulate_gradients(self, micro: list) -> tuple[float, int]:
+        """Backward of Σ token loss / global target count over ``micro`` (all ranks);
+        gradients summed across ranks. Returns (global mean token loss, global targets)."""
         local_targets = sum(m.num_loss_tokens for m in micro)
         global_targets = int(_all_reduce(torch.tensor([local_targets], dtype=torch.float64)).item())
         loss_total = torch.zeros((), dtype=torch.float64)
@@ -202,6 +190,29 @@ class Trainer:
                 if p.grad is not None:
                     _all_reduce(p.grad)
         loss_total = _all_reduce(loss_total)
+        return float(loss_total.item() / global_targets), global_targets
+
+    def train_step(self) -> StepResult:
+        t0 = time.perf_counter()
+        self.model.train()
+        rows = self._next_rows()
+        counts = PackCounts()
+        for row in rows:
+            counts = counts + PackCounts.of(row, self.flops_model, self.s.packing.seq_length)
+        micro = self.micro_batches(rows)
+        if not self.s.packed:  # the padded layout executes (and wastes) more
+            counts.padded_tokens = sum(m.num_padded_tokens for m in micro)
+            counts.flops_executed = sum(
+                self.flops_model.executed(
+                    [m.input_ids.shape[1]] * m.input_ids.shape[0],
+                    [
+                        tuple(g)
+                        for g in (m.image_grid_thw.tolist() if m.image_grid_thw is not None else [])
+                    ],
+                )
+                for m in micro
+            )
+        loss, _ = self.accumulate_gradients(micro)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.s.grad_clip)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
@@ -214,12 +225,13 @@ class Trainer:
         self.counters.add(counts)
         return StepResult(
             step=self.step,
-            loss=float(loss_total.item() / global_targets),
+            loss=loss,
             lr=lr,
             grad_norm=float(grad_norm),
             seconds=time.perf_counter() - t0,
             counts=counts,
             rank_real_tokens=[int(v) for v in per_rank.tolist()],
+            keys=[k for row in rows for k in row.keys],
         )
 
     # -- checkpoints ------------------------------------------------------------------------
