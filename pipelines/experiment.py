@@ -179,6 +179,12 @@ def _headline(cfg: PipelineConfig, stage: str, m: dict[str, float]) -> str:
             f"{m.get('connect/tokens_total', 0):,.0f} tokens, "
             f"{m.get('connect/overlength', 0):,.0f} over seq_length; {fill_text}"
         )
+    if stage == "train":
+        speedup = m.get("compare/speedup_real_tokens_per_s")
+        on = m.get("compare/packed_real_tokens_per_s")
+        off = m.get("compare/unpacked_real_tokens_per_s")
+        if speedup is not None and on is not None and off is not None:
+            return f"packed {on:,.0f} vs unpacked {off:,.0f} real tok/s ({speedup:.2f}x)"
     return ""
 
 

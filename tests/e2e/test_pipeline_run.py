@@ -15,12 +15,19 @@ from mlflow.tracking import MlflowClient
 pytestmark = pytest.mark.slow
 
 PACKLINE = [sys.executable, "-m", "pipelines.cli"]
+# Train just enough to run every part of the stage (both modes, a checkpoint, eval loss).
+QUICK_TRAIN = [
+    "train.max_steps=2",
+    "train.save_every=1",
+    "train.global_batch_size=2",
+    "train.eval_samples=2",
+]
 
 
 def _run(work: Path, *overrides: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "COLUMNS": "160"}
     return subprocess.run(
-        [*PACKLINE, "run", f"work_dir={work}", "prepare.num_workers=1", *overrides],
+        [*PACKLINE, "run", f"work_dir={work}", "prepare.num_workers=1", *QUICK_TRAIN, *overrides],
         capture_output=True,
         text=True,
         env=env,
@@ -40,8 +47,8 @@ def test_run_twice_skips_then_a_changed_sample_count_reruns(tmp_path: Path):
     first = _run(work, *small)
     assert first.returncode == 0, first.stderr[-3000:]
     out = first.stdout + first.stderr
-    assert "Task 0: prepare" in out and "Task 1: connect" in out  # NeMo-Run tasks
-    assert out.count("Status: SUCCEEDED") == 2
+    assert "Task 0: prepare" in out and "Task 1: connect" in out and "Task 2: train" in out
+    assert out.count("Status: SUCCEEDED") == 3  # NeMo-Run tasks, in dependency order
     prep1, conn1 = _record(work, "prepare"), _record(work, "connect")
     assert len(pd.read_parquet(work / "connect" / "lengths.parquet")) == 46
 
@@ -49,6 +56,7 @@ def test_run_twice_skips_then_a_changed_sample_count_reruns(tmp_path: Path):
     assert second.returncode == 0, second.stderr[-3000:]
     out2 = second.stdout + second.stderr
     assert "prepare: up to date" in out2 and "connect: up to date" in out2
+    assert "train: up to date" in out2
     assert "Task 0: prepare" not in out2  # nothing launched
     assert _record(work, "prepare") == prep1 and _record(work, "connect") == conn1
 
@@ -69,7 +77,11 @@ def test_run_twice_skips_then_a_changed_sample_count_reruns(tmp_path: Path):
     assert all(p.info.status == "FINISHED" for p in parents)
     for parent in parents:
         children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
-        assert sorted(c.data.tags["mlflow.runName"] for c in children) == ["connect", "prepare"]
+        assert sorted(c.data.tags["mlflow.runName"] for c in children) == [
+            "connect",
+            "prepare",
+            "train",
+        ]
         for child in children:
             assert child.data.params["packing.seq_length"] == "2048"
     latest = max(parents, key=lambda r: r.info.start_time)
@@ -86,6 +98,16 @@ def test_run_twice_skips_then_a_changed_sample_count_reruns(tmp_path: Path):
     artifacts = {a.path for a in client.list_artifacts(kids["connect"].info.run_id)}
     assert {"forecast.json", "length_histogram.png"} <= artifacts
     assert "rejects.jsonl" in {a.path for a in client.list_artifacts(kids["prepare"].info.run_id)}
+    # Training runs nest under the train stage: packing on and off, per-step metrics.
+    train_runs = {
+        r.data.tags["mlflow.runName"]: r
+        for r in runs
+        if r.data.tags.get("mlflow.parentRunId") == kids["train"].info.run_id
+    }
+    assert sorted(train_runs) == ["train-packed", "train-unpacked"]
+    history = client.get_metric_history(train_runs["train-packed"].info.run_id, "train/loss")
+    assert [m.step for m in history] == [1, 2]
+    assert "compare/speedup_real_tokens_per_s" in kids["train"].data.metrics
 
 
 def test_run_with_bad_overrides_exits_2_listing_both(tmp_path: Path):
