@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from packline.counters import flops_model_for
+from packline.flops import mfu
 from packline.progress import console, progress
 from packline.qwen.processor import load_processor
 from packline.tracking import Tracker
@@ -76,6 +77,7 @@ def train_run(cfg: PipelineConfig, *, packed: bool, run_dir: Path, tracker: Trac
         tracker.log_metrics(metrics, step=step)
         return metrics
 
+    device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     first_eval = evaluate(start) if start == 0 else {}
     seconds = 0.0
     with progress() as bar:
@@ -98,6 +100,9 @@ def train_run(cfg: PipelineConfig, *, packed: bool, run_dir: Path, tracker: Trac
                 ),
                 **trainer.ledger.to_metrics(),
             }
+            util = mfu(r.counts.flops_useful / r.seconds / trainer.world, device_name)
+            if util is not None:  # a GPU with a known peak; on CPU: TFLOP/s only
+                metrics["flops/mfu"] = util
             tracker.log_metrics(metrics, step=r.step)
             with log.open("a") as f:
                 f.write(json.dumps({"step": r.step, **metrics, "keys": r.keys}) + "\n")
