@@ -12,6 +12,7 @@ where it stopped. Every run is an MLflow child run of the stage with per-step me
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -39,8 +40,22 @@ def fingerprint_inputs(cfg: PipelineConfig) -> str:
     )
 
 
-def train_run(cfg: PipelineConfig, *, packed: bool, run_dir: Path, tracker: Tracker) -> dict:
-    """Train one run to ``train.max_steps`` (resuming if checkpoints exist); evaluate."""
+def _claim_run_dir(run_dir: Path, fp: str) -> None:
+    """Checkpoints resume only the run they belong to: a run dir left by another config
+    (another fingerprint) is cleared instead of resumed."""
+    marker = run_dir / "fingerprint"
+    if run_dir.exists() and (not marker.is_file() or marker.read_text() != fp):
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    marker.write_text(fp)
+
+
+def train_run(
+    cfg: PipelineConfig, *, packed: bool, run_dir: Path, tracker: Tracker, fp: str
+) -> dict:
+    """Train one run to ``train.max_steps`` (resuming if checkpoints of the same config
+    exist); evaluate at the start and the end."""
+    _claim_run_dir(run_dir, fp)
     dataset_dir, processor_dir = run_paths(cfg)
     processor = load_processor(processor_dir)
     torch.manual_seed(cfg.train.seed)
@@ -156,7 +171,7 @@ def train_lora(
             tags={"packline.stage": STAGE, "packline.packing": str(packed).lower()},
         )
         try:
-            runs.append(train_run(cfg, packed=packed, run_dir=out / name, tracker=tracker))
+            runs.append(train_run(cfg, packed=packed, run_dir=out / name, tracker=tracker, fp=fp))
         except BaseException:
             tracker.end("FAILED")
             raise

@@ -164,3 +164,16 @@ def test_resume_after_sigkill_replays_nothing_and_skips_nothing(work, tmp_path, 
     for step in range(11, 21):
         assert resumed[step]["train/loss"] == straight[step]["train/loss"], step  # bitwise
         assert resumed[step]["keys"] == straight[step]["keys"], step
+
+
+def test_checkpoints_of_another_config_are_not_resumed(tmp_path):
+    from stages.train import _claim_run_dir
+
+    run = tmp_path / "packed"
+    _claim_run_dir(run, "fp-a")
+    (run / "checkpoints" / "step_000005").mkdir(parents=True)
+    _claim_run_dir(run, "fp-a")  # same config: resume
+    assert (run / "checkpoints" / "step_000005").is_dir()
+    _claim_run_dir(run, "fp-b")  # another config: start fresh
+    assert not (run / "checkpoints").exists()
+    assert (run / "fingerprint").read_text() == "fp-b"
