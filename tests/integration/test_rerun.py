@@ -13,24 +13,24 @@ from tests.conftest import make_config
 def test_stage_records_decide_what_reruns(tmp_path: Path):
     work = tmp_path / "work"
     cfg = make_config(work, "data.num_train=30", "data.num_val=4", "mlflow.enabled=false")
-    assert stages_to_launch(cfg) == ["prepare", "connect"]
+    assert stages_to_launch(cfg) == ["prepare", "connect", "train"]
     prepare_dataset(cfg)
-    assert stages_to_launch(cfg) == ["connect"]
+    assert stages_to_launch(cfg) == ["connect", "train"]
     connect_processor(cfg)
-    assert stages_to_launch(cfg) == []
+    assert stages_to_launch(cfg) == ["train"]
 
     # A setting only connect reads reruns connect alone; prepare's record still matches.
     longer = make_config(work, "data.num_train=30", "data.num_val=4", "packing.seq_length=4096")
-    assert stages_to_launch(longer) == ["connect"]
-    # A data setting reruns both.
+    assert stages_to_launch(longer) == ["connect", "train"]
+    # A data setting reruns everything.
     more = make_config(work, "data.num_train=31", "data.num_val=4")
-    assert stages_to_launch(more) == ["prepare", "connect"]
+    assert stages_to_launch(more) == ["prepare", "connect", "train"]
 
     # --from connect drops connect's record (and those after it), keeps prepare's.
     before = read_record(cfg, "prepare")
     invalidate_from(cfg, "connect")
     assert read_record(cfg, "connect") is None and read_record(cfg, "prepare") == before
-    assert stages_to_launch(cfg) == ["connect"]
+    assert stages_to_launch(cfg) == ["connect", "train"]
 
     # run_stage skips an up-to-date stage without touching its outputs.
     result = run_stage(cfg, "prepare")
