@@ -23,7 +23,6 @@ from __future__ import annotations
 import zlib
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any
 
 from megatron.energon import Cooker, DefaultTaskEncoder, Sample, edataclass, stateless
 from megatron.energon.errors import FatalSampleError
@@ -250,15 +249,3 @@ def make_encoder(mode: str, processor_dir, settings: PackingSettings) -> _QwenPa
     if mode == "eager":
         return EagerQwenPackingEncoder(processor_dir, settings)
     raise ValueError(f"unknown encoder mode {mode!r}: use 'lazy' or 'eager'")
-
-
-def describe(pack: QwenPack) -> dict[str, Any]:
-    """Counters of a pack, for logs."""
-    b = pack.batch
-    return {
-        "keys": b.keys,
-        "real_tokens": b.num_real_tokens,
-        "padded_tokens": b.num_padded_tokens,
-        "conversations": b.num_conversations,
-        "dropped": {k: len(v) for k, v in b.dropped.items()},
-    }
