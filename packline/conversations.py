@@ -19,11 +19,14 @@ Every way a row can be bad maps to one reason of ``schemas.tables.REJECT_REASONS
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from PIL import Image
 
 from packline.qwen.vision import ImageGeometry, read_image_size
 
@@ -177,10 +180,6 @@ def _load_image(folder: Path, rel: Any, sid: str, geometry: ImageGeometry) -> Im
 def _decode_fully(data: bytes) -> str:
     """Decode every pixel once (a header can be fine while the pixels are truncated);
     returns the file extension to store the bytes under."""
-    import io
-
-    from PIL import Image
-
     try:
         with Image.open(io.BytesIO(data)) as img:
             fmt = (img.format or "png").lower()

@@ -73,13 +73,15 @@ class LengthReader(ConversationReader):
         self.processor_dir = Path(processor_dir)
         self.visual_tokens = visual_tokens
         self._processor = None
+        self._geometry = None
 
     @property
     def processor(self):
         if self._processor is None:  # loaded once per worker process
-            from packline.qwen.processor import load_processor
+            from packline.qwen.processor import load_processor, processor_geometry
 
             self._processor = load_processor(self.processor_dir)
+            self._geometry = processor_geometry(self._processor)
         return self._processor
 
     def encode_sample(self, sample: ConversationSample) -> dict[str, Any]:
@@ -93,10 +95,7 @@ class LengthReader(ConversationReader):
         cheap = cheap_lengths(
             self.processor, sample.conversation, sizes, visual_tokens=self.visual_tokens
         )
-        from packline.qwen.processor import processor_geometry
-
-        geometry = processor_geometry(self.processor)
-        grids = [list(geometry.grid_thw(h, w)) for w, h in sizes]
+        grids = [list(self._geometry.grid_thw(h, w)) for w, h in sizes]
         return {
             "key": sample.__key__,
             "exact": asdict(exact),

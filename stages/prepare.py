@@ -15,6 +15,7 @@ rejected share exceeds ``prepare.max_reject_fraction``.
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from collections import Counter
 from pathlib import Path
@@ -65,8 +66,6 @@ def resolve_source(cfg: PipelineConfig) -> Path:
 
     tmp = out.with_name(out.name + ".tmp")
     if tmp.exists():
-        import shutil
-
         shutil.rmtree(tmp)
     total = cfg.data.num_train + cfg.data.num_val
     with progress() as bar:
@@ -80,8 +79,6 @@ def resolve_source(cfg: PipelineConfig) -> Path:
         )
     (tmp / SOURCE_DONE).write_text("ok\n")
     if out.exists():
-        import shutil
-
         shutil.rmtree(out)
     tmp.rename(out)
     return out
