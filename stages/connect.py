@@ -33,8 +33,6 @@ from megatron.energon import WorkerConfig, get_loader, get_train_dataset, get_va
 from packline.energon.sample import ConversationReader, ConversationSample
 from packline.packing.selection import (
     align_up,
-    best_fit_decreasing,
-    first_fit_decreasing,
     select_packs,
 )
 from packline.progress import console, progress
@@ -187,14 +185,20 @@ def forecast_fill(
     order = list(range(len(lengths)))
     random.Random(seed).shuffle(order)  # Energon's shuffled stream, approximately
     stream = [lengths[i] for i in order]
-    select = first_fit_decreasing if algorithm == Algorithm.ffd else best_fit_decreasing
     total = sum(stream)
     out: dict[str, Any] = {"capacity": capacity, "samples": len(stream), "tokens": total}
     per_buffer = {}
     for b in buffer_sizes:
         packs = 0
         for start in range(0, len(stream), b):
-            packs += len(select(stream[start : start + b], capacity))
+            packs += len(
+                select_packs(
+                    stream[start : start + b],
+                    capacity=capacity,
+                    algorithm=algorithm.value,
+                    seed=None,
+                )
+            )
         per_buffer[str(b)] = {"packs": packs, "fill": total / (packs * capacity) if packs else 0.0}
     out["buffers"] = per_buffer
     min_packs = -(-total // capacity)

@@ -69,6 +69,10 @@ def test_fill_by_method_exact_on_equal_lengths():
         "lazy_bfd@256",
         "lazy_bfd@1024",
         "offline_bfd",
+        "round_bound@16",
+        "round_bound@64",
+        "round_bound@256",
+        "round_bound@1024",
         "lower_bound",
     ]
     assert fill["none"] == 1.0  # every batch is padded to 3
@@ -77,6 +81,9 @@ def test_fill_by_method_exact_on_equal_lengths():
     for name in ("lazy_ffd@64", "lazy_bfd@1024", "offline_bfd"):
         assert fill[name] == 60 / 70  # one buffer: 7 rows
     assert fill["lower_bound"] == 1.0  # 60 tokens fit 6 rows exactly
+    # B=16: 48 tokens need ≥ 5 rows, the last 12 tokens ≥ 2 rows
+    assert fill["round_bound@16"] == 60 / 70
+    assert fill["round_bound@64"] == 1.0
 
 
 def test_fill_by_method_eager_equals_lazy_and_is_bounded():
@@ -85,6 +92,10 @@ def test_fill_by_method_eager_equals_lazy_and_is_bounded():
     assert fill["eager_ffd@16"] == fill["lazy_ffd@16"]
     assert all(0 < v <= 1 for v in fill.values())
     assert all(fill[name] <= fill["lower_bound"] for name in fill)
+    for b in (16, 64, 256, 1024):
+        assert fill[f"lazy_ffd@{b}"] <= fill[f"round_bound@{b}"]
+        assert fill[f"lazy_bfd@{b}"] <= fill[f"round_bound@{b}"]
+    assert fill["lazy_ffd@256"] > 0.99 * fill["round_bound@256"]
     assert fill["none"] < fill["lazy_ffd@16"] < fill["lazy_ffd@256"] <= fill["offline_bfd"]
     with pytest.raises(ValueError, match="no sample fits"):
         fill_by_method([4000], capacity=2048, seed=0)
@@ -137,7 +148,12 @@ def test_worker_rss_sees_a_new_child_only():
 
 
 def _result(*, fill256: float, offline: float, rss256: float, overhead: float, select: float):
-    fill = {"lazy_ffd@256": fill256, "lazy_bfd@256": fill256, "offline_bfd": offline}
+    fill = {
+        "lazy_ffd@256": fill256,
+        "lazy_bfd@256": fill256,
+        "offline_bfd": offline,
+        "round_bound@256": fill256,
+    }
     return {
         "default": {"fill": fill},
         "vlm_sft": {"fill": fill},
@@ -158,6 +174,7 @@ def test_targets_hold_or_not():
     )
     assert not any(t["held"] for t in bad.values())
     assert bad["default.fill.lazy_ffd@256"]["vs_offline_bfd"] == pytest.approx(0.985 / 0.9999)
+    assert bad["default.fill.lazy_ffd@256"]["vs_round_bound"] == 1.0
     low = bench._targets(
         _result(fill256=0.975, offline=0.976, rss256=600.0, overhead=0.0, select=0.1)
     )

