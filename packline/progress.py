@@ -17,8 +17,9 @@ from rich.table import Table
 console = Console(stderr=True)
 
 
-def progress() -> Progress:
-    """A progress display for long stage work (a no-op refresh when not on a terminal)."""
+def progress(*, disable: bool = False) -> Progress:
+    """A progress display for long stage work (a no-op refresh when not on a terminal;
+    ``disable`` shows nothing, e.g. on data-parallel ranks other than 0)."""
     return Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -28,6 +29,7 @@ def progress() -> Progress:
         TimeRemainingColumn(),
         console=console,
         transient=False,
+        disable=disable,
     )
 
 

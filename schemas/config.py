@@ -308,6 +308,9 @@ class TrainConfig(_Section):
     """Seed of model init, data order and packing shuffles."""
     num_workers: int = 0
     """DataLoader workers per rank."""
+    nproc_per_node: int = 1
+    """Data-parallel processes (backend local): > 1 runs each training run under torchrun,
+    gloo on CPU, nccl on GPU; ``global_batch_size`` must divide by it."""
     save_every: int = 20
     """Checkpoint every N optimizer steps."""
     keep_last: int = 2
@@ -328,6 +331,13 @@ class TrainConfig(_Section):
         _check(p, self.lr > 0, f"train.lr must be > 0, got {self.lr}")
         _check(p, self.warmup_steps >= 0, "train.warmup_steps must be >= 0")
         _check(p, self.keep_last >= 1, "train.keep_last must be >= 1")
+        _check(p, self.nproc_per_node >= 1, "train.nproc_per_node must be >= 1")
+        _check(
+            p,
+            self.nproc_per_node < 1 or self.global_batch_size % self.nproc_per_node == 0,
+            f"train.global_batch_size {self.global_batch_size} is not divisible by "
+            f"train.nproc_per_node {self.nproc_per_node} (rows per step split evenly over ranks)",
+        )
         return p
 
 
@@ -407,6 +417,10 @@ class PipelineConfig(_Section):
     def to_dict(self) -> dict[str, Any]:
         """Plain, JSON-serialisable dict of the resolved config (enums as values)."""
         return OmegaConf.to_container(OmegaConf.structured(self), resolve=True, enum_to_str=True)
+
+    def to_yaml(self) -> str:
+        """The resolved config as YAML that :func:`load_config` reads back unchanged."""
+        return OmegaConf.to_yaml(self.to_dict())
 
     def section_hash(self, *sections: str) -> str:
         """Stable hash of the named sections (what a stage's output depends on)."""

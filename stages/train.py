@@ -12,7 +12,9 @@ where it stopped. Every run is an MLflow child run of the stage with per-step me
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
 import time
 from pathlib import Path
 
@@ -23,8 +25,9 @@ from packline.flops import mfu
 from packline.progress import console, progress
 from packline.qwen.processor import load_processor
 from packline.tracking import Tracker
+from packline.train.distributed import launched, threads_per_rank, torchrun_command
 from packline.train.evaluate import eval_accuracy, eval_loss
-from packline.train.loop import Trainer
+from packline.train.loop import Trainer, barrier, dist_rank_world
 from packline.train.setup import apply_lora, build_model, loop_settings, run_paths
 from schemas.config import PipelineConfig
 from stages.base import StageResult, fingerprint, require_record, write_record
@@ -52,14 +55,20 @@ def _claim_run_dir(run_dir: Path, fp: str) -> None:
 
 def train_run(
     cfg: PipelineConfig, *, packed: bool, run_dir: Path, tracker: Tracker, fp: str
-) -> dict:
+) -> dict | None:
     """Train one run to ``train.max_steps`` (resuming if checkpoints of the same config
-    exist); evaluate at the start and the end."""
-    _claim_run_dir(run_dir, fp)
+    exist); evaluate at the start, every ``train.eval_every`` steps and at the end. Under
+    data parallelism every rank calls this; rank 0 evaluates, logs and returns the summary
+    (the other ranks return None)."""
+    rank, _ = dist_rank_world()
+    if rank == 0:
+        _claim_run_dir(run_dir, fp)
+    barrier()
     dataset_dir, processor_dir = run_paths(cfg)
     processor = load_processor(processor_dir)
     torch.manual_seed(cfg.train.seed)
-    model = apply_lora(build_model(cfg, processor), cfg.lora)
+    device = train_device()
+    model = apply_lora(build_model(cfg, processor), cfg.lora).to(device)
     settings = loop_settings(cfg, packed=packed)
     trainer = Trainer(
         model,
@@ -73,60 +82,56 @@ def train_run(
     )
     start = trainer.resume()
     log = run_dir / "metrics.jsonl"
-    run_dir.mkdir(parents=True, exist_ok=True)
     name = "packed" if packed else "unpacked"
+    lead = rank == 0
 
     def evaluate(step: int) -> dict[str, float]:
-        loss, _ = eval_loss(
-            model,
-            dataset_dir,
-            processor_dir,
-            settings.packing,
-            buffer=settings.packing_buffer_size,
-            image_token_id=trainer.image_token_id,
-        )
-        acc, asked = eval_accuracy(
-            model, processor, dataset_dir, max_samples=cfg.train.eval_samples
-        )
-        metrics = {"eval/loss": loss, "eval/accuracy": acc, "eval/questions": float(asked)}
-        tracker.log_metrics(metrics, step=step)
+        """Rank 0 evaluates; the others wait for it."""
+        metrics: dict[str, float] = {}
+        if lead:
+            loss, _ = eval_loss(
+                model,
+                dataset_dir,
+                processor_dir,
+                settings.packing,
+                buffer=settings.packing_buffer_size,
+                image_token_id=trainer.image_token_id,
+            )
+            acc, asked = eval_accuracy(
+                model, processor, dataset_dir, max_samples=cfg.train.eval_samples
+            )
+            metrics = {"eval/loss": loss, "eval/accuracy": acc, "eval/questions": float(asked)}
+            tracker.log_metrics(metrics, step=step)
+        barrier()
         return metrics
 
-    device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     first_eval = evaluate(start) if start == 0 else {}
-    seconds = 0.0
-    with progress() as bar:
+    every = cfg.train.eval_every
+    with progress(disable=not lead) as bar:
         task = bar.add_task(f"train {name}", total=settings.max_steps, completed=start)
         while trainer.step < settings.max_steps:
             r = trainer.train_step()
-            seconds += r.seconds
-            c = trainer.counters.total
-            metrics = {
-                "train/loss": r.loss,
-                "train/lr": r.lr,
-                "train/grad_norm": r.grad_norm,
-                "train/step_seconds": r.seconds,
-                **r.counts.to_metrics("train"),
-                **{k.replace("train/", "train/cum_"): v for k, v in c.to_metrics("train").items()},
-                "throughput/real_tokens_per_s": r.counts.real_tokens / r.seconds,
-                "flops/tflops_per_s": r.counts.flops_useful / r.seconds / 1e12,
-                "train/real_tokens_rank_spread": float(
-                    max(r.rank_real_tokens) - min(r.rank_real_tokens)
-                ),
-                **trainer.ledger.to_metrics(),
-            }
-            util = mfu(r.counts.flops_useful / r.seconds / trainer.world, device_name)
-            if util is not None:  # a GPU with a known peak; on CPU: TFLOP/s only
-                metrics["flops/mfu"] = util
-            tracker.log_metrics(metrics, step=r.step)
-            with log.open("a") as f:
-                f.write(json.dumps({"step": r.step, **metrics, "keys": r.keys}) + "\n")
+            metrics = _step_metrics(r, trainer, device_name)
+            if lead:
+                tracker.log_metrics(metrics, step=r.step)
+                record = {"step": r.step, **metrics, "keys": r.keys}
+                record["row_real_tokens"] = r.row_real_tokens
+                if trainer.world > 1:
+                    record["keys_by_rank"] = r.keys_by_rank
+                    record["weights_checksums"] = r.weights_checksums
+                with log.open("a") as f:
+                    f.write(json.dumps(record) + "\n")
             bar.update(task, completed=r.step, description=f"train {name} loss {r.loss:.3f}")
             if settings.save_every and r.step % settings.save_every == 0:
                 trainer.save_checkpoint()
+            if every and r.step % every == 0 and r.step < settings.max_steps:
+                evaluate(r.step)
     if trainer.step % max(settings.save_every, 1):
         trainer.save_checkpoint()
     final_eval = evaluate(trainer.step)
+    if not lead:
+        return None
     model.save_pretrained(run_dir / "adapter")
     tracker.log_artifact(run_dir / "adapter")
     by_step = {}
@@ -134,11 +139,14 @@ def train_run(
         rec = json.loads(line)
         by_step[rec["step"]] = rec
     steps = [by_step[k] for k in sorted(by_step)]
+    fill_plot = _plot_row_fill(steps, cfg.packing.seq_length, run_dir / "pack_fill.png", name)
+    tracker.log_artifact(fill_plot)
     real = sum(s["train/real_tokens"] for s in steps)
     wall = sum(s["train/step_seconds"] for s in steps)
     return {
         "run": name,
         "steps": trainer.step,
+        "ranks": trainer.world,
         "real_tokens": real,
         "seconds": wall,
         "real_tokens_per_s": real / wall if wall else 0.0,
@@ -152,10 +160,125 @@ def train_run(
     }
 
 
+def _step_metrics(r, trainer: Trainer, device_name: str) -> dict[str, float]:
+    """MLflow metrics of one optimizer step (counts summed over ranks)."""
+    c = trainer.counters.total
+    metrics = {
+        "train/loss": r.loss,
+        "train/lr": r.lr,
+        "train/grad_norm": r.grad_norm,
+        "train/step_seconds": r.seconds,
+        **r.counts.to_metrics("train"),
+        **{k.replace("train/", "train/cum_"): v for k, v in c.to_metrics("train").items()},
+        "throughput/real_tokens_per_s": r.counts.real_tokens / r.seconds,
+        "flops/tflops_per_s": r.counts.flops_useful / r.seconds / 1e12,
+        "train/real_tokens_rank_spread": float(max(r.rank_real_tokens) - min(r.rank_real_tokens)),
+        "flops/useful_rank_spread": float(max(r.rank_flops) - min(r.rank_flops)),
+        **trainer.ledger_metrics(),
+    }
+    if r.counts.rows:
+        metrics["pack/fill"] = r.counts.real_tokens / (r.counts.rows * trainer.s.packing.seq_length)
+        metrics["pack/conversations_per_pack"] = r.counts.conversations / r.counts.rows
+    util = mfu(r.counts.flops_useful / r.seconds / trainer.world, device_name)
+    if util is not None:  # a GPU with a known peak; on CPU: TFLOP/s only
+        metrics["flops/mfu"] = util
+    return metrics
+
+
+def _plot_row_fill(steps: list[dict], seq_length: int, path: Path, name: str) -> Path:
+    """Histogram of real tokens / seq_length over the packed rows the run consumed (the
+    unpacked run lays out the same conversations, so its rows are the same)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fills = [n / seq_length for s in steps for n in s.get("row_real_tokens", [])]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.hist(fills, bins=20, range=(0, 1), color="#4c72b0")
+    mean = sum(fills) / len(fills) if fills else 0.0
+    ax.set_title(f"{name}: fill of {len(fills)} packed rows (mean {mean:.3f})")
+    ax.set_xlabel("real tokens / seq_length")
+    ax.set_ylabel("rows")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def train_device() -> torch.device:
+    """This rank's GPU when there is one, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def train_mode(
+    cfg: PipelineConfig,
+    *,
+    packed: bool,
+    run_dir: Path,
+    fp: str,
+    parent_run_id: str | None,
+) -> dict | None:
+    """One training run with its MLflow child run (opened by rank 0 only)."""
+    name = "packed" if packed else "unpacked"
+    rank, _ = dist_rank_world()
+    tracker = Tracker.disabled()
+    if rank == 0:
+        tracker = Tracker.start(
+            cfg,
+            f"train-{name}",
+            parent_run_id=parent_run_id,
+            tags={"packline.stage": STAGE, "packline.packing": str(packed).lower()},
+        )
+    try:
+        result = train_run(cfg, packed=packed, run_dir=run_dir, tracker=tracker, fp=fp)
+    except BaseException:
+        tracker.end("FAILED")
+        raise
+    tracker.end()
+    if result is not None:
+        (run_dir / "result.json").write_text(json.dumps(result, indent=2))
+    return result
+
+
+def _launch_ranks(
+    cfg: PipelineConfig,
+    *,
+    packed: bool,
+    run_dir: Path,
+    fp: str,
+    parent_run_id: str | None,
+) -> dict:
+    """Run :func:`train_mode` under torchrun with ``train.nproc_per_node`` ranks and read
+    rank 0's summary."""
+    nproc = cfg.train.nproc_per_node
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config_path = run_dir.parent / f"{run_dir.name}.launch.yaml"
+    config_path.write_text(cfg.to_yaml())
+    (run_dir / "result.json").unlink(missing_ok=True)
+    args = [str(config_path), "--mode", "packed" if packed else "unpacked", "--fp", fp]
+    if parent_run_id:
+        args += ["--parent-run-id", parent_run_id]
+    cmd = torchrun_command(nproc, "stages.train_ranks", args)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads_per_rank(nproc))}
+    console.log(f"train {run_dir.name}: {nproc} data-parallel ranks under torchrun")
+    done = subprocess.run(cmd, env=env, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"torchrun with {nproc} ranks failed (exit {done.returncode}) for the "
+            f"{run_dir.name} run; see the rank logs above"
+        )
+    return json.loads((run_dir / "result.json").read_text())
+
+
 def train_lora(
     cfg: PipelineConfig, fp: str | None = None, *, parent_run_id: str | None = None
 ) -> StageResult:
-    """Train packing on and off (or only the configured mode) and compare them."""
+    """Train packing on and off (or only the configured mode) and compare them. With
+    ``train.nproc_per_node`` > 1 each run happens under torchrun; when this process is
+    itself one rank of a launch, it trains as that rank."""
     t0 = time.perf_counter()
     fp = fp or fingerprint_inputs(cfg)
     require_record(cfg, "connect", by="train")
@@ -163,19 +286,22 @@ def train_lora(
     modes = [True, False] if cfg.train.compare_packing else [cfg.packing.enabled]
     runs = []
     for packed in modes:
-        name = "packed" if packed else "unpacked"
-        tracker = Tracker.start(
-            cfg,
-            f"train-{name}",
-            parent_run_id=parent_run_id,
-            tags={"packline.stage": STAGE, "packline.packing": str(packed).lower()},
+        run_dir = out / ("packed" if packed else "unpacked")
+        kwargs = {"packed": packed, "run_dir": run_dir, "fp": fp, "parent_run_id": parent_run_id}
+        if cfg.train.nproc_per_node > 1 and not launched():
+            runs.append(_launch_ranks(cfg, **kwargs))
+        else:
+            runs.append(train_mode(cfg, **kwargs))
+    if any(r is None for r in runs):  # not rank 0 of a launch: rank 0 reports
+        return StageResult(
+            stage=STAGE,
+            out_dir=out,
+            fingerprint=fp,
+            skipped=False,
+            metrics={},
+            summary={},
+            seconds=time.perf_counter() - t0,
         )
-        try:
-            runs.append(train_run(cfg, packed=packed, run_dir=out / name, tracker=tracker, fp=fp))
-        except BaseException:
-            tracker.end("FAILED")
-            raise
-        tracker.end()
     comparison = {"runs": runs}
     if len(runs) == 2:
         on, off = runs

@@ -24,7 +24,7 @@ Worked example (m = 4, seq_length 12, pad_to_max_length): conversations of 5 and
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
 import torch
@@ -121,6 +121,20 @@ class PackedBatch:
                 )
             )
         return out
+
+
+def to_device(batch, device: torch.device | str):
+    """A copy of a :class:`PackedBatch` or :class:`PaddedBatch` with its tensors on
+    ``device`` (the same object when they already are)."""
+    device = torch.device(device)
+    if batch.input_ids.device == device:
+        return batch
+    moved = {
+        f.name: getattr(batch, f.name).to(device, non_blocking=True)
+        for f in fields(batch)
+        if isinstance(getattr(batch, f.name), torch.Tensor)
+    }
+    return replace(batch, **moved)
 
 
 def _concat_rows(tensors: list[torch.Tensor]) -> torch.Tensor | None:

@@ -9,6 +9,11 @@ between them would be a bug, not a finding).
 Loss: Σ token losses / number of target tokens of the whole global batch (all micro-batches
 on all ranks), with gradients summed (never averaged) across ranks — the only normalization
 under which packing is invisible.
+
+Data parallel: under ``torch.distributed`` (torchrun; gloo on CPU, nccl on GPU) each rank
+reads its own shard of the stream (Energon ``WorkerConfig`` rank / world size), the step's
+counters are summed over ranks, and after every optimizer step the ranks compare a checksum
+of their trainable weights — replicas that drift apart stop the run instead of training on.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import os
 import random
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +35,7 @@ from packline.counters import FlopsModel, PackCounts, RunningCounters
 from packline.energon.loader import train_loader
 from packline.energon.packing import PackingSettings, make_encoder
 from packline.packing.ledger import Ledger
-from packline.packing.thd import PackedBatch, build_padded_batch
+from packline.packing.thd import PackedBatch, build_padded_batch, to_device
 from packline.qwen.forward import packed_forward, padded_forward, token_loss_sum
 
 CHECKPOINT_PREFIX = "step_"
@@ -58,16 +63,38 @@ class LoopSettings:
     packing: PackingSettings
 
 
-def _rank_world() -> tuple[int, int]:
+def dist_rank_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
 
 
 def _all_reduce(t: torch.Tensor) -> torch.Tensor:
+    """Sum ``t`` over ranks in place (through the GPU when the backend is nccl)."""
     if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        if dist.get_backend() == "nccl" and t.device.type != "cuda":
+            on_gpu = t.cuda()
+            dist.all_reduce(on_gpu, op=dist.ReduceOp.SUM)
+            t.copy_(on_gpu.cpu())
+        else:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
+
+
+def _all_gather(value) -> list:
+    """``value`` of every rank (a one-element list without a process group)."""
+    if dist.is_available() and dist.is_initialized():
+        out = [None] * dist.get_world_size()
+        dist.all_gather_object(out, value)
+        return out
+    return [value]
+
+
+def _sum_counts(counts: PackCounts) -> PackCounts:
+    """``counts`` summed over all ranks (exact: float64 holds these integers)."""
+    names = [f.name for f in fields(PackCounts)]
+    t = _all_reduce(torch.tensor([getattr(counts, n) for n in names], dtype=torch.float64))
+    return PackCounts(**{n: int(v) for n, v in zip(names, t.tolist(), strict=True)})
 
 
 def lr_lambda(step: int, *, warmup: int, total: int) -> float:
@@ -85,9 +112,16 @@ class StepResult:
     lr: float
     grad_norm: float
     seconds: float
-    counts: PackCounts
+    counts: PackCounts  # summed over ranks
     rank_real_tokens: list[int] = field(default_factory=list)
-    keys: list[str] = field(default_factory=list)
+    rank_flops: list[int] = field(default_factory=list)  # useful FLOPs per rank
+    keys_by_rank: list[list[str]] = field(default_factory=list)
+    row_real_tokens: list[int] = field(default_factory=list)  # per packed row, all ranks
+    weights_checksums: list[float] = field(default_factory=list)  # per rank, after the step
+
+    @property
+    def keys(self) -> list[str]:
+        return [k for keys in self.keys_by_rank for k in keys]
 
 
 class Trainer:
@@ -108,7 +142,7 @@ class Trainer:
         self.model = model
         self.s = settings
         self.run_dir = Path(run_dir)
-        self.rank, self.world = _rank_world()
+        self.rank, self.world = dist_rank_world()
         if settings.global_batch_size % self.world:
             raise ValueError(
                 f"train.global_batch_size {settings.global_batch_size} is not divisible by "
@@ -119,6 +153,9 @@ class Trainer:
         self.image_token_id = image_token_id
         self.pad_token_id = pad_token_id
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.device = self.params[0].device
+        # bf16 autocast where the device has it (GPUs since Ampere); fp32 on CPU.
+        self.autocast = self.device.type == "cuda" and torch.cuda.is_bf16_supported()
         self.optimizer = torch.optim.AdamW(
             self.params, lr=settings.lr, weight_decay=settings.weight_decay
         )
@@ -176,19 +213,23 @@ class Trainer:
         gradients summed across ranks. Returns (global mean token loss, global targets)."""
         local_targets = sum(m.num_loss_tokens for m in micro)
         global_targets = int(_all_reduce(torch.tensor([local_targets], dtype=torch.float64)).item())
-        loss_total = torch.zeros((), dtype=torch.float64)
+        loss_total = torch.zeros((), dtype=torch.float64, device=self.device)
         for m in micro:
-            if self.s.packed:
-                logits = packed_forward(self.model, m, image_token_id=self.image_token_id)
-            else:
-                logits = padded_forward(self.model, m, image_token_id=self.image_token_id)
+            m = to_device(m, self.device)
+            forward = packed_forward if self.s.packed else padded_forward
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.autocast):
+                logits = forward(self.model, m, image_token_id=self.image_token_id)
             loss_sum, _ = token_loss_sum(logits, m.labels)
             (loss_sum / global_targets).backward()
             loss_total += loss_sum.detach().double()
-        if self.world > 1:
-            for p in self.params:  # sum, never average: the loss is already divided globally
-                if p.grad is not None:
-                    _all_reduce(p.grad)
+        loss_total = loss_total.cpu()
+        if self.world > 1:  # sum, never average: the loss is already divided globally
+            grads = [p.grad for p in self.params if p.grad is not None]
+            flat = _all_reduce(torch.cat([g.flatten() for g in grads]))
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
         loss_total = _all_reduce(loss_total)
         return float(loss_total.item() / global_targets), global_targets
 
@@ -219,20 +260,53 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        per_rank = torch.zeros(self.world, dtype=torch.float64)
-        per_rank[self.rank] = counts.real_tokens
-        _all_reduce(per_rank)
-        self.counters.add(counts)
+        gathered = _all_gather(
+            (
+                counts.real_tokens,
+                counts.flops_useful,
+                [k for row in rows for k in row.keys],
+                [row.num_real_tokens for row in rows],
+            )
+        )
+        checksums = self.check_replicas()
+        total = _sum_counts(counts)
+        self.counters.add(total)
         return StepResult(
             step=self.step,
             loss=loss,
             lr=lr,
             grad_norm=float(grad_norm),
             seconds=time.perf_counter() - t0,
-            counts=counts,
-            rank_real_tokens=[int(v) for v in per_rank.tolist()],
-            keys=[k for row in rows for k in row.keys],
+            counts=total,
+            rank_real_tokens=[g[0] for g in gathered],
+            rank_flops=[g[1] for g in gathered],
+            keys_by_rank=[g[2] for g in gathered],
+            row_real_tokens=[n for g in gathered for n in g[3]],
+            weights_checksums=checksums,
         )
+
+    def weights_checksum(self) -> float:
+        """A float64 checksum of the trainable weights (position-weighted, so swapped
+        values change it too)."""
+        total = 0.0
+        for i, p in enumerate(self.params, start=1):
+            flat = p.detach().double().flatten()
+            weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64)
+            total += i * float((flat * weights).sum())
+        return total
+
+    def check_replicas(self) -> list[float]:
+        """Every rank's weights checksum; raises if the data-parallel ranks no longer hold
+        the same weights."""
+        if self.world == 1:
+            return []
+        sums = _all_gather(self.weights_checksum())
+        if len(set(sums)) != 1:
+            raise RuntimeError(
+                f"data-parallel replicas diverged after step {self.step}: weight checksums "
+                f"per rank {sums}; gradients must be summed identically on every rank"
+            )
+        return sums
 
     # -- checkpoints ------------------------------------------------------------------------
 
@@ -248,10 +322,11 @@ class Trainer:
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
-        _barrier()
+        barrier()
         torch.save(self.loader.save_state_rank(), tmp / f"loader_rank{self.rank:03d}.pt")
         torch.save(_rng_state(), tmp / f"rng_rank{self.rank:03d}.pt")
-        _barrier()
+        (tmp / f"ledger_rank{self.rank:03d}.json").write_text(json.dumps(self._ledger_state()))
+        barrier()
         if self.rank == 0:
             torch.save(self.trainable_state(), tmp / "adapter.pt")
             _maybe_fault("kill_in_checkpoint", self.step)
@@ -260,11 +335,6 @@ class Trainer:
             state = {
                 "step": self.step,
                 "counters": self.counters.state_dict(),
-                "ledger": {
-                    "seen": self.ledger.seen,
-                    "packed": self.ledger.packed,
-                    "dropped": dict(self.ledger.dropped),
-                },
                 "world_size": self.world,
             }
             (tmp / "state.json").write_text(json.dumps(state, indent=2))
@@ -272,7 +342,7 @@ class Trainer:
             done = sorted(root.glob(f"{CHECKPOINT_PREFIX}*"))
             for old in done[: -self.s.keep_last]:
                 shutil.rmtree(old, ignore_errors=True)
-        _barrier()
+        barrier()
         return final
 
     def resume(self) -> int:
@@ -301,13 +371,30 @@ class Trainer:
         _set_rng_state(torch.load(ckpt / f"rng_rank{self.rank:03d}.pt", weights_only=False))
         self.step = state["step"]
         self.counters.load_state_dict(state["counters"])
-        led = state["ledger"]
+        led = json.loads((ckpt / f"ledger_rank{self.rank:03d}.json").read_text())
         self.ledger = Ledger(seen=led["seen"], packed=led["packed"])
         self.ledger.dropped.update(led["dropped"])
         return self.step
 
+    def _ledger_state(self) -> dict:
+        """This rank's ledger as of the checkpoint. Samples seen but still waiting in a
+        packing buffer are left out of ``seen``: Energon restores its buffers by encoding
+        those samples again, which counts them a second time."""
+        return {
+            "seen": self.ledger.packed + self.ledger.num_dropped,
+            "packed": self.ledger.packed,
+            "dropped": dict(self.ledger.dropped),
+        }
 
-def _barrier() -> None:
+    def ledger_metrics(self) -> dict[str, float]:
+        """``data/*`` of all ranks together."""
+        merged = Ledger()
+        for led in _all_gather(self.ledger):
+            merged = merged.merge(led)
+        return merged.to_metrics()
+
+
+def barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
 

@@ -13,52 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from packline.counters import flops_model_for
-from packline.qwen.processor import load_processor
-from packline.train.loop import FAULT_ENV, Trainer
-from packline.train.setup import apply_lora, build_model, loop_settings, run_paths
-from stages.connect import connect_processor
-from stages.prepare import prepare_dataset
+from packline.train.loop import FAULT_ENV
 from tests.conftest import make_config
-
-SMALL = (
-    "data.num_train=120",
-    "data.num_val=8",
-    "train.global_batch_size=2",
-    "train.eval_samples=0",
-)
-
-
-@pytest.fixture(scope="module")
-def work(tmp_path_factory) -> Path:
-    work = tmp_path_factory.mktemp("train") / "work"
-    cfg = make_config(work, *SMALL)
-    prepare_dataset(cfg)
-    connect_processor(cfg)
-    return work
-
-
-def _trainer(cfg, packed: bool, run_dir: Path) -> Trainer:
-    dataset_dir, processor_dir = run_paths(cfg)
-    processor = load_processor(processor_dir)
-    torch.manual_seed(cfg.train.seed)
-    model = apply_lora(build_model(cfg, processor), cfg.lora)
-    return Trainer(
-        model,
-        settings=loop_settings(cfg, packed=packed),
-        dataset_dir=dataset_dir,
-        processor_dir=processor_dir,
-        run_dir=run_dir,
-        flops_model=flops_model_for(cfg, processor),
-        image_token_id=int(processor.image_token_id),
-        pad_token_id=int(processor.tokenizer.pad_token_id),
-    )
+from tests.integration.train_helpers import SMALL, trainer_for
 
 
 def test_packed_and_unpacked_step_give_the_same_loss_and_gradients(work, tmp_path):
     cfg = make_config(work, *SMALL, "train.global_batch_size=3")
-    packed = _trainer(cfg, True, tmp_path / "p")
-    unpacked = _trainer(cfg, False, tmp_path / "u")
+    packed = trainer_for(cfg, True, tmp_path / "p")
+    unpacked = trainer_for(cfg, False, tmp_path / "u")
     rows = packed._next_rows()
     assert sum(r.num_conversations for r in rows) > 3  # really several per row
     loss_p, n_p = packed.accumulate_gradients(packed.micro_batches(rows))

@@ -1,0 +1,22 @@
+"""Fixtures of the integration tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from stages.connect import connect_processor
+from stages.prepare import prepare_dataset
+from tests.conftest import make_config
+from tests.integration.train_helpers import SMALL
+
+
+@pytest.fixture(scope="session")
+def work(tmp_path_factory) -> Path:
+    """A prepared and connected small set, shared by the train tests (read-only)."""
+    work = tmp_path_factory.mktemp("train") / "work"
+    cfg = make_config(work, *SMALL)
+    prepare_dataset(cfg)
+    connect_processor(cfg)
+    return work
