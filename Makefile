@@ -5,6 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CONFIG ?=
 ARGS ?=
+WHAT ?= packing
 
 .PHONY: run test bench lint format clean
 
@@ -23,7 +24,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q $(ARGS)
 
 bench: $(STAMP)
-	$(VENV)/bin/packline bench packing $(ARGS)
+	$(VENV)/bin/packline bench $(WHAT) $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -2,7 +2,7 @@
 
     packline run [CONFIG] [key=value ...] [--executor local|slurm] [--from STAGE] [--dryrun]
     packline stage NAME [CONFIG] [key=value ...]
-    packline bench packing [--json]
+    packline bench {packing,train} [--json]
 
 Exit codes: 0 ok; 2 invalid config or input (every problem listed); 1 other failure.
 Tracebacks are shown only for unexpected failures, or always with PACKLINE_DEBUG=1.
@@ -53,11 +53,14 @@ def cmd_stage(ns: argparse.Namespace) -> int:
 
 
 def cmd_bench(ns: argparse.Namespace) -> int:
-    from pipelines.bench import bench_packing
+    if ns.what == "packing":
+        from pipelines.bench import bench_packing
 
-    if ns.what != "packing":
-        raise ConfigError([f"bench {ns.what!r}: only 'packing' exists so far"])
-    bench_packing(as_json=ns.json)
+        bench_packing(as_json=ns.json)
+    else:
+        from pipelines.bench_train import bench_train
+
+        bench_train(as_json=ns.json)
     return 0
 
 
@@ -82,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_stage)
 
     b = sub.add_parser("bench", help="benchmarks, measured side by side in one run")
-    b.add_argument("what", choices=["packing"])
+    b.add_argument("what", choices=["packing", "train"])
     b.add_argument("--json", action="store_true", help="print JSON instead of a table")
     b.set_defaults(fn=cmd_bench)
     return p

@@ -2,7 +2,9 @@
 
 Outputs in ``<work>/train/``::
 
-    packed/ unpacked/           one run each: checkpoints/step_NNNNNN/, adapter/, metrics.jsonl
+    packed/ unpacked/           one run each: checkpoints/step_NNNNNN/, adapter/,
+                                metrics.jsonl (per step), eval.jsonl (per evaluation),
+                                pack_fill.png, result.json
     comparison.json             real tokens/s, time to the same real tokens, loss, accuracy
 
 Each run resumes from its latest complete checkpoint, so an interrupted stage picks up
@@ -102,6 +104,8 @@ def train_run(
             )
             metrics = {"eval/loss": loss, "eval/accuracy": acc, "eval/questions": float(asked)}
             tracker.log_metrics(metrics, step=step)
+            with (run_dir / "eval.jsonl").open("a") as f:
+                f.write(json.dumps({"step": step, **metrics}) + "\n")
         barrier()
         return metrics
 

@@ -13,6 +13,7 @@ from PIL import Image
 from packline.energon.loader import val_loader
 from packline.energon.packing import PackingSettings, make_encoder
 from packline.energon.sample import ConversationReader
+from packline.packing.thd import to_device
 from packline.qwen.forward import packed_forward, token_loss_sum
 from packline.qwen.lengths import bind_images
 from packline.synthetic import answer_matches
@@ -33,15 +34,16 @@ def eval_loss(
     loader = val_loader(
         dataset_dir, make_encoder("lazy", processor_dir, settings), packing_buffer_size=buffer
     )
+    device = next(model.parameters()).device
     total = torch.zeros((), dtype=torch.float64)
     targets = 0
     for pack in loader:
-        batch = pack.batch
+        batch = to_device(pack.batch, device)
         if not batch.num_conversations:
             continue
         logits = packed_forward(model, batch, image_token_id=image_token_id)
         loss, n = token_loss_sum(logits, batch.labels)
-        total += loss.double()
+        total += loss.double().cpu()
         targets += n
     return (float(total / targets) if targets else float("nan")), targets
 
@@ -60,6 +62,7 @@ def eval_accuracy(
         batch_size=1,
         task_encoder=ConversationReader(),
     )
+    device = next(model.parameters()).device
     asked = correct = 0
     for batch in get_loader(ds):
         sample = batch[0]
@@ -86,7 +89,7 @@ def eval_accuracy(
             return_tensors="pt",
         )
         out = model.generate(
-            **{k: v for k, v in inputs.items() if k != "token_type_ids"},
+            **{k: v.to(device) for k, v in inputs.items() if k != "token_type_ids"},
             max_new_tokens=max_new_tokens,
             do_sample=False,
             use_cache=True,

@@ -1,0 +1,169 @@
+"""``packline bench train``: training throughput with packing on and off, side by side in
+one run on the default set, and the seconds each needs to reach the same eval loss.
+
+Both runs train the same conversations per optimizer step (packing off lays them out
+padded, ``train.unpacked_micro_batch_size`` per micro-batch), so their loss curves agree
+step for step and the comparison is cost alone:
+
+- ``real_tokens_per_s.packed`` / ``.unpacked`` and ``speedup`` (their ratio), over the
+  training steps only (evaluation excluded);
+- ``seconds_to_eval_loss``: training seconds until each run's eval loss first reaches the
+  higher of the two final eval losses (evaluated every ``eval_every`` steps);
+- final eval loss and answer accuracy of both (equal accuracy is part of the target).
+
+Target: ``speedup`` ≥ 2 with equal accuracy.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from packline.progress import console
+
+SPEEDUP_TARGET = 2.0
+
+
+def _jsonl(path: Path) -> list[dict]:
+    by_step: dict[int, dict] = {}
+    for line in path.read_text().splitlines():
+        rec = json.loads(line)
+        by_step[rec["step"]] = rec  # the last record of a step wins
+    return [by_step[k] for k in sorted(by_step)]
+
+
+def seconds_to_loss(steps: list[dict], evals: list[dict], target: float) -> float | None:
+    """Training seconds until the first evaluation at or below ``target`` (None: never).
+
+    >>> steps = [{"step": 1, "train/step_seconds": 2.0}, {"step": 2, "train/step_seconds": 3.0}]
+    >>> seconds_to_loss(steps, [{"step": 0, "eval/loss": 9.0}, {"step": 2, "eval/loss": 7.0}], 7.5)
+    5.0
+    """
+    elapsed = {0: 0.0}
+    total = 0.0
+    for s in steps:
+        total += s["train/step_seconds"]
+        elapsed[s["step"]] = total
+    for e in evals:
+        if e["eval/loss"] <= target + 1e-12:
+            return elapsed[e["step"]]
+    return None
+
+
+def summarize(train_dir: Path) -> dict[str, Any]:
+    """The benchmark's figures from a finished train stage's run dirs."""
+    runs = {}
+    for name in ("packed", "unpacked"):
+        run = train_dir / name
+        runs[name] = {
+            "steps": _jsonl(run / "metrics.jsonl"),
+            "evals": _jsonl(run / "eval.jsonl"),
+            "result": json.loads((run / "result.json").read_text()),
+        }
+    target = max(r["evals"][-1]["eval/loss"] for r in runs.values())
+    out: dict[str, Any] = {
+        "real_tokens_per_s": {n: r["result"]["real_tokens_per_s"] for n, r in runs.items()},
+        "train_seconds": {n: r["result"]["seconds"] for n, r in runs.items()},
+        "real_tokens": {n: r["result"]["real_tokens"] for n, r in runs.items()},
+        "padded_tokens": {n: r["result"]["padded_tokens"] for n, r in runs.items()},
+        "eval_loss": {n: r["evals"][-1]["eval/loss"] for n, r in runs.items()},
+        "eval_accuracy": {n: r["evals"][-1]["eval/accuracy"] for n, r in runs.items()},
+        "eval_questions": {n: int(r["evals"][-1]["eval/questions"]) for n, r in runs.items()},
+        "target_eval_loss": target,
+        "seconds_to_eval_loss": {
+            n: seconds_to_loss(r["steps"], r["evals"], target) for n, r in runs.items()
+        },
+    }
+    rate = out["real_tokens_per_s"]
+    out["speedup"] = rate["packed"] / rate["unpacked"]
+    reach = out["seconds_to_eval_loss"]
+    if reach["packed"] and reach["unpacked"]:
+        out["seconds_to_eval_loss_ratio"] = reach["unpacked"] / reach["packed"]
+    acc = out["eval_accuracy"]
+    out["targets"] = {
+        "speedup": {
+            "held": out["speedup"] >= SPEEDUP_TARGET,
+            "value": out["speedup"],
+            "rule": f">= {SPEEDUP_TARGET:g}x real tokens/s",
+        },
+        "equal_accuracy": {
+            "held": acc["packed"] == acc["unpacked"],
+            "value": acc["packed"] - acc["unpacked"],
+            "rule": "packed - unpacked eval accuracy == 0 (same conversations per step)",
+        },
+    }
+    return out
+
+
+def bench_train(
+    *,
+    as_json: bool = False,
+    work_dir: str | Path | None = None,
+    config: str | Path | None = None,
+    eval_every: int = 10,
+) -> dict[str, Any]:
+    """Train packing on and off from scratch on the default set (``config``, default
+    ``configs/tiny_cpu.yaml``; work dir ``runs/bench``) and print the comparison."""
+    from schemas.config import load_config
+    from stages.runner import available_stages, run_stage
+
+    work_dir = Path(work_dir) if work_dir is not None else Path("runs") / "bench"
+    cfg = load_config(
+        config,
+        [
+            f"work_dir={work_dir}",
+            "mlflow.enabled=false",
+            "train.compare_packing=true",
+            f"train.eval_every={eval_every}",
+        ],
+    )
+    for stage in available_stages():  # the inputs of train, skipped when up to date
+        if stage != "train":
+            run_stage(cfg, stage)
+    shutil.rmtree(cfg.work_path / "train", ignore_errors=True)  # from scratch, no resume
+    console.log("bench train: packing on, then off, from scratch")
+    run_stage(cfg, "train", force=True)
+    result = summarize(cfg.work_path / "train")
+    if as_json:
+        print(json.dumps(result, indent=2))
+    else:
+        _print_table(result)
+    return result
+
+
+def _print_table(result: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="bench train: packing on vs off, same conversations per step")
+    table.add_column("what")
+    table.add_column("packed", justify="right")
+    table.add_column("unpacked", justify="right")
+    rows = [
+        ("real tokens/s", "real_tokens_per_s", "{:.0f}"),
+        ("train seconds", "train_seconds", "{:.1f}"),
+        ("padded tokens", "padded_tokens", "{:,.0f}"),
+        ("final eval loss", "eval_loss", "{:.4f}"),
+        ("eval accuracy", "eval_accuracy", "{:.3f}"),
+        (
+            f"seconds to eval loss {result['target_eval_loss']:.4f}",
+            "seconds_to_eval_loss",
+            "{:.1f}",
+        ),
+    ]
+    for label, key, fmt in rows:
+        values = result[key]
+        table.add_row(
+            label,
+            *(
+                fmt.format(values[n]) if values[n] is not None else "-"
+                for n in ("packed", "unpacked")
+            ),
+        )
+    out = Console()
+    out.print(table)
+    for name, t in result["targets"].items():
+        held = "[green]held[/]" if t["held"] else "[red]missed[/]"
+        out.print(f"{name}: {t['value']:.4f} ({t['rule']}) {held}")
