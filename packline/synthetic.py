@@ -51,6 +51,7 @@ __all__ = [
     "POSITION_NAMES",
     "SHAPE_NAMES",
     "answer_matches",
+    "normalize_answer",
     "write_shapes_dataset",
 ]
 
@@ -762,7 +763,8 @@ _ORDINAL_INDEX = {
 }
 
 
-def _normalize(text: str) -> str:
+def normalize_answer(text: str) -> str:
+    """Lower-case words with the common variants mapped (see :func:`answer_matches`)."""
     words = re.sub(r"[^a-z0-9]+", " ", text.lower()).split()
     norm = " ".join(_SYNONYMS.get(w, w) for w in words)
     for alias, canonical in _POSITION_ALIASES:
@@ -808,7 +810,7 @@ def answer_matches(expected: str, generated: str, kind: str) -> bool:
     """
     if kind not in ANSWER_KINDS:
         raise ValueError(f"unknown answer kind {kind!r}; expected one of {ANSWER_KINDS}")
-    exp, gen = _normalize(expected), _normalize(generated)
+    exp, gen = normalize_answer(expected), normalize_answer(generated)
     if kind == "text":
         if exp.isdigit():
             kind = "count"

@@ -28,7 +28,7 @@ from packline.progress import console, progress
 from packline.qwen.processor import load_processor
 from packline.tracking import Tracker
 from packline.train.distributed import launched, threads_per_rank, torchrun_command
-from packline.train.evaluate import eval_accuracy, eval_loss
+from packline.train.evaluate import chance_accuracy, eval_accuracy, eval_loss
 from packline.train.loop import Trainer, barrier, dist_rank_world
 from packline.train.setup import apply_lora, build_model, loop_settings, run_paths
 from schemas.config import PipelineConfig
@@ -110,6 +110,10 @@ def train_run(
         return metrics
 
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    chance = float("nan")
+    if lead and cfg.train.eval_samples:
+        chance = chance_accuracy(dataset_dir, max_samples=cfg.train.eval_samples)
+        tracker.log_metrics({"eval/accuracy_chance": chance}, step=start)
     first_eval = evaluate(start) if start == 0 else {}
     every = cfg.train.eval_every
     with progress(disable=not lead) as bar:
@@ -159,6 +163,7 @@ def train_run(
         "eval_loss": final_eval["eval/loss"],
         "eval_accuracy_start": first_eval.get("eval/accuracy"),
         "eval_accuracy": final_eval["eval/accuracy"],
+        "eval_accuracy_chance": chance,
         "tflops_useful": trainer.counters.total.flops_useful / 1e12,
         "padded_tokens": trainer.counters.total.padded_tokens,
     }
@@ -335,7 +340,15 @@ def _print_comparison(runs: list[dict]) -> None:
     from rich.table import Table
 
     table = Table(title="packing on vs off (same conversations per optimizer step)")
-    for col in ("run", "real tok/s", "seconds", "train loss", "eval loss", "eval acc (start→end)"):
+    for col in (
+        "run",
+        "real tok/s",
+        "seconds",
+        "train loss",
+        "eval loss",
+        "eval acc (start→end)",
+        "chance",
+    ):
         table.add_column(col, justify="right")
     for r in runs:
         start = r["eval_accuracy_start"]
@@ -351,5 +364,6 @@ def _print_comparison(runs: list[dict]) -> None:
             f"{r['final_train_loss']:.3f}",
             f"{r['eval_loss']:.3f}",
             acc,
+            f"{r.get('eval_accuracy_chance', float('nan')):.2f}",
         )
     console.print(table)

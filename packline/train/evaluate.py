@@ -4,6 +4,7 @@ greedy generation on the built-in set's checkable questions."""
 from __future__ import annotations
 
 import io
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -16,7 +17,7 @@ from packline.energon.sample import ConversationReader
 from packline.packing.thd import to_device
 from packline.qwen.forward import packed_forward, token_loss_sum
 from packline.qwen.lengths import bind_images
-from packline.synthetic import answer_matches
+from packline.synthetic import answer_matches, normalize_answer
 
 
 @torch.no_grad()
@@ -48,13 +49,9 @@ def eval_loss(
     return (float(total / targets) if targets else float("nan")), targets
 
 
-@torch.no_grad()
-def eval_accuracy(
-    model, processor, dataset_dir: Path, *, max_samples: int, max_new_tokens: int = 32
-) -> tuple[float, int]:
-    """(share of correct answers, questions asked): for each val conversation with a
-    checkable answer, the model answers the first such question greedily."""
-    model.eval()
+def _val_questions(dataset_dir: Path, max_samples: int):
+    """(sample, its first checkable question) for the first ``max_samples`` val
+    conversations that have one, in the val split's fixed order."""
     ds = get_val_dataset(
         Path(dataset_dir),
         split_part="val",
@@ -62,14 +59,40 @@ def eval_accuracy(
         batch_size=1,
         task_encoder=ConversationReader(),
     )
-    device = next(model.parameters()).device
-    asked = correct = 0
+    asked = 0
     for batch in get_loader(ds):
+        if asked >= max_samples:
+            return
         sample = batch[0]
         answers = sample.meta.get("answers") or []
-        if not answers:
-            continue
-        first = answers[0]
+        if answers:
+            asked += 1
+            yield sample, answers[0]
+
+
+def chance_accuracy(dataset_dir: Path, *, max_samples: int) -> float:
+    """Accuracy of guessing uniformly among the distinct answers a question kind has on
+    the questions :func:`eval_accuracy` asks: Σ 1/|answers of the question's kind| / N."""
+    kinds = [
+        (q["kind"], normalize_answer(q["answer"]))
+        for _, q in _val_questions(dataset_dir, max_samples)
+    ]
+    if not kinds:
+        return float("nan")
+    distinct = Counter(kind for kind, _ in set(kinds))
+    return sum(1 / distinct[kind] for kind, _ in kinds) / len(kinds)
+
+
+@torch.no_grad()
+def eval_accuracy(
+    model, processor, dataset_dir: Path, *, max_samples: int, max_new_tokens: int = 32
+) -> tuple[float, int]:
+    """(share of correct answers, questions asked): for each val conversation with a
+    checkable answer, the model answers the first such question greedily."""
+    model.eval()
+    device = next(model.parameters()).device
+    asked = correct = 0
+    for sample, first in _val_questions(dataset_dir, max_samples):
         prompt = sample.conversation[: first["turn"]]
         n_images = sum(
             1
@@ -100,6 +123,4 @@ def eval_accuracy(
         )
         asked += 1
         correct += answer_matches(first["answer"], text, first["kind"])
-        if asked >= max_samples:
-            break
     return (correct / asked if asked else float("nan")), asked
