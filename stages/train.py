@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from packline.counters import flops_model_for
+from packline.counters import flops_model_for, layout_metrics, row_fills
 from packline.flops import mfu
 from packline.progress import console, progress
 from packline.qwen.processor import load_processor
@@ -114,11 +114,26 @@ def train_run(
                     max(r.rank_real_tokens) - min(r.rank_real_tokens)
                 ),
                 **trainer.ledger.to_metrics(),
+                **layout_metrics(
+                    r.row_real_tokens,
+                    conversations=r.counts.conversations,
+                    padded_tokens=r.counts.padded_tokens,
+                    seq_length=settings.packing.seq_length,
+                ),
             }
             util = mfu(r.counts.flops_useful / r.seconds / trainer.world, device_name)
             if util is not None:  # a GPU with a known peak; on CPU: TFLOP/s only
                 metrics["flops/mfu"] = util
             tracker.log_metrics(metrics, step=r.step)
+            # One value per laid-out row (the pack-fill histogram of `packline compare`);
+            # its step is the row's index in the run, resume-exact from the counters.
+            total = trainer.counters.total
+            laid_out = total.rows if packed else total.conversations
+            tracker.log_series(
+                "pack/row_fill",
+                row_fills(r.row_real_tokens, settings.packing.seq_length),
+                first_step=laid_out - len(r.row_real_tokens) + 1,
+            )
             with log.open("a") as f:
                 f.write(json.dumps({"step": r.step, **metrics, "keys": r.keys}) + "\n")
             bar.update(task, completed=r.step, description=f"train {name} loss {r.loss:.3f}")

@@ -88,6 +88,8 @@ class StepResult:
     counts: PackCounts
     rank_real_tokens: list[int] = field(default_factory=list)
     keys: list[str] = field(default_factory=list)
+    row_real_tokens: list[int] = field(default_factory=list)
+    """Real tokens of each row as laid out: packed rows, or one per conversation when off."""
 
 
 class Trainer:
@@ -232,6 +234,11 @@ class Trainer:
             counts=counts,
             rank_real_tokens=[int(v) for v in per_rank.tolist()],
             keys=[k for row in rows for k in row.keys],
+            row_real_tokens=(
+                [row.num_real_tokens for row in rows]
+                if self.s.packed
+                else [n for row in rows for n in row.seq_lens]
+            ),
         )
 
     # -- checkpoints ------------------------------------------------------------------------
