@@ -130,9 +130,9 @@ class Comparison:
 # -- reading the store -------------------------------------------------------------------------
 
 
-def open_store(cfg: PipelineConfig):
-    """An ``MlflowClient`` on the config's store; ``InputError`` when the default sqlite
-    store does not exist yet (opening it would create an empty one)."""
+def open_store(cfg: PipelineConfig, header: str = "nothing to compare"):
+    """An ``MlflowClient`` on the config's store; ``InputError`` (under ``header``) when
+    MLflow is off or the sqlite store does not exist yet (opening it would create one)."""
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     import logging
 
@@ -142,15 +142,13 @@ def open_store(cfg: PipelineConfig):
     logging.getLogger("alembic").setLevel(logging.WARNING)
     if not cfg.mlflow.enabled:
         raise InputError(
-            ["mlflow.enabled is false in this config: the train stage logged nothing"],
-            "nothing to compare",
+            ["mlflow.enabled is false in this config: the stages logged nothing"], header
         )
     uri = tracking_uri(cfg)
     db = sqlite_path(uri)
     if db is not None and not db.is_file():
         raise InputError(
-            [f"no MLflow store at {db}: run `packline run` (same config) first"],
-            "nothing to compare",
+            [f"no MLflow store at {db}: run `packline run` (same config) first"], header
         )
     return MlflowClient(tracking_uri=uri)
 

@@ -151,7 +151,7 @@ def serve_ui(cfg: PipelineConfig, *, port: int = 5000, experiment: str | None = 
             [f"mlflow.tracking_uri is {uri}: packline ui serves a local sqlite store only"],
             "cannot start the UI",
         )
-    open_store(cfg)  # the store must exist: InputError with the fix otherwise
+    open_store(cfg, "cannot start the UI")  # the store must exist (InputError otherwise)
     if port == 0:
         port = free_port()
     elif _port_in_use(port):
