@@ -157,3 +157,32 @@ def flops_model_for(cfg, processor) -> FlopsModel:
         config = real_config(cfg.model.name)
     targets = tuple(cfg.lora.target_modules) + tuple(cfg.lora.target_parameters)
     return FlopsModel(config=config, mode="lora", lora_rank=cfg.lora.rank, lora_targets=targets)
+
+
+def layout_metrics(
+    row_real_tokens: list[int], *, conversations: int, padded_tokens: int, seq_length: int
+) -> dict[str, float]:
+    """``pack/*`` figures of one step's rows as laid out: packed rows, or (packing off) one
+    row per conversation.
+
+    ``pack/fill`` is real tokens over the rows' capacity (rows × ``seq_length``), the figure
+    connect forecasts; ``pack/padding_fraction`` is the share of the executed tokens that are
+    padding (alignment gaps when packed, padding to the longest in a micro-batch when not).
+
+    >>> layout_metrics([1536, 1024], conversations=6, padded_tokens=0, seq_length=2048)
+    {'pack/rows': 2.0, 'pack/fill': 0.625, 'pack/conversations_per_pack': 3.0, \
+'pack/padding_fraction': 0.0}
+    """
+    rows = len(row_real_tokens)
+    real = sum(row_real_tokens)
+    return {
+        "pack/rows": float(rows),
+        "pack/fill": real / (rows * seq_length) if rows else 0.0,
+        "pack/conversations_per_pack": conversations / rows if rows else 0.0,
+        "pack/padding_fraction": padded_tokens / (real + padded_tokens) if real else 0.0,
+    }
+
+
+def row_fills(row_real_tokens: list[int], seq_length: int) -> list[float]:
+    """Fill of each laid-out row: its real tokens over ``seq_length``."""
+    return [n / seq_length for n in row_real_tokens]

@@ -124,6 +124,18 @@ class Tracker:
         for i in range(0, len(items), 1000):
             self.client.log_batch(self.run_id, metrics=items[i : i + 1000])
 
+    def log_series(self, key: str, values: list[float], first_step: int) -> None:
+        """``values`` of one metric at consecutive steps from ``first_step``, in one batch
+        (e.g. ``pack/row_fill`` per row, its step being the row's index in the run)."""
+        if not self.enabled or not values:
+            return
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        items = [Metric(key, float(v), now, first_step + i) for i, v in enumerate(values)]
+        for i in range(0, len(items), 1000):
+            self.client.log_batch(self.run_id, metrics=items[i : i + 1000])
+
     def set_tags(self, tags: dict[str, str]) -> None:
         if self.enabled:
             for k, v in tags.items():

@@ -3,6 +3,8 @@
     packline run [CONFIG] [key=value ...] [--executor local|slurm] [--from STAGE] [--dryrun]
     packline stage NAME [CONFIG] [key=value ...]
     packline bench {packing,train} [--json]
+    packline compare [CONFIG] [key=value ...] [--experiment NAME] [--run RUN_ID]
+    packline ui [CONFIG] [key=value ...] [--port N]
 
 Exit codes: 0 ok; 2 invalid config or input (every problem listed); 1 other failure.
 Tracebacks are shown only for unexpected failures, or always with PACKLINE_DEBUG=1.
@@ -64,6 +66,19 @@ def cmd_bench(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compare(ns: argparse.Namespace) -> int:
+    from pipelines.compare import compare_runs
+
+    compare_runs(_load(ns.args), experiment=ns.experiment, run_id=ns.run)
+    return 0
+
+
+def cmd_ui(ns: argparse.Namespace) -> int:
+    from pipelines.ui import serve_ui
+
+    return serve_ui(_load(ns.args), port=ns.port, experiment=ns.experiment)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="packline",
@@ -88,6 +103,18 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("what", choices=["packing", "train"])
     b.add_argument("--json", action="store_true", help="print JSON instead of a table")
     b.set_defaults(fn=cmd_bench)
+
+    c = sub.add_parser("compare", help="packing on vs off from MLflow: table + plots")
+    c.add_argument("args", nargs="*", metavar="[CONFIG] [key=value]")
+    c.add_argument("--experiment", help="MLflow experiment (default: the config's)")
+    c.add_argument("--run", help="a pipeline or train-stage run id (default: the newest)")
+    c.set_defaults(fn=cmd_compare)
+
+    u = sub.add_parser("ui", help="MLflow UI on 127.0.0.1 for this config's store")
+    u.add_argument("args", nargs="*", metavar="[CONFIG] [key=value]")
+    u.add_argument("--port", type=int, default=5000, help="port (0: any free one)")
+    u.add_argument("--experiment", help="MLflow experiment (default: the config's)")
+    u.set_defaults(fn=cmd_ui)
     return p
 
 

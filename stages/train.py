@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from packline.counters import flops_model_for
+from packline.counters import flops_model_for, layout_metrics, row_fills
 from packline.flops import mfu
 from packline.progress import console, progress
 from packline.qwen.processor import load_processor
@@ -123,6 +123,15 @@ def train_run(
             metrics = _step_metrics(r, trainer, device_name)
             if lead:
                 tracker.log_metrics(metrics, step=r.step)
+                # One value per laid-out row (the pack-fill histogram of `packline
+                # compare`); its step is the row's index in the run, resume-exact.
+                total = trainer.counters.total
+                laid_out = total.rows if packed else total.conversations
+                tracker.log_series(
+                    "pack/row_fill",
+                    row_fills(r.row_real_tokens, settings.packing.seq_length),
+                    first_step=laid_out - len(r.row_real_tokens) + 1,
+                )
                 record = {"step": r.step, **metrics, "keys": r.keys}
                 record["row_real_tokens"] = r.row_real_tokens
                 if trainer.world > 1:
@@ -185,9 +194,14 @@ def _step_metrics(r, trainer: Trainer, device_name: str) -> dict[str, float]:
         "flops/useful_rank_spread": float(max(r.rank_flops) - min(r.rank_flops)),
         **trainer.ledger_metrics(),
     }
-    if r.counts.rows:
-        metrics["pack/fill"] = r.counts.real_tokens / (r.counts.rows * trainer.s.packing.seq_length)
-        metrics["pack/conversations_per_pack"] = r.counts.conversations / r.counts.rows
+    metrics.update(
+        layout_metrics(
+            r.row_real_tokens,
+            conversations=r.counts.conversations,
+            padded_tokens=r.counts.padded_tokens,
+            seq_length=trainer.s.packing.seq_length,
+        )
+    )
     util = mfu(r.counts.flops_useful / r.seconds / trainer.world, device_name)
     if util is not None:  # a GPU with a known peak; on CPU: TFLOP/s only
         metrics["flops/mfu"] = util
@@ -195,8 +209,8 @@ def _step_metrics(r, trainer: Trainer, device_name: str) -> dict[str, float]:
 
 
 def _plot_row_fill(steps: list[dict], seq_length: int, path: Path, name: str) -> Path:
-    """Histogram of real tokens / seq_length over the packed rows the run consumed (the
-    unpacked run lays out the same conversations, so its rows are the same)."""
+    """Histogram of real tokens / seq_length over the rows the run laid out: packed rows,
+    or one per conversation when packing is off."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -206,7 +220,7 @@ def _plot_row_fill(steps: list[dict], seq_length: int, path: Path, name: str) ->
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.hist(fills, bins=20, range=(0, 1), color="#4c72b0")
     mean = sum(fills) / len(fills) if fills else 0.0
-    ax.set_title(f"{name}: fill of {len(fills)} packed rows (mean {mean:.3f})")
+    ax.set_title(f"{name}: fill of {len(fills)} rows (mean {mean:.3f})")
     ax.set_xlabel("real tokens / seq_length")
     ax.set_ylabel("rows")
     fig.tight_layout()

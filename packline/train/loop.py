@@ -116,7 +116,9 @@ class StepResult:
     rank_real_tokens: list[int] = field(default_factory=list)
     rank_flops: list[int] = field(default_factory=list)  # useful FLOPs per rank
     keys_by_rank: list[list[str]] = field(default_factory=list)
-    row_real_tokens: list[int] = field(default_factory=list)  # per packed row, all ranks
+    row_real_tokens: list[int] = field(default_factory=list)
+    """Real tokens of each row as laid out (all ranks): packed rows, or one per
+    conversation when packing is off."""
     weights_checksums: list[float] = field(default_factory=list)  # per rank, after the step
 
     @property
@@ -265,7 +267,11 @@ class Trainer:
                 counts.real_tokens,
                 counts.flops_useful,
                 [k for row in rows for k in row.keys],
-                [row.num_real_tokens for row in rows],
+                (
+                    [row.num_real_tokens for row in rows]
+                    if self.s.packed
+                    else [n for row in rows for n in row.seq_lens]
+                ),
             )
         )
         checksums = self.check_replicas()

@@ -1,0 +1,252 @@
+"""`packline compare` and `packline ui` on the store of a real (quick) training run; the UI's
+compare page rendered by headless Chromium (Debian's package: scripts/install-chromium.sh)."""
+
+from __future__ import annotations
+
+import html
+import json
+import os
+import queue
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+from PIL import Image
+
+from packline.tracking import Tracker
+from pipelines.compare import PLOTS
+from pipelines.experiment import pipeline_stages
+from schemas.config import PipelineConfig
+from stages.runner import run_stage
+from tests.conftest import make_config
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+PACKLINE = [sys.executable, "-m", "pipelines.cli"]
+# Just enough training for both modes to log every metric (as tests/e2e/test_pipeline_run.py).
+QUICK = (
+    "data.num_train=40",
+    "data.num_val=6",
+    "train.max_steps=2",
+    "train.save_every=2",
+    "train.global_batch_size=2",
+    "train.eval_samples=2",
+)
+CHROMIUM_FLAGS = (
+    "--headless",
+    "--no-sandbox",  # root in CI
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",  # no network but loopback: no update/sync lookups
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+    "--window-size=1400,2400",
+    # Let the single-page app fetch the runs and render before the DOM is dumped.
+    "--virtual-time-budget=20000",
+)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> PipelineConfig:
+    """The stages of `packline run`, in this process, under a pipeline parent run."""
+    cfg = make_config(tmp_path_factory.mktemp("ui") / "work", *QUICK)
+    parent = Tracker.start(cfg, "pipeline-quick", tags={"packline.kind": "pipeline"})
+    for stage in pipeline_stages():
+        run_stage(cfg, stage, parent_run_id=parent.run_id)
+    parent.end()
+    return cfg
+
+
+def _training_runs(cfg: PipelineConfig) -> tuple[MlflowClient, dict]:
+    client = MlflowClient(tracking_uri=f"sqlite:///{cfg.work_path / 'mlflow.db'}")
+    exp = client.get_experiment_by_name(cfg.name)
+    runs = {r.info.run_name: r for r in client.search_runs([exp.experiment_id])}
+    return client, runs
+
+
+def test_compare_on_a_quick_real_run_agrees_with_the_store(trained):
+    result = subprocess.run(
+        [*PACKLINE, "compare", f"work_dir={trained.work_path}"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "COLUMNS": "160"},
+        cwd=REPO,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    client, runs = _training_runs(trained)
+    on, off = runs["train-packed"], runs["train-unpacked"]
+    assert f"train-packed {on.info.run_id[:8]}" in result.stdout
+    assert f"train-unpacked {off.info.run_id[:8]}" in result.stdout
+
+    def rate(run) -> float:
+        tokens = client.get_metric_history(run.info.run_id, "train/real_tokens")
+        seconds = client.get_metric_history(run.info.run_id, "train/step_seconds")
+        return sum(m.value for m in tokens) / sum(m.value for m in seconds)
+
+    saved = json.loads((trained.work_path / "compare" / "compare.json").read_text())
+    assert saved["speedup_real_tokens_per_s"] == pytest.approx(rate(on) / rate(off), rel=1e-12)
+    # The train stage computed the same figure from its metrics.jsonl.
+    stage = runs["train"].data.metrics["compare/speedup_real_tokens_per_s"]
+    assert saved["speedup_real_tokens_per_s"] == pytest.approx(stage, rel=1e-9)
+    assert f"{saved['speedup_real_tokens_per_s']:.2f}x" in result.stdout
+    packed, unpacked = saved["packed"], saved["unpacked"]
+    assert packed["real_tokens"] == unpacked["real_tokens"] > 0  # same conversations
+    assert packed["fill"] > unpacked["fill"] and packed["padding_fraction"] < 0.01
+    assert unpacked["conversations_per_pack"] == 1.0 < packed["conversations_per_pack"]
+    assert saved["pipeline_run_id"] == runs["pipeline-quick"].info.run_id
+    for name in PLOTS:
+        with Image.open(trained.work_path / "compare" / name) as img:
+            assert img.format == "PNG" and img.size == (700, 450)
+
+
+def _chromium() -> str:
+    path = os.environ.get("PACKLINE_CHROMIUM") or shutil.which("chromium")
+    if path:
+        return path
+    message = "no chromium on PATH: run scripts/install-chromium.sh (Debian package)"
+    if os.environ.get("CI"):
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+def _lines(proc: subprocess.Popen) -> queue.Queue:
+    q: queue.Queue = queue.Queue()
+
+    def pump():
+        for line in proc.stdout:
+            q.put(line.rstrip("\n"))
+        q.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    return q
+
+
+def _wait_for(q: queue.Queue, prefix: str, seen: list[str], timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            line = q.get(timeout=max(0.1, deadline - time.monotonic()))
+        except queue.Empty:
+            break
+        if line is None:
+            break
+        seen.append(line)
+        if line.startswith(prefix):
+            return line[len(prefix) :].strip()
+    raise AssertionError(f"no {prefix!r} line from packline ui:\n" + "\n".join(seen))
+
+
+def _group_alive(pgid: int) -> list[int]:
+    """PIDs still in process group ``pgid`` (zombies excluded)."""
+    alive = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            alive.append(int(stat.parent.name))
+    return alive
+
+
+def _killpg(pgid: int | None) -> None:
+    if pgid:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _visible_text(dom: str) -> str:
+    dom = re.sub(r"<(script|style)\b.*?</\1>", " ", dom, flags=re.S)
+    return re.sub(r"\s+", " ", html.unescape(re.sub(r"<[^>]+>", " ", dom)))
+
+
+def _shown(value: float, numbers: list[float]) -> bool:
+    """The UI rounds for display (608.554 → 608.6, 0.0996 → 0.1)."""
+    return any(abs(n - value) <= max(5e-4, 5e-3 * abs(value)) for n in numbers)
+
+
+def test_ui_compare_page_shows_both_runs_and_their_metrics_in_headless_chromium(trained, tmp_path):
+    chromium = _chromium()
+    client, runs = _training_runs(trained)
+    on, off = runs["train-packed"], runs["train-unpacked"]
+    ui = subprocess.Popen(
+        [*PACKLINE, "ui", f"work_dir={trained.work_path}", "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        cwd=REPO,
+        start_new_session=True,
+    )
+    server_pgid = browser = None
+    seen: list[str] = []
+    try:
+        lines = _lines(ui)
+        url = _wait_for(lines, "packing on vs off: ", seen, timeout=180)
+        assert url.startswith("http://127.0.0.1:") and "/#/compare-runs?runs=" in url
+        assert on.info.run_id in url and off.info.run_id in url
+        server_pgid = int(_wait_for(lines, "server pid ", seen, timeout=10).split(";")[0])
+
+        shot = tmp_path / "compare.png"
+        browser = subprocess.Popen(
+            [
+                chromium,
+                *CHROMIUM_FLAGS,
+                f"--user-data-dir={tmp_path / 'profile'}",
+                f"--screenshot={shot}",
+                "--dump-dom",
+                url,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        dom, _ = browser.communicate(timeout=120)
+        assert browser.returncode == 0
+        text = _visible_text(dom.decode(errors="replace"))
+
+        assert "Comparing 2 Runs" in text, text[:2000]
+        for run in (on, off):
+            assert run.info.run_name in text and run.info.run_id in text
+        for key in ("throughput/real_tokens_per_s", "pack/fill", "eval/loss", "eval/accuracy"):
+            assert key in text
+        # The values shown are the runs' latest logged ones.
+        plain = re.sub(r"(?<=\d),(?=\d{3})", "", text)  # 1,234.5 → 1234.5
+        numbers = [float(n) for n in re.findall(r"(?<![\w.])\d+(?:\.\d+)?(?![\w.])", plain)]
+        for run in (on, off):
+            for key in ("throughput/real_tokens_per_s", "pack/fill"):
+                assert _shown(run.data.metrics[key], numbers), (key, run.data.metrics[key])
+        with Image.open(shot) as img:
+            assert img.format == "PNG" and img.size == (1400, 2400)
+    finally:
+        if browser is not None and browser.poll() is None:
+            _killpg(browser.pid)
+            browser.wait()
+        if ui.poll() is None:
+            ui.send_signal(signal.SIGTERM)  # as a user's Ctrl-C / kill would
+        try:
+            ui.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            _killpg(ui.pid)
+            _killpg(server_pgid)
+            ui.wait()
+    assert ui.returncode == 0, "\n".join(seen)
+    while (line := lines.get(timeout=10)) is not None:
+        seen.append(line)
+    assert "mlflow server stopped" in seen
+    if browser is not None:
+        assert _group_alive(browser.pid) == []
+    assert server_pgid is not None and _group_alive(server_pgid) == []  # no orphaned server
