@@ -60,7 +60,11 @@ LORA_TARGETS_ALL: tuple[str, ...] = (
 the 3-D expert parameters (PEFT ``target_parameters``, ``mlp.experts.*``). The ViT is never
 adapted."""
 
-_LINEAR_TARGETS = frozenset(LORA_TARGETS_ALL[:7])
+LM_HEAD_TARGET = "lm_head"
+"""The LM head may be adapted too (PEFT ``target_modules``); not part of the default
+:data:`LORA_TARGETS_ALL`."""
+
+_LINEAR_TARGETS = frozenset(LORA_TARGETS_ALL[:7]) | {LM_HEAD_TARGET}
 _EXPERT_TARGETS = frozenset(LORA_TARGETS_ALL[7:])
 
 # Datasheet peak dense (no 2:4 sparsity) BF16 tensor-core throughput, SXM parts.
@@ -228,7 +232,8 @@ def _normalise_targets(targets: Iterable[str]) -> frozenset[str]:
         if short not in _LINEAR_TARGETS and short not in _EXPERT_TARGETS:
             raise ValueError(
                 f"unknown LoRA target {name!r}; expected names from {LORA_TARGETS_ALL} "
-                "(expert parameters may be written with their 'mlp.' prefix)"
+                f"or {LM_HEAD_TARGET!r} (expert parameters may be written with their 'mlp.' "
+                "prefix)"
             )
         out.add(short)
     return frozenset(out)
@@ -362,11 +367,13 @@ def _lm_flops(text, seq_lens, *, train_base: bool, targets, rank: int, tally: _T
     # Σ len²: each conversation attends only to itself (varlen / THD attention).
     sum_sq = sum(n * n for n in seq_lens)
 
-    def linear(name: str, n: int, d_in: int, d_out: int, input_rg: bool) -> bool:
+    def linear(
+        name: str, n: int, d_in: int, d_out: int, input_rg: bool, part: str = "lm_dense"
+    ) -> bool:
         """A base Linear (plus its LoRA adapter if targeted); returns whether its output
         requires grad."""
         tally.add(
-            "lm_dense",
+            part,
             _matmul(2 * n * d_in * d_out, weight_grad=train_base, input_grad=input_rg),
         )
         if name not in targets:
@@ -399,14 +406,9 @@ def _lm_flops(text, seq_lens, *, train_base: bool, targets, rank: int, tally: _T
         else:
             mlp_rg = _gated_mlp(linear, tokens, hidden, text.intermediate_size, stream_rg)
         stream_rg = stream_rg or mlp_rg
-    # The LM head (frozen under LoRA, but the stream needs dx) over every real token: HF
-    # computes logits for all positions, labelled or not.
-    tally.add(
-        "lm_head",
-        _matmul(
-            2 * tokens * hidden * text.vocab_size, weight_grad=train_base, input_grad=stream_rg
-        ),
-    )
+    # The LM head (frozen under LoRA unless adapted itself, but the stream needs dx) over
+    # every real token: HF computes logits for all positions, labelled or not.
+    linear(LM_HEAD_TARGET, tokens, hidden, text.vocab_size, stream_rg, part="lm_head")
 
 
 def _gated_mlp(linear, tokens: int, hidden: int, inter: int, input_rg: bool) -> bool:

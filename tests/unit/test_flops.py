@@ -86,12 +86,12 @@ def _build(processor, variant: str):
         model.set_experts_implementation("eager")  # grouped_mm is invisible to FlopCounterMode
     if variant.endswith("frozen-vision"):
         model.model.visual.requires_grad_(False)
-    if variant.endswith("lora"):
+    if variant.endswith(("lora", "lora-head")):
         model = get_peft_model(
             model,
             LoraConfig(
                 r=RANK,
-                target_modules=LORA_MODULES,
+                target_modules=LORA_MODULES + (["lm_head"] if variant.endswith("head") else []),
                 target_parameters=LORA_EXPERTS if moe else None,
             ),
         )
@@ -159,6 +159,9 @@ def _pack(conversations, indices, padding: int = 13) -> PackShape:
 def _formula(config, pack: PackShape, variant: str, **kwargs):
     if variant.endswith("lora"):
         return step_flops(config, pack, mode="lora", lora_rank=RANK, **kwargs)
+    if variant.endswith("lora-head"):
+        targets = [*LORA_MODULES, "lm_head"]
+        return step_flops(config, pack, mode="lora", lora_rank=RANK, lora_targets=targets, **kwargs)
     return step_flops(
         config, pack, mode="full", freeze_vision=variant.endswith("frozen-vision"), **kwargs
     )
@@ -172,7 +175,10 @@ ORACLE_CASES = [
     (variant, pack_name)
     for variant in ("dense-full", "dense-lora", "moe-full")
     for pack_name in PACKS
-] + [("dense-full-frozen-vision", "3 conversations, 3 images")]
+] + [
+    ("dense-full-frozen-vision", "3 conversations, 3 images"),
+    ("dense-lora-head", "3 conversations, 3 images"),
+]
 
 
 @pytest.mark.parametrize(("variant", "pack_name"), ORACLE_CASES)
