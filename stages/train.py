@@ -26,7 +26,7 @@ from packline.tracking import Tracker
 from packline.train.evaluate import eval_accuracy, eval_loss
 from packline.train.loop import Trainer
 from packline.train.setup import apply_lora, build_model, loop_settings, run_paths
-from schemas.config import PipelineConfig
+from schemas.config import PipelineConfig, TrainBackend
 from stages.base import StageResult, fingerprint, require_record, write_record
 
 STAGE = "train"
@@ -35,9 +35,10 @@ STAGE = "train"
 def fingerprint_inputs(cfg: PipelineConfig) -> str:
     from stages import connect
 
-    return fingerprint(
-        connect.fingerprint_inputs(cfg), cfg.section_hash("model", "lora", "train", "packing")
-    )
+    sections = ["model", "lora", "train", "packing"]
+    if cfg.train.backend == TrainBackend.megatron:
+        sections.append("megatron")
+    return fingerprint(connect.fingerprint_inputs(cfg), cfg.section_hash(*sections))
 
 
 def _claim_run_dir(run_dir: Path, fp: str) -> None:
@@ -155,10 +156,15 @@ def train_run(
 def train_lora(
     cfg: PipelineConfig, fp: str | None = None, *, parent_run_id: str | None = None
 ) -> StageResult:
-    """Train packing on and off (or only the configured mode) and compare them."""
+    """Train packing on and off (or only the configured mode) and compare them; with
+    ``train.backend: megatron`` run the Megatron-Bridge finetune instead (cluster only)."""
     t0 = time.perf_counter()
     fp = fp or fingerprint_inputs(cfg)
     require_record(cfg, "connect", by="train")
+    if cfg.train.backend == TrainBackend.megatron:
+        from stages.train_megatron import train_megatron
+
+        return train_megatron(cfg, fp, parent_run_id=parent_run_id)
     out = cfg.work_path / STAGE
     modes = [True, False] if cfg.train.compare_packing else [cfg.packing.enabled]
     runs = []
