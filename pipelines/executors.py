@@ -63,7 +63,7 @@ def slurm_executor(cfg: PipelineConfig, *, job_dir: Path, stage: str) -> run.Slu
     """One SLURM batch job for ``stage``; ``train`` gets the GPUs and a torchrun launcher."""
     s = cfg.executor.slurm
     is_train = stage == "train"
-    env = {"PYTHONUNBUFFERED": "1", **dict(s.env)}
+    env = dict(s.env)  # NeMo-Run exports PYTHONUNBUFFERED=1 itself
     mounts = list(s.container_mounts)
     if s.container_image:
         # Paths in the resolved config are absolute host paths: same path in the container.
