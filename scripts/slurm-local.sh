@@ -69,10 +69,20 @@ pid_of() {
     [[ -s "$f" ]] && tr -d '[:space:]' <"$f" || true
 }
 
-alive() {
+running() { # a live process, not a zombie waiting for its reaper
+    kill -0 "$1" 2>/dev/null && [[ "$(awk '{print $3}' "/proc/$1/stat" 2>/dev/null)" != Z ]]
+}
+
+pid_of_daemon() { # the PID in NAME's PID file, if that process is still NAME (not a reused PID)
     local pid
     pid="$(pid_of "$1")"
-    [[ -n "$pid" ]] && kill -0 "$pid" 2>/dev/null
+    [[ -n "$pid" && "$(cat "/proc/$pid/comm" 2>/dev/null)" == "$1" ]] && echo "$pid" || true
+}
+
+alive() {
+    local pid
+    pid="$(pid_of_daemon "$1")"
+    [[ -n "$pid" ]] && running "$pid"
 }
 
 wait_for() { # wait_for SECONDS DESCRIPTION COMMAND...
@@ -135,6 +145,7 @@ AccountingStorageType=accounting_storage/slurmdbd
 AccountingStorageHost=localhost
 AccountingStoragePort=$DBD_PORT
 AccountingStoragePass=$STATE/munge/munge.socket
+AccountingStorageTRES=gres/gpu
 JobCompType=jobcomp/filetxt
 JobCompLoc=$LOGS/jobcomp.txt
 SelectType=select/cons_tres
@@ -268,19 +279,22 @@ stop() {
     local failed=0
     for ((i = ${#DAEMONS[@]} - 1; i >= 0; i--)); do
         local name=${DAEMONS[$i]} pid
-        pid="$(pid_of "$name")"
-        [[ -n "$pid" ]] || continue
-        if kill -0 "$pid" 2>/dev/null; then
+        pid="$(pid_of_daemon "$name")"
+        if [[ -z "$pid" ]]; then
+            rm -f "$(pid_file "$name")" # stale: that process is gone
+            continue
+        fi
+        if running "$pid"; then
             kill -TERM "$pid" 2>/dev/null || true
             local deadline=$((SECONDS + 15))
-            while kill -0 "$pid" 2>/dev/null && ((SECONDS < deadline)); do sleep 0.2; done
-            if kill -0 "$pid" 2>/dev/null; then
+            while running "$pid" && ((SECONDS < deadline)); do sleep 0.2; done
+            if running "$pid"; then
                 log "$name ($pid) ignored TERM for 15 s: KILL"
                 kill -KILL "$pid" 2>/dev/null || true
                 sleep 0.5
             fi
         fi
-        if kill -0 "$pid" 2>/dev/null; then
+        if running "$pid"; then
             log "$name ($pid) is still alive"
             failed=1
         else
