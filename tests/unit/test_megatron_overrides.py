@@ -162,3 +162,54 @@ def test_field_check_catches_a_misspelt_key(tmp_path: Path, bridge_index):
     cfg = cluster_config(MOE, tmp_path)
     bad = ["ddp.average_in_colective", "model.moe_token_dispatcher", "dataset.packing_buffer"]
     assert len(unknown_keys(bridge_index, bad, section_classes(cfg))) == 3
+
+
+def test_only_train_megatron_imports_bridge_and_only_inside_functions():
+    importers = {}
+    packages = ("packline", "stages", "schemas", "pipelines")
+    for path in (p for pkg in packages for p in (PROJECT_ROOT / pkg).rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        top_level = set(tree.body)
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            if any(n.startswith("megatron.bridge") for n in names):
+                rel = str(path.relative_to(PROJECT_ROOT))
+                importers.setdefault(rel, []).append(node in top_level)
+    assert list(importers) == ["stages/train_megatron.py"]
+    assert not any(importers["stages/train_megatron.py"])  # lazily, inside functions
+
+
+def test_train_megatron_refuses_a_config_it_cannot_run_before_importing_bridge(tmp_path: Path):
+    import sys
+
+    from stages.train_megatron import train_megatron
+
+    cfg = cluster_config(DENSE, tmp_path, "model.path=null")
+    with pytest.raises(ConfigError, match="model.path"):
+        train_megatron(cfg, "fingerprint")
+    assert "megatron.bridge" not in sys.modules
+
+
+def test_bridge_run_is_nested_under_the_stage_run_by_launch_id(tmp_path: Path):
+    from mlflow.tracking import MlflowClient
+
+    from packline.tracking import PARENT_TAG, Tracker, tracking_uri
+    from stages.train_megatron import LAUNCH_TAG, _nest_bridge_run
+
+    cfg = cluster_config(DENSE, tmp_path)
+    stage = Tracker.start(cfg, "train")
+    client = MlflowClient(tracking_uri=tracking_uri(cfg))
+    exp = client.get_experiment_by_name(cfg.name)
+    # What Bridge's logger leaves behind (tags from bridge_overrides, one metric).
+    tags = bridge_overrides(cfg, mlflow_tags={LAUNCH_TAG: "77"})["logger.mlflow_tags"]
+    bridge_run = client.create_run(exp.experiment_id, run_name="train-megatron", tags=tags)
+    client.log_metric(bridge_run.info.run_id, "lm loss", 1.5)
+    other = client.create_run(exp.experiment_id, tags={LAUNCH_TAG: "78"})
+    metrics = _nest_bridge_run(cfg, "77", stage.run_id)
+    assert metrics == {"megatron/lm loss": 1.5}
+    assert client.get_run(bridge_run.info.run_id).data.tags[PARENT_TAG] == stage.run_id
+    assert PARENT_TAG not in client.get_run(other.info.run_id).data.tags
