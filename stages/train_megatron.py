@@ -17,6 +17,7 @@ the train stage's run and writes the completion record. Outputs in ``<work>/trai
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
 import time
@@ -34,6 +35,13 @@ from stages.megatron_overrides import (
 
 STAGE = "train"
 LAUNCH_TAG = "packline.launch_id"
+
+
+def _bridge_importable() -> bool:
+    try:
+        return importlib.util.find_spec("megatron.bridge") is not None
+    except ModuleNotFoundError:
+        return False
 
 
 def _import_class(qualified: str) -> type:
@@ -131,6 +139,15 @@ def train_megatron(
     problems = megatron_problems(cfg, world_size=_world_size())
     if problems:
         raise ConfigError(problems, "train.backend megatron cannot run this config")
+    if not _bridge_importable():
+        raise ConfigError(
+            [
+                "train.backend megatron needs megatron.bridge, which is installed only in the "
+                "cluster's NeMo container: run with --executor slurm and "
+                "executor.slurm.container_image"
+            ],
+            "train.backend megatron cannot run here",
+        )
     rank = int(os.environ.get("RANK", "0"))
     # The same on every rank of this launch, so rank 0 can find the run Bridge's last rank made.
     launch_id = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID", "local")

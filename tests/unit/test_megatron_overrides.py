@@ -191,6 +191,9 @@ def test_train_megatron_refuses_a_config_it_cannot_run_before_importing_bridge(t
     cfg = cluster_config(DENSE, tmp_path, "model.path=null")
     with pytest.raises(ConfigError, match="model.path"):
         train_megatron(cfg, "fingerprint")
+    # A runnable config outside the container: told where it runs, not a traceback.
+    with pytest.raises(ConfigError, match="NeMo container"):
+        train_megatron(cluster_config(DENSE, tmp_path), "fingerprint")
     assert "megatron.bridge" not in sys.modules
 
 
