@@ -16,7 +16,7 @@ from pathlib import Path
 
 import nemo_run as run
 
-from schemas.config import PROJECT_ROOT, ConfigError, ExecutorKind, PipelineConfig
+from schemas.config import PROJECT_ROOT, ConfigError, ExecutorKind, PipelineConfig, TrainBackend
 
 #: What a job needs of the project (the rest of the tree stays home).
 SHIPPED = ("packline", "stages", "schemas", "pipelines", "configs", "pyproject.toml")
@@ -40,10 +40,28 @@ def project_packager(root: Path = PROJECT_ROOT) -> run.PatternPackager:
     )
 
 
+#: Processes the local train backend can run as one job. It trains in one process in this
+#: build: raise this when its torchrun DDP entry lands.
+LOCAL_BACKEND_MAX_PROCS = 1
+
+
 def train_nproc_per_node(cfg: PipelineConfig) -> int:
     """torchrun processes per node of the train job: ``nproc_per_node``, else one per GPU."""
     s = cfg.executor.slurm
     return s.nproc_per_node or max(s.gpus_per_node, 1)
+
+
+def slurm_problems(cfg: PipelineConfig) -> list[str]:
+    """What stops this config from running on SLURM (empty when it can)."""
+    s = cfg.executor.slurm
+    procs = s.nodes * train_nproc_per_node(cfg)
+    if cfg.train.backend == TrainBackend.local and procs > LOCAL_BACKEND_MAX_PROCS:
+        return [
+            f"train.backend local runs {LOCAL_BACKEND_MAX_PROCS} process(es), the train job would "
+            f"start {procs} (nodes {s.nodes} × nproc_per_node {train_nproc_per_node(cfg)}): set "
+            f"executor.slurm.nproc_per_node=1 and nodes=1"
+        ]
+    return []
 
 
 def slurm_tunnel(cfg: PipelineConfig, *, job_dir: Path) -> run.LocalTunnel | run.SSHTunnel:

@@ -14,7 +14,7 @@ from rich.table import Table
 
 from packline.progress import console
 from packline.tracking import Tracker
-from pipelines.executors import make_executor
+from pipelines.executors import make_executor, slurm_problems
 from pipelines.slurm_jobs import SlurmJob, gather_logs, jobs_table, sacct, submitted_jobs
 from pipelines.tasks import error_path, run_stage_task
 from schemas.config import STAGES, ConfigError, ExecutorKind, PipelineConfig, TrainBackend
@@ -153,12 +153,15 @@ def run_pipeline(
     Up-to-date stages are skipped here, in this process, from their completion records
     (logged to MLflow as skipped children); the rest run as dependent NeMo-Run tasks.
     """
+    problems = slurm_problems(cfg) if cfg.executor.kind == ExecutorKind.slurm else []
     if cfg.train.backend == TrainBackend.megatron:
-        problems = megatron_problems(cfg)
+        problems += megatron_problems(cfg)
         if cfg.executor.kind != ExecutorKind.slurm:
             problems.append("train.backend megatron runs only with --executor slurm (container)")
-        if problems:
-            raise ConfigError(problems, "train.backend megatron cannot run this config")
+    if problems:
+        raise ConfigError(
+            problems, f"cannot run this config with executor {cfg.executor.kind.value}"
+        )
     config_path = write_resolved_config(cfg)
     if dryrun:
         if cfg.executor.kind == ExecutorKind.slurm:

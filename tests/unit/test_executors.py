@@ -8,7 +8,7 @@ from pathlib import Path
 import nemo_run as run
 import pytest
 
-from pipelines.executors import SHIPPED, slurm_executor, train_nproc_per_node
+from pipelines.executors import SHIPPED, slurm_executor, slurm_problems, train_nproc_per_node
 from schemas.config import PROJECT_ROOT, ConfigError
 from tests.conftest import make_config
 
@@ -53,3 +53,11 @@ def test_project_is_shipped_and_ssh_tunnel_used_when_host_set(tmp_path: Path):
 def test_host_job_dir_containing_nemo_run_is_refused(tmp_path: Path):
     with pytest.raises(ConfigError, match="/nemo_run"):
         slurm_executor(_cfg(tmp_path), job_dir=tmp_path / "nemo_run" / "x", stage="prepare")
+
+
+def test_local_backend_on_slurm_asks_for_one_process(tmp_path: Path):
+    assert slurm_problems(_cfg(tmp_path, "executor.slurm.nproc_per_node=1")) == []
+    problems = slurm_problems(_cfg(tmp_path))  # gpus_per_node 8 → 8 processes
+    assert len(problems) == 1 and "nproc_per_node=1" in problems[0]
+    megatron = _cfg(tmp_path, "train.backend=megatron")
+    assert slurm_problems(megatron) == []
