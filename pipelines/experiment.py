@@ -4,6 +4,7 @@ the one before it. Stage skipping lives in the stages (completion records), not 
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -171,6 +172,13 @@ def run_pipeline(
                 add_stages(exp, cfg, config_path, None, pipeline_stages())
                 exp.dryrun(delete_exp_dir=True)
         return PipelineOutcome("dryrun", None, {})
+    slurm = cfg.executor.kind == ExecutorKind.slurm
+    if slurm and not cfg.executor.slurm.host and not shutil.which("sbatch"):
+        hint = (
+            "--executor slurm submits from this machine, which has no sbatch: run on a login "
+            "node, set executor.slurm.host, or start scripts/slurm-local.sh and export SLURM_CONF"
+        )
+        raise ConfigError([hint], "no SLURM here")
     if from_stage:
         invalidate_from(cfg, from_stage)
     launch = stages_to_launch(cfg)
