@@ -84,7 +84,8 @@ def gather_logs(cfg: PipelineConfig, exp: run.Experiment, jobs: list[SlurmJob]) 
     for j in jobs:
         job = by_stage[j.stage]
         tunnel = job.executor.tunnel
-        remote = job.executor.job_dir  # this machine's path for LocalTunnel
+        # The job's dir where the jobs run: the tunnel's experiment dir + the task's name.
+        remote = f"{tunnel.job_dir}/{Path(job.executor.job_dir).name}"
         listing = tunnel.run(f"ls -1 {remote}", hide=True, warn=True).stdout or ""
         dest = cfg.work_path / "logs" / j.stage
         dest.mkdir(parents=True, exist_ok=True)
