@@ -90,8 +90,8 @@ class Tracker:
         parent_run_id: str | None = None,
         tags: dict[str, str] | None = None,
     ) -> Tracker:
-        if not cfg.mlflow.enabled:
-            return cls.disabled()
+        if not cfg.mlflow.enabled or int(os.environ.get("RANK", "0")) != 0:
+            return cls.disabled()  # under torchrun every rank runs the stage; rank 0 logs
         client = _client(cfg)
         all_tags = {RUN_NAME_TAG: run_name, "packline.pipeline": cfg.name, **(tags or {})}
         if parent_run_id:

@@ -1,4 +1,12 @@
-"""NeMo-Run executor factories from the config: small functions with defaults."""
+"""NeMo-Run executor factories from the config: small functions with defaults.
+
+Local: each stage is a subprocess of this machine, in this venv. SLURM: each stage is a batch
+job; ``prepare``/``connect``/``validate`` ask for one task and no GPU, ``train`` asks for
+``nodes`` × ``gpus_per_node`` and starts ``nproc_per_node`` processes per node with torchrun.
+Jobs are submitted from this machine (LocalTunnel) or over SSH (``executor.slurm.host``); the
+project's packages are shipped into each job's ``code/`` dir, which is the job's working
+directory, so a job runs the code that was submitted, not whatever is installed.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +16,10 @@ from pathlib import Path
 
 import nemo_run as run
 
-from schemas.config import ExecutorKind, PipelineConfig
+from schemas.config import PROJECT_ROOT, ConfigError, ExecutorKind, PipelineConfig, TrainBackend
+
+#: What a job needs of the project (the rest of the tree stays home).
+SHIPPED = ("packline", "stages", "schemas", "pipelines", "configs", "pyproject.toml")
 
 
 def _venv_path() -> str:
@@ -21,31 +32,90 @@ def local_executor(cfg: PipelineConfig) -> run.LocalExecutor:
     return run.LocalExecutor(env_vars={"PATH": _venv_path(), "PYTHONUNBUFFERED": "1"})
 
 
-def slurm_executor(cfg: PipelineConfig, *, job_dir: Path) -> run.SlurmExecutor:
-    """SLURM executor: LocalTunnel from this machine, or SSHTunnel when ``slurm.host`` is set."""
+def project_packager(root: Path = PROJECT_ROOT) -> run.PatternPackager:
+    """Ship packline's packages and configs into each job's ``code/`` dir."""
+    return run.PatternPackager(
+        include_pattern=[str(root / name) for name in SHIPPED],
+        relative_path=[str(root)] * len(SHIPPED),
+    )
+
+
+def train_nproc_per_node(cfg: PipelineConfig) -> int:
+    """torchrun processes per node of the train job: ``nproc_per_node``, else one per GPU."""
+    s = cfg.executor.slurm
+    return s.nproc_per_node or max(s.gpus_per_node, 1)
+
+
+def slurm_problems(cfg: PipelineConfig) -> list[str]:
+    """What stops this config from running on SLURM (empty when it can). The local backend
+    trains data parallel over every process of the train job, so the job's processes must
+    divide ``train.global_batch_size``."""
+    s = cfg.executor.slurm
+    procs = s.nodes * train_nproc_per_node(cfg)
+    gbs = cfg.train.global_batch_size
+    if cfg.train.backend == TrainBackend.local and gbs % procs:
+        return [
+            f"train.global_batch_size {gbs} is not divisible by the train job's {procs} "
+            f"data-parallel processes (nodes {s.nodes} × nproc_per_node "
+            f"{train_nproc_per_node(cfg)}): change executor.slurm.nproc_per_node or "
+            "train.global_batch_size"
+        ]
+    return []
+
+
+def slurm_tunnel(cfg: PipelineConfig, *, job_dir: Path) -> run.LocalTunnel | run.SSHTunnel:
+    """LocalTunnel (sbatch on this machine), or SSHTunnel when ``slurm.host`` is set.
+    ``job_dir`` must be ``<Experiment base_dir>/experiments``."""
     s = cfg.executor.slurm
     if s.host:
-        tunnel = run.SSHTunnel(
+        return run.SSHTunnel(
             host=s.host,
             user=s.user or os.environ.get("USER", ""),
             job_dir=s.job_dir or str(job_dir),
         )
+    return run.LocalTunnel(job_dir=str(job_dir))
+
+
+def slurm_executor(cfg: PipelineConfig, *, job_dir: Path, stage: str) -> run.SlurmExecutor:
+    """One SLURM batch job for ``stage``; ``train`` gets the GPUs and a torchrun launcher."""
+    s = cfg.executor.slurm
+    is_train = stage == "train"
+    env = dict(s.env)  # NeMo-Run exports PYTHONUNBUFFERED=1 itself
+    mounts = list(s.container_mounts)
+    if s.container_image:
+        # Paths in the resolved config are absolute host paths: same path in the container.
+        work = str(cfg.work_path)
+        if not any(m.split(":")[0] == work for m in mounts):
+            mounts.append(f"{work}:{work}")
     else:
-        tunnel = run.LocalTunnel(job_dir=str(job_dir))
+        env["PATH"] = _venv_path()  # the job runs this venv (on a shared filesystem)
+        if "/nemo_run" in str(job_dir):
+            # NeMo-Run rewrites every "/nemo_run" of a host job's sbatch script to the job dir.
+            raise ConfigError([f"work_dir {cfg.work_path} contains '/nemo_run': choose another"])
+    nproc = train_nproc_per_node(cfg)
     return run.SlurmExecutor(
         account=s.account,
         partition=s.partition or None,
-        nodes=1,
-        ntasks_per_node=1,
+        job_name_prefix=f"{cfg.name}.",
+        nodes=s.nodes if is_train else 1,
+        ntasks_per_node=nproc if is_train else 1,
+        gpus_per_node=s.gpus_per_node if is_train and s.gpus_per_node else None,
+        mem=s.mem,
         time=s.time,
         container_image=s.container_image,
-        container_mounts=list(s.container_mounts),
-        env_vars={"PATH": _venv_path(), **dict(s.env)},
-        tunnel=tunnel,
+        container_mounts=mounts,
+        env_vars=env,
+        tunnel=slurm_tunnel(cfg, job_dir=job_dir),
+        packager=project_packager(),
+        # A job whose dependency failed is cancelled, not left pending for ever.
+        additional_parameters={"kill_on_invalid_dep": "yes"},
+        launcher=run.Torchrun() if is_train else None,
+        torchrun_nproc_per_node=nproc if is_train else None,
+        poll_estimated_start_time=False,
     )
 
 
-def make_executor(cfg: PipelineConfig, *, job_dir: Path) -> run.Executor:
+def make_executor(cfg: PipelineConfig, *, job_dir: Path, stage: str = "") -> run.Executor:
     if cfg.executor.kind == ExecutorKind.slurm:
-        return slurm_executor(cfg, job_dir=job_dir)
+        return slurm_executor(cfg, job_dir=job_dir, stage=stage)
     return local_executor(cfg)

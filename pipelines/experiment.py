@@ -4,6 +4,7 @@ the one before it. Stage skipping lives in the stages (completion records), not 
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,10 +15,17 @@ from rich.table import Table
 
 from packline.progress import console
 from packline.tracking import Tracker
-from pipelines.executors import make_executor
+from pipelines.executors import make_executor, slurm_problems
+from pipelines.slurm_jobs import SlurmJob, gather_logs, jobs_table, sacct, submitted_jobs
 from pipelines.tasks import error_path, run_stage_task
-from schemas.config import STAGES, ExecutorKind, PipelineConfig
+from schemas.config import STAGES, ConfigError, ExecutorKind, PipelineConfig, TrainBackend
 from stages.base import InputError, invalidate_from, is_up_to_date, read_record
+from stages.megatron_overrides import (
+    RECIPE_MODULE,
+    bridge_overrides,
+    megatron_problems,
+    override_lines,
+)
 from stages.runner import REGISTRY, available_stages, run_stage
 
 
@@ -50,10 +58,14 @@ def write_resolved_config(cfg: PipelineConfig) -> Path:
     return path
 
 
+def nemorun_dir(cfg: PipelineConfig) -> Path:
+    """NeMo-Run's base dir for this pipeline. Not ``nemo_run``: without a container NeMo-Run
+    rewrites every ``/nemo_run`` in a generated sbatch script to the job's dir."""
+    return cfg.work_path / "nemorun"
+
+
 def new_experiment(cfg: PipelineConfig) -> run.Experiment:
-    return run.Experiment(
-        f"packline-{cfg.name}", base_dir=str(cfg.work_path / "nemo_run"), log_level="WARN"
-    )
+    return run.Experiment(f"packline-{cfg.name}", base_dir=str(nemorun_dir(cfg)), log_level="WARN")
 
 
 def add_stages(
@@ -64,7 +76,7 @@ def add_stages(
     stages: list[str],
 ) -> list[str]:
     """One ``run.Partial`` per stage, each depending on the one before (inside ``with exp``)."""
-    job_dir = cfg.work_path / "nemo_run" / "experiments"
+    job_dir = nemorun_dir(cfg) / "experiments"  # LocalTunnel's job_dir must be this
     ids: list[str] = []
     for stage in stages:
         task = run.Partial(
@@ -76,12 +88,50 @@ def add_stages(
         ids.append(
             exp.add(
                 task,
-                executor=make_executor(cfg, job_dir=job_dir),
+                executor=make_executor(cfg, job_dir=job_dir, stage=stage),
                 name=stage,
                 dependencies=ids[-1:] or None,
             )
         )
     return ids
+
+
+def dryrun_text(cfg: PipelineConfig, config_path: Path) -> str:
+    """What ``packline run --executor slurm --dryrun`` prints: every stage's sbatch script in
+    submission order, and with ``train.backend: megatron`` the Bridge recipe and overrides the
+    train job applies inside the container. Nothing is submitted."""
+    stages = pipeline_stages()
+    with new_experiment(cfg) as exp:
+        add_stages(exp, cfg, config_path, None, stages)
+        exp.dryrun(log=False, delete_exp_dir=True)
+        scripts = {job.id: job._dryrun_info.request.materialize() for job in exp.jobs}
+    out = [
+        f"# packline run --dryrun · {cfg.name} · executor slurm · {len(stages)} job(s), each "
+        "submitted with sbatch --dependency=afterok:<the previous job>",
+    ]
+    for i, stage in enumerate(stages, 1):
+        out += [
+            "",
+            f"## job {i}/{len(stages)}: {stage}",
+            f"# runs pipelines.tasks.run_stage_task(config_path={str(config_path)!r}, "
+            f"stage={stage!r}) in the job's code/ dir",
+            scripts[stage].rstrip(),
+        ]
+    if cfg.train.backend == TrainBackend.megatron and "train" in stages:
+        out += ["", *megatron_plan(cfg)]
+    return "\n".join(out) + "\n"
+
+
+def megatron_plan(cfg: PipelineConfig) -> list[str]:
+    """The Bridge run the train job makes on every torchrun rank, as lines of text."""
+    step = f"megatron.bridge.training.{cfg.megatron.step_func}.forward_step"
+    return [
+        "## train: Megatron-Bridge inside the container (stages/train_megatron.py), every rank",
+        f"# recipe: {RECIPE_MODULE}.{cfg.megatron.recipe}(peft_scheme='lora')",
+        f"# then: megatron.bridge.training.finetune.finetune(config, forward_step_func={step})",
+        "# overrides, applied in this order (dotted ConfigContainer fields):",
+        *override_lines(bridge_overrides(cfg)),
+    ]
 
 
 def stages_to_launch(cfg: PipelineConfig) -> list[str]:
@@ -104,12 +154,31 @@ def run_pipeline(
     Up-to-date stages are skipped here, in this process, from their completion records
     (logged to MLflow as skipped children); the rest run as dependent NeMo-Run tasks.
     """
+    problems = slurm_problems(cfg) if cfg.executor.kind == ExecutorKind.slurm else []
+    if cfg.train.backend == TrainBackend.megatron:
+        problems += megatron_problems(cfg)
+        if cfg.executor.kind != ExecutorKind.slurm:
+            problems.append("train.backend megatron runs only with --executor slurm (container)")
+    if problems:
+        raise ConfigError(
+            problems, f"cannot run this config with executor {cfg.executor.kind.value}"
+        )
     config_path = write_resolved_config(cfg)
     if dryrun:
-        with new_experiment(cfg) as exp:
-            add_stages(exp, cfg, config_path, None, pipeline_stages())
-            exp.dryrun(delete_exp_dir=True)
+        if cfg.executor.kind == ExecutorKind.slurm:
+            print(dryrun_text(cfg, config_path), end="")
+        else:
+            with new_experiment(cfg) as exp:
+                add_stages(exp, cfg, config_path, None, pipeline_stages())
+                exp.dryrun(delete_exp_dir=True)
         return PipelineOutcome("dryrun", None, {})
+    slurm = cfg.executor.kind == ExecutorKind.slurm
+    if slurm and not cfg.executor.slurm.host and not shutil.which("sbatch"):
+        hint = (
+            "--executor slurm submits from this machine, which has no sbatch: run on a login "
+            "node, set executor.slurm.host, or start scripts/slurm-local.sh and export SLURM_CONF"
+        )
+        raise ConfigError([hint], "no SLURM here")
     if from_stage:
         invalidate_from(cfg, from_stage)
     launch = stages_to_launch(cfg)
@@ -137,6 +206,8 @@ def run_pipeline(
             exp_id = exp._id
             for name, info in exp.status(return_dict=True).items():
                 states[name] = str(info.get("status", "UNKNOWN")).split(".")[-1]
+            if cfg.executor.kind == ExecutorKind.slurm:
+                report_slurm_jobs(cfg, exp)
         _raise_on_failure(cfg, states)
         console.print(summary_table(cfg, states))
         for stage in pipeline_stages():
@@ -148,6 +219,16 @@ def run_pipeline(
     return PipelineOutcome(exp_id, parent.run_id, states)
 
 
+def report_slurm_jobs(cfg: PipelineConfig, exp: run.Experiment) -> list[SlurmJob]:
+    """Show each stage's job as sacct has it and copy its logs into ``<work>/logs/``."""
+    jobs = submitted_jobs(exp)
+    if jobs:
+        sacct(exp.jobs[0].executor.tunnel, jobs)
+        gather_logs(cfg, exp, jobs)
+        console.print(jobs_table(jobs))
+    return jobs
+
+
 def _raise_on_failure(cfg: PipelineConfig, states: dict[str, str]) -> None:
     for stage in pipeline_stages():
         err = error_path(cfg.work_path, stage)
@@ -156,11 +237,12 @@ def _raise_on_failure(cfg: PipelineConfig, states: dict[str, str]) -> None:
             raise InputError(info["problems"], info["header"])
     failed = [s for s in pipeline_stages() if states.get(s) not in ("SUCCEEDED", "SKIPPED")]
     if failed:
-        logs = cfg.work_path / "nemo_run" / "experiments"
+        logs = nemorun_dir(cfg) / "experiments"
         raise RuntimeError(
             f"stage(s) {', '.join(failed)} did not succeed ({states}); logs under {logs}"
         )
-    console.log("[green]pipeline finished:[/] " + ", ".join(f"{s} {v}" for s, v in states.items()))
+    done = [f"{s} {states[s]}" for s in pipeline_stages() if s in states]
+    console.log("[green]pipeline finished:[/] " + ", ".join(done))
 
 
 def _headline(cfg: PipelineConfig, stage: str, m: dict[str, float]) -> str:

@@ -246,7 +246,9 @@ class ModelConfig(_Section):
     path: str | None = None
     """A local HF Qwen3-VL / Qwen3-VL-MoE checkpoint dir (``null`` with ``name: tiny``)."""
     moe: bool = False
-    """Tiny model only: build the MoE variant (Qwen3VLMoe) instead of the dense one."""
+    """The model is a Mixture-of-Experts: the tiny model is built as Qwen3VLMoe; with
+    ``train.backend: megatron`` the MoE overrides apply (EP, alltoall dispatcher, no MTP,
+    no CUDA graphs, EP overlap off)."""
 
 
 @dataclass(kw_only=True)
@@ -364,13 +366,19 @@ class SlurmConfig(_Section):
     nodes: int = 1
     """Nodes per training job."""
     gpus_per_node: int = 8
-    """GPUs per node (training job)."""
+    """GPUs per node requested by the train job (0: none); the other stages ask for none."""
+    nproc_per_node: int | None = None
+    """torchrun processes per node of the train job; ``null`` → ``gpus_per_node``. The local
+    train backend runs one process for now: set 1 for it."""
+    mem: str | None = None
+    """Memory per node of every job (``--mem``, e.g. ``64G``); ``null`` → the cluster default."""
     time: str = "04:00:00"
     """Wall-clock limit per job."""
     container_image: str | None = None
-    """Container image (pyxis/enroot), e.g. the NeMo container; ``null`` runs on the host."""
+    """Container image (pyxis/enroot), e.g. the NeMo container; ``null`` runs on the host. The
+    image needs packline's Python dependencies; the work dir is mounted at the same path."""
     container_mounts: list[str] = field(default_factory=list)
-    """``host:container`` mounts."""
+    """``host:container`` mounts (the work dir is added automatically)."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment variables for the jobs."""
     host: str | None = None
@@ -379,6 +387,49 @@ class SlurmConfig(_Section):
     """SSH user for ``host``."""
     job_dir: str | None = None
     """Remote dir for NeMo-Run job files (SSH only)."""
+
+    def rules(self) -> list[str]:
+        p: list[str] = []
+        _check(p, self.nodes >= 1, f"executor.slurm.nodes must be >= 1, got {self.nodes}")
+        _check(p, self.gpus_per_node >= 0, "executor.slurm.gpus_per_node must be >= 0")
+        _check(
+            p,
+            self.nproc_per_node is None or self.nproc_per_node >= 1,
+            "executor.slurm.nproc_per_node must be >= 1 (or null for gpus_per_node)",
+        )
+        _check(
+            p,
+            all(":" in m for m in self.container_mounts),
+            "executor.slurm.container_mounts entries must be host:container",
+        )
+        return p
+
+
+@dataclass(kw_only=True)
+class MegatronConfig(_Section):
+    """Train backend ``megatron``: the Megatron-Bridge recipe packline's overrides apply to
+    (``stages/megatron_overrides.py`` lists every one); runs inside the cluster container."""
+
+    recipe: str = "qwen3_vl_8b_peft_energon_config"
+    """Recipe function in ``megatron.bridge.recipes.qwen_vl`` the run starts from."""
+    expert_parallel: int = 1
+    """EP size (MoE): experts spread over this many GPUs; EP > 1 packs fixed-width rows."""
+    step_func: str = "vlm_step"
+    """Bridge forward step module in ``megatron.bridge.training`` (``vlm_step``)."""
+    run_name: str = "train-megatron"
+    """MLflow run name of Bridge's own logger (nested under the train stage's run)."""
+    extra_overrides: list[str] = field(default_factory=list)
+    """More ``key=value`` Bridge overrides, applied last (dotted ConfigContainer fields)."""
+
+    def rules(self) -> list[str]:
+        p: list[str] = []
+        _check(p, self.expert_parallel >= 1, "megatron.expert_parallel must be >= 1")
+        _check(
+            p,
+            all("=" in o for o in self.extra_overrides),
+            "megatron.extra_overrides entries must be key=value",
+        )
+        return p
 
 
 @dataclass(kw_only=True)
@@ -407,6 +458,7 @@ class PipelineConfig(_Section):
     lora: LoraConfig = field(default_factory=LoraConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
     executor: ExecutorConfig = field(default_factory=ExecutorConfig)
 
     @property

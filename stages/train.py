@@ -27,11 +27,16 @@ from packline.flops import mfu
 from packline.progress import console, progress
 from packline.qwen.processor import load_processor
 from packline.tracking import Tracker
-from packline.train.distributed import launched, threads_per_rank, torchrun_command
+from packline.train.distributed import (
+    init_from_env,
+    launched,
+    threads_per_rank,
+    torchrun_command,
+)
 from packline.train.evaluate import chance_accuracy, eval_accuracy, eval_loss
 from packline.train.loop import Trainer, barrier, dist_rank_world
 from packline.train.setup import apply_lora, build_model, loop_settings, run_paths
-from schemas.config import PipelineConfig
+from schemas.config import PipelineConfig, TrainBackend
 from stages.base import StageResult, fingerprint, require_record, write_record
 
 STAGE = "train"
@@ -40,9 +45,10 @@ STAGE = "train"
 def fingerprint_inputs(cfg: PipelineConfig) -> str:
     from stages import connect
 
-    return fingerprint(
-        connect.fingerprint_inputs(cfg), cfg.section_hash("model", "lora", "train", "packing")
-    )
+    sections = ["model", "lora", "train", "packing"]
+    if cfg.train.backend == TrainBackend.megatron:
+        sections.append("megatron")
+    return fingerprint(connect.fingerprint_inputs(cfg), cfg.section_hash(*sections))
 
 
 def _claim_run_dir(run_dir: Path, fp: str) -> None:
@@ -301,13 +307,21 @@ def train_lora(
 ) -> StageResult:
     """Train packing on and off (or only the configured mode) and compare them. With
     ``train.nproc_per_node`` > 1 each run happens under torchrun; when this process is
-    itself one rank of a launch, it trains as that rank."""
+    itself one rank of a launch (torchrun on SLURM), it joins the process group and trains
+    as that rank. With ``train.backend: megatron`` run the Megatron-Bridge finetune instead
+    (cluster only)."""
     t0 = time.perf_counter()
     fp = fp or fingerprint_inputs(cfg)
     require_record(cfg, "connect", by="train")
+    if cfg.train.backend == TrainBackend.megatron:
+        from stages.train_megatron import train_megatron
+
+        return train_megatron(cfg, fp, parent_run_id=parent_run_id)
     out = cfg.work_path / STAGE
     modes = [True, False] if cfg.train.compare_packing else [cfg.packing.enabled]
     runs = []
+    if launched():
+        init_from_env()
     for packed in modes:
         run_dir = out / ("packed" if packed else "unpacked")
         kwargs = {"packed": packed, "run_dir": run_dir, "fp": fp, "parent_run_id": parent_run_id}

@@ -1,0 +1,237 @@
+"""The tiny pipeline on a real single-node SLURM cluster on localhost.
+
+``scripts/slurm-local.sh`` installs (apt, first time only) and starts munge, MariaDB, slurmdbd,
+slurmctld and slurmd with 8 fake GPUs, all state in a fresh dir; ``packline run --executor
+slurm`` submits one batch job per stage, each after the previous one succeeds; the test checks
+the jobs in SLURM's accounting, the MLflow store, the gathered logs, and that stopping the
+cluster leaves no daemon behind.
+
+The train job asks for 2 of the fake GPUs and runs under torchrun with 2 processes, which
+train data parallel over gloo (no real GPU here).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from schemas.config import PROJECT_ROOT
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = PROJECT_ROOT / "scripts" / "slurm-local.sh"
+DAEMONS = ("munged", "mariadbd", "slurmdbd", "slurmctld", "slurmd")
+NEEDED = ("slurmctld", "slurmd", "slurmdbd", "sbatch", "sacct", "munged", "mariadbd")
+QUICK = [
+    "data.num_train=30",
+    "data.num_val=4",
+    "prepare.num_workers=1",
+    "train.max_steps=2",
+    "train.save_every=1",
+    "train.global_batch_size=2",
+    "train.eval_samples=1",
+    "train.compare_packing=false",
+]
+
+
+def _skip_reason() -> str | None:
+    if os.geteuid() != 0:
+        sudo = shutil.which("sudo")
+        if not sudo or subprocess.run([sudo, "-n", "true"], capture_output=True).returncode:
+            return "needs root or passwordless sudo to install and start SLURM"
+    if not all(shutil.which(b) for b in NEEDED) and not shutil.which("apt-get"):
+        return "SLURM is not installed and there is no apt-get to install it"
+    return None
+
+
+def _free_port_base(count: int = 4) -> int:
+    """A base port with ``count`` consecutive free ports (another cluster may hold 6817…)."""
+    for base in range(26817, 27817, 10):
+        try:
+            socks = []
+            for port in range(base, base + count):
+                s = socket.socket()
+                s.bind(("127.0.0.1", port))
+                socks.append(s)
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free ports for the local cluster")
+
+
+class LocalSlurm:
+    def __init__(self, state: Path, port_base: int):
+        self.state = state
+        self.env = {
+            **os.environ,
+            "PACKLINE_SLURM_PORT_BASE": str(port_base),
+            "SLURM_CONF": str(state / "etc" / "slurm.conf"),
+        }
+        self.stopped = False
+        self.start_seconds = 0.0
+
+    def script(self, command: str, timeout: float = 900) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [str(SCRIPT), command, str(self.state)],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+
+    def daemon_pids(self) -> dict[str, int]:
+        files = {
+            "munged": self.state / "munge" / "munged.pid",
+            "mariadbd": self.state / "mysql" / "run" / "mariadbd.pid",
+            **{d: self.state / "pid" / f"{d}.pid" for d in ("slurmdbd", "slurmctld", "slurmd")},
+        }
+        return {d: int(f.read_text().strip()) for d, f in files.items() if f.is_file()}
+
+    def stop(self) -> subprocess.CompletedProcess:
+        result = self.script("stop", timeout=180)
+        self.stopped = True
+        return result
+
+
+def _running(pid: int) -> bool:
+    """A live process (a zombie waiting to be reaped has stopped running)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.fixture(scope="module")
+def local_slurm():
+    reason = _skip_reason()
+    if reason:
+        pytest.skip(reason)
+    state = Path(tempfile.mkdtemp(prefix="packline-slurm-", dir="/tmp"))
+    state.chmod(0o755)  # the munge and mysql users must reach their dirs inside
+    cluster = LocalSlurm(state, _free_port_base())
+    t0 = time.perf_counter()
+    started = cluster.script("start")
+    cluster.start_seconds = time.perf_counter() - t0
+    try:
+        assert started.returncode == 0, started.stderr[-3000:]
+        yield cluster
+    finally:
+        if not cluster.stopped:
+            cluster.stop()
+        shutil.rmtree(state, ignore_errors=True)
+
+
+def _sacct(cluster: LocalSlurm, fields: str) -> list[list[str]]:
+    out = subprocess.run(
+        ["sacct", "--parsable2", "--noheader", "-X", "-o", fields],
+        env=cluster.env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return [line.split("|") for line in out.splitlines() if line]
+
+
+def test_pipeline_on_local_slurm_runs_stages_in_order_then_cluster_stops(
+    local_slurm: LocalSlurm, tmp_path: Path
+):
+    work = tmp_path / "work"
+    t0 = time.perf_counter()
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipelines.cli",
+            "run",
+            f"work_dir={work}",
+            *QUICK,
+            "executor.slurm.account=packline",
+            "executor.slurm.partition=debug",
+            "executor.slurm.gpus_per_node=2",
+            "executor.slurm.nproc_per_node=2",
+            "--executor",
+            "slurm",
+        ],  # fmt: skip
+        env={**local_slurm.env, "COLUMNS": "200"},
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        cwd=PROJECT_ROOT,
+    )
+    run_seconds = time.perf_counter() - t0
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-5000:]
+    assert "pipeline finished: prepare SUCCEEDED, connect SUCCEEDED, train SUCCEEDED" in out
+
+    # SLURM accounting: one job per stage, each started after the previous one ended.
+    jobs = [
+        r
+        for r in _sacct(local_slurm, "JobID,JobName,State,Start,End,AllocTRES")
+        if r[1].startswith("tiny_cpu.")
+    ]
+    assert [r[1] for r in jobs] == ["tiny_cpu.prepare", "tiny_cpu.connect", "tiny_cpu.train"]
+    assert [r[2] for r in jobs] == ["COMPLETED"] * 3
+    assert [int(r[0]) for r in jobs] == sorted(int(r[0]) for r in jobs)
+    for before, after in zip(jobs, jobs[1:], strict=False):
+        assert after[3] >= before[4], (before, after)  # ISO timestamps compare as text
+    assert "gres/gpu=2" in jobs[2][5] and "gres/gpu" not in jobs[0][5]
+
+    # Each job's logs were gathered; the train job ran under torchrun.
+    for stage in ("prepare", "connect", "train"):
+        assert list((work / "logs" / stage).glob("log-*.out")), stage
+    train_log = next((work / "logs" / "train").glob("log-*.out")).read_text()
+    assert "torch/distributed/elastic" in train_log
+
+    # MLflow (sqlite in the shared work dir): a parent run, a child per stage, the train run.
+    client = MlflowClient(tracking_uri=f"sqlite:///{work / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("tiny_cpu")
+    runs = client.search_runs([exp.experiment_id], max_results=100)
+    parent = next(r for r in runs if r.data.tags.get("packline.kind") == "pipeline")
+    assert parent.info.status == "FINISHED"
+    children = {
+        r.data.tags["mlflow.runName"]: r
+        for r in runs
+        if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id
+    }
+    assert sorted(children) == ["connect", "prepare", "train"]
+    assert all(c.info.status == "FINISHED" for c in children.values())
+    nested = [
+        r for r in runs if r.data.tags.get("mlflow.parentRunId") == children["train"].info.run_id
+    ]
+    assert [r.data.tags["mlflow.runName"] for r in nested] == ["train-packed"]
+    history = client.get_metric_history(nested[0].info.run_id, "train/loss")
+    assert [m.step for m in history] == [1, 2]  # logged once, by rank 0
+
+    # Two data-parallel ranks over gloo: disjoint data, equal weights after every step.
+    result = json.loads((work / "train" / "packed" / "result.json").read_text())
+    assert result["ranks"] == 2
+    for line in (work / "train" / "packed" / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        a, b = (set(keys) for keys in record["keys_by_rank"])
+        assert a and b and not a & b
+        assert record["weights_checksums"][0] == record["weights_checksums"][1]
+
+    # Stopping the cluster leaves none of its daemons running.
+    pids = local_slurm.daemon_pids()
+    assert sorted(pids) == sorted(DAEMONS)
+    stopped = local_slurm.stop()
+    assert stopped.returncode == 0, stopped.stderr
+    assert [d for d, pid in pids.items() if _running(pid)] == []
+    print(
+        f"\nlocal SLURM start {local_slurm.start_seconds:.1f} s (incl. any apt install), "
+        f"pipeline {run_seconds:.1f} s"
+    )

@@ -1,0 +1,218 @@
+"""The Megatron-Bridge overrides packline builds: their values, their strict application, and
+that every key names a field of Bridge's config dataclasses (read from a pinned release's
+source; Bridge itself cannot be imported here)."""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from schemas.config import PROJECT_ROOT, ConfigError, PipelineConfig, load_config
+from stages.megatron_overrides import (
+    RECIPE_MODULE,
+    apply_overrides,
+    bridge_overrides,
+    lora_target_modules,
+    megatron_problems,
+    section_classes,
+)
+from tests.bridge_source import IndexUnreachable, SourceIndex, fetch_sources, unknown_keys
+
+DENSE = PROJECT_ROOT / "configs" / "qwen3_vl_8b_lora_1node.yaml"
+MOE = PROJECT_ROOT / "configs" / "qwen3_vl_30b_a3b_lora_ep8_slurm.yaml"
+
+
+def cluster_config(path: Path, tmp_path: Path, *overrides: str) -> PipelineConfig:
+    """A shipped cluster config with a local work dir and processor stand-in."""
+    return load_config(
+        path, [f"work_dir={tmp_path / 'work'}", f"processor.path={tmp_path}", *overrides]
+    )
+
+
+@pytest.fixture(scope="module")
+def bridge_index() -> SourceIndex:
+    try:
+        return SourceIndex(fetch_sources())
+    except IndexUnreachable as exc:
+        pytest.skip(f"cannot download the pinned Megatron-Bridge wheels from the index: {exc}")
+
+
+def test_moe_overrides_ep8_alltoall_no_mtp_no_graphs_no_overlap(tmp_path: Path):
+    o = bridge_overrides(cluster_config(MOE, tmp_path))
+    assert o["model.expert_model_parallel_size"] == 8
+    assert o["model.tensor_model_parallel_size"] == 1
+    assert o["model.pipeline_model_parallel_size"] == 1
+    assert o["model.context_parallel_size"] == 1
+    assert o["model.mtp_num_layers"] == 0
+    assert o["model.cuda_graph_impl"] == "none" and o["model.vision_cuda_graph_impl"] == "none"
+    assert o["model.moe_token_dispatcher_type"] == "alltoall"
+    assert o["model.overlap_moe_expert_parallel_comm"] is False
+    assert o["model.delay_wgrad_compute"] is False
+    assert o["dataset.pad_to_max_length"] is True  # EP > 1 packs fixed-width rows
+    assert o["peft.target_modules"] == ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+
+
+def test_native_packing_overrides_buffer_mbs1_per_token_loss_sum_reduction(tmp_path: Path):
+    cfg = cluster_config(DENSE, tmp_path)
+    o = bridge_overrides(cfg)
+    assert o["dataset.packing_buffer_size"] == 16
+    assert o["dataset.micro_batch_size"] == 1 and o["train.micro_batch_size"] == 1
+    assert o["model.calculate_per_token_loss"] is True
+    assert o["ddp.average_in_collective"] is False
+    assert o["dataset.seq_length"] == o["model.seq_length"] == 4096
+    assert o["dataset.path"] == str(tmp_path / "work" / "prepare")
+    assert o["dataset.task_encoder.hf_processor_path"] == str(
+        tmp_path / "work" / "connect" / "processor"
+    )
+    assert "model.expert_model_parallel_size" not in o  # dense: no MoE overrides
+    unpacked = bridge_overrides(cluster_config(DENSE, tmp_path, "packing.enabled=false"))
+    assert unpacked["dataset.packing_buffer_size"] is None
+
+
+def test_bridge_mlflow_logger_points_at_packline_store(tmp_path: Path):
+    cfg = cluster_config(DENSE, tmp_path)
+    o = bridge_overrides(cfg, mlflow_tags={"packline.launch_id": "42"})
+    assert o["logger.mlflow_tracking_uri"] == f"sqlite:///{tmp_path / 'work' / 'mlflow.db'}"
+    assert o["logger.mlflow_experiment"] == "qwen3_vl_8b_lora_1node"
+    assert o["logger.mlflow_run_name"] == "train-megatron"
+    assert o["logger.mlflow_tags"]["packline.launch_id"] == "42"
+    server = cluster_config(DENSE, tmp_path, "mlflow.tracking_uri=http://127.0.0.1:5000")
+    assert bridge_overrides(server)["logger.mlflow_tracking_uri"] == "http://127.0.0.1:5000"
+    off = bridge_overrides(cluster_config(DENSE, tmp_path, "mlflow.enabled=false"))
+    assert not any(k.startswith("logger.mlflow") for k in off)
+
+
+def test_extra_overrides_apply_last_and_parse_json(tmp_path: Path):
+    cfg = cluster_config(
+        DENSE, tmp_path, "megatron.extra_overrides=[train.train_iters=7,logger.log_interval=5]"
+    )
+    o = bridge_overrides(cfg)
+    assert o["train.train_iters"] == 7 and o["logger.log_interval"] == 5
+
+
+def test_lora_targets_map_to_megatron_names_and_unknown_ones_are_listed(tmp_path: Path):
+    cfg = cluster_config(DENSE, tmp_path, "lora.target_modules=[q_proj,o_proj,fc9,up_proj,bad]")
+    with pytest.raises(ConfigError) as info:
+        lora_target_modules(cfg)
+    assert len(info.value.problems) == 2 and "'fc9'" in info.value.render()
+    ok = cluster_config(DENSE, tmp_path, "lora.target_modules=[q_proj,k_proj,down_proj]")
+    assert lora_target_modules(ok) == ["linear_qkv", "linear_fc2"]
+
+
+def test_megatron_problems_listed_together(tmp_path: Path):
+    cfg = cluster_config(
+        DENSE,
+        tmp_path,
+        "model.path=null",
+        "packing.algorithm=bfd",
+        "megatron.expert_parallel=4",
+        "train.global_batch_size=12",
+        "executor.slurm.gpus_per_node=8",
+    )
+    problems = megatron_problems(cfg)
+    assert any("model.path" in p for p in problems)
+    assert any("ffd" in p for p in problems)
+    assert any("model.moe" in p for p in problems)
+    assert any("global_batch_size 12" in p for p in problems)
+    assert megatron_problems(cluster_config(MOE, tmp_path)) == []
+    moe_on_6 = megatron_problems(cluster_config(MOE, tmp_path), world_size=6)
+    assert any("expert_parallel 8 does not divide" in p for p in moe_on_6)
+
+
+@dataclass
+class _Inner:
+    b: int = 0
+
+
+@dataclass
+class _Root:
+    a: _Inner = field(default_factory=_Inner)
+    c: str = ""
+
+
+def test_apply_overrides_sets_fields_and_refuses_unknown_keys_before_setting_any():
+    root = _Root()
+    apply_overrides(root, {"a.b": 3, "c": "x"})
+    assert root.a.b == 3 and root.c == "x"
+    with pytest.raises(ValueError) as info:
+        apply_overrides(root, {"c": "y", "a.z": 1, "d": 2})
+    assert "a.z" in str(info.value) and "'d'" in str(info.value)
+    assert root.c == "x" and not hasattr(root.a, "z")  # nothing applied
+
+
+@pytest.mark.parametrize("path", [DENSE, MOE], ids=["8b", "30b-a3b-ep8"])
+def test_every_override_key_is_a_bridge_config_field(path: Path, tmp_path: Path, bridge_index):
+    cfg = cluster_config(path, tmp_path)
+    keys = list(bridge_overrides(cfg, mlflow_tags={"packline.launch_id": "1"}))
+    assert unknown_keys(bridge_index, keys, section_classes(cfg)) == []
+    # The recipe and the forward step the in-container entry imports exist too.
+    recipes = bridge_index._load(RECIPE_MODULE)
+    assert recipes is not None and cfg.megatron.recipe in recipes[1]
+    step = bridge_index._module_file(f"megatron.bridge.training.{cfg.megatron.step_func}")
+    assert step is not None
+    assert "forward_step" in {
+        n.name for n in ast.parse(step.read_text()).body if isinstance(n, ast.FunctionDef)
+    }
+
+
+def test_field_check_catches_a_misspelt_key(tmp_path: Path, bridge_index):
+    cfg = cluster_config(MOE, tmp_path)
+    bad = ["ddp.average_in_colective", "model.moe_token_dispatcher", "dataset.packing_buffer"]
+    assert len(unknown_keys(bridge_index, bad, section_classes(cfg))) == 3
+
+
+def test_only_train_megatron_imports_bridge_and_only_inside_functions():
+    importers = {}
+    packages = ("packline", "stages", "schemas", "pipelines")
+    for path in (p for pkg in packages for p in (PROJECT_ROOT / pkg).rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        top_level = set(tree.body)
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            if any(n.startswith("megatron.bridge") for n in names):
+                rel = str(path.relative_to(PROJECT_ROOT))
+                importers.setdefault(rel, []).append(node in top_level)
+    assert list(importers) == ["stages/train_megatron.py"]
+    assert not any(importers["stages/train_megatron.py"])  # lazily, inside functions
+
+
+def test_train_megatron_refuses_a_config_it_cannot_run_before_importing_bridge(tmp_path: Path):
+    import sys
+
+    from stages.train_megatron import train_megatron
+
+    cfg = cluster_config(DENSE, tmp_path, "model.path=null")
+    with pytest.raises(ConfigError, match="model.path"):
+        train_megatron(cfg, "fingerprint")
+    # A runnable config outside the container: told where it runs, not a traceback.
+    with pytest.raises(ConfigError, match="NeMo container"):
+        train_megatron(cluster_config(DENSE, tmp_path), "fingerprint")
+    assert "megatron.bridge" not in sys.modules
+
+
+def test_bridge_run_is_nested_under_the_stage_run_by_launch_id(tmp_path: Path):
+    from mlflow.tracking import MlflowClient
+
+    from packline.tracking import PARENT_TAG, Tracker, tracking_uri
+    from stages.train_megatron import LAUNCH_TAG, _nest_bridge_run
+
+    cfg = cluster_config(DENSE, tmp_path)
+    stage = Tracker.start(cfg, "train")
+    client = MlflowClient(tracking_uri=tracking_uri(cfg))
+    exp = client.get_experiment_by_name(cfg.name)
+    # What Bridge's logger leaves behind (tags from bridge_overrides, one metric).
+    tags = bridge_overrides(cfg, mlflow_tags={LAUNCH_TAG: "77"})["logger.mlflow_tags"]
+    bridge_run = client.create_run(exp.experiment_id, run_name="train-megatron", tags=tags)
+    client.log_metric(bridge_run.info.run_id, "lm loss", 1.5)
+    other = client.create_run(exp.experiment_id, tags={LAUNCH_TAG: "78"})
+    metrics = _nest_bridge_run(cfg, "77", stage.run_id)
+    assert metrics == {"megatron/lm loss": 1.5}
+    assert client.get_run(bridge_run.info.run_id).data.tags[PARENT_TAG] == stage.run_id
+    assert PARENT_TAG not in client.get_run(other.info.run_id).data.tags
