@@ -158,7 +158,7 @@ def train_lora(
     """Train packing on and off (or only the configured mode) and compare them."""
     t0 = time.perf_counter()
     fp = fp or fingerprint_inputs(cfg)
-    require_record(cfg, "connect", by="train")
+    require_record(cfg, "validate", by="train")  # validate requires connect in turn
     out = cfg.work_path / STAGE
     modes = [True, False] if cfg.train.compare_packing else [cfg.packing.enabled]
     runs = []

@@ -19,6 +19,7 @@ from packline.train.loop import FAULT_ENV, Trainer
 from packline.train.setup import apply_lora, build_model, loop_settings, run_paths
 from stages.connect import connect_processor
 from stages.prepare import prepare_dataset
+from stages.validate import validate_config
 from tests.conftest import make_config
 
 SMALL = (
@@ -35,6 +36,7 @@ def work(tmp_path_factory) -> Path:
     cfg = make_config(work, *SMALL)
     prepare_dataset(cfg)
     connect_processor(cfg)
+    validate_config(cfg)
     return work
 
 
@@ -102,7 +104,7 @@ def _steps(log: Path) -> dict[int, dict]:
 def _copy_inputs(src: Path, dst: Path) -> None:
     import shutil
 
-    for name in ("prepare", "connect"):
+    for name in ("prepare", "connect", "validate"):
         shutil.copytree(src / name, dst / name, symlinks=True)
 
 
