@@ -138,6 +138,13 @@ def load_inputs(cfg: PipelineConfig) -> Inputs:
         processor=processor,
         connect_current=record.get("fingerprint") == connect.fingerprint_inputs(cfg),
     )
+    model_dir = Path(cfg.model.path).expanduser() if cfg.model.path else None
+    if model_dir is not None and not model_dir.is_dir():
+        inputs.model_config_problem = "not a directory"
+    elif model_dir is not None and not (model_dir / "config.json").is_file():
+        inputs.model_config_problem = "it holds no config.json"
+    if inputs.model_config_problem:
+        return inputs
     try:
         inputs.model_config = model_config(cfg, processor)
     except (OSError, ValueError, KeyError) as exc:

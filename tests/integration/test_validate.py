@@ -393,7 +393,7 @@ def test_vision_width_unequal_to_the_text_width_is_an_error(connected, tmp_path,
     ]
 
 
-def test_model_path_that_is_not_qwen3_vl_is_an_error(connected, tmp_path, capsys):
+def test_model_path_without_a_qwen3_vl_config_is_an_error(connected, tmp_path, capsys):
     model = tmp_path / "llama"
     LlamaConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=2).save_pretrained(model)
     code, problems, report = _validate(connected, capsys, f"model.path={model}")
@@ -405,6 +405,18 @@ def test_model_path_that_is_not_qwen3_vl_is_an_error(connected, tmp_path, capsys
     ]
     status = {c["rule"]: c["status"] for c in report["checks"]}
     assert status["lora.targets"] == status["model.token_ids"] == "not applicable"
+
+    fix = (
+        "fix: point model.path at a local Hugging Face Qwen3-VL checkpoint dir (its "
+        "config.json is all validate reads)"
+    )
+    (tmp_path / "empty").mkdir()
+    for path, problem in (
+        (tmp_path / "missing", "not a directory"),
+        (tmp_path / "empty", "it holds no config.json"),
+    ):
+        code, problems, _ = _validate(connected, capsys, f"model.path={path}")
+        assert code == 2 and problems == [f"model.path '{path}': {problem}; {fix}"]
 
 
 def test_validate_reads_no_weights(connected, tmp_path, capsys):
