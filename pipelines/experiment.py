@@ -181,7 +181,11 @@ def _headline(cfg: PipelineConfig, stage: str, m: dict[str, float]) -> str:
         )
     if stage == "validate":
         fill = m.get("validate/forecast_fill")
-        fill_text = f"; fill {fill:.3f} at buffer {cfg.packing.packing_buffer_size}" if fill else ""
+        fill_text = (
+            f"; fill {fill:.3f} at buffer {cfg.packing.packing_buffer_size}"
+            if fill is not None
+            else ""
+        )
         return (
             f"{m.get('validate/rules', 0):.0f} rules: {m.get('validate/errors', 0):.0f} errors, "
             f"{m.get('validate/warnings', 0):.0f} warnings{fill_text}"
