@@ -261,6 +261,17 @@ def _headline(cfg: PipelineConfig, stage: str, m: dict[str, float]) -> str:
             f"{m.get('connect/tokens_total', 0):,.0f} tokens, "
             f"{m.get('connect/overlength', 0):,.0f} over seq_length; {fill_text}"
         )
+    if stage == "validate":
+        fill = m.get("validate/forecast_fill")
+        fill_text = (
+            f"; fill {fill:.3f} at buffer {cfg.packing.packing_buffer_size}"
+            if fill is not None
+            else ""
+        )
+        return (
+            f"{m.get('validate/rules', 0):.0f} rules: {m.get('validate/errors', 0):.0f} errors, "
+            f"{m.get('validate/warnings', 0):.0f} warnings{fill_text}"
+        )
     if stage == "train":
         speedup = m.get("compare/speedup_real_tokens_per_s")
         on = m.get("compare/packed_real_tokens_per_s")

@@ -12,6 +12,9 @@ import difflib
 import hashlib
 import json
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field, fields, is_dataclass
 from enum import Enum
 from pathlib import Path
@@ -44,13 +47,37 @@ def _check(problems: list[str], ok: bool, message: str) -> None:
         problems.append(message)
 
 
+_RULES_DEFERRED: ContextVar[bool] = ContextVar("rules_deferred", default=False)
+
+
+@contextmanager
+def _rules_deferred() -> Iterator[None]:
+    """Build sections without checking their rules (``load_config`` checks them all after)."""
+    token = _RULES_DEFERRED.set(True)
+    try:
+        yield
+    finally:
+        _RULES_DEFERRED.reset(token)
+
+
 class _Section:
     """Mixin: ``__post_init__`` gathers every broken rule of a section into one error."""
 
     def rules(self) -> list[str]:  # pragma: no cover - overridden where a section has rules
         return []
 
+    def all_rules(self) -> list[str]:
+        """This section's broken rules and those of the sections nested in it."""
+        problems = self.rules()
+        for f in fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            if isinstance(value, _Section):
+                problems += value.all_rules()
+        return problems
+
     def __post_init__(self) -> None:
+        if _RULES_DEFERRED.get():
+            return
         problems = self.rules()
         if problems:
             raise ValueError("\n".join(problems))
@@ -284,6 +311,105 @@ class LoraConfig(_Section):
         return p
 
 
+# --- Megatron-Bridge settings and validate thresholds (issue 6, the validate stage) --------
+# Kept in one block so the SLURM / Megatron-backend work can merge around it. The validate
+# stage (schemas/guardrails.py, stages/validate.py) checks these against packing.
+
+
+class CudaGraphImpl(Enum):
+    """Megatron's CUDA graph implementation (``cuda_graph_impl``)."""
+
+    none = "none"
+    """No CUDA graphs (what packing needs: packed rows change shape every step)."""
+    local = "local"
+    """Megatron-core's own CUDA graphs."""
+    transformer_engine = "transformer_engine"
+    """Transformer Engine's CUDA graphs."""
+
+
+@dataclass(kw_only=True)
+class MegatronConfig(_Section):
+    """Train backend ``megatron`` (Megatron-Bridge, inside the cluster container): the recipe
+    packline's overrides apply to (``stages/megatron_overrides.py`` lists every one), and the
+    settings Energon packing constrains — Bridge rejects a wrong one at start-up on the
+    cluster, one at a time; the validate stage checks them all at once on the laptop, and the
+    overrides send exactly these values."""
+
+    recipe: str = "qwen3_vl_8b_peft_energon_config"
+    """Recipe function in ``megatron.bridge.recipes.qwen_vl`` the run starts from."""
+    step_func: str = "vlm_step"
+    """Bridge forward step module in ``megatron.bridge.training`` (``vlm_step``)."""
+    run_name: str = "train-megatron"
+    """MLflow run name of Bridge's own logger (nested under the train stage's run)."""
+    extra_overrides: list[str] = field(default_factory=list)
+    """More ``key=value`` Bridge overrides, applied last (dotted ConfigContainer fields)."""
+
+    pipeline_parallel: int = 1
+    """PP size. Bridge's Energon packing needs 1 (PP > 1 would also need fixed-width rows)."""
+    expert_parallel: int = 1
+    """EP size (MoE). EP > 1 needs fixed-width rows: ``packing.pad_to_max_length: true``."""
+    mtp_num_layers: int = 0
+    """Multi-token-prediction layers (Bridge ``mtp_num_layers``); packing needs 0."""
+    cuda_graph_impl: CudaGraphImpl = CudaGraphImpl.none
+    """CUDA graphs of the language model: ``none``, ``local`` or ``transformer_engine``;
+    packing needs ``none``."""
+    vision_cuda_graph_impl: CudaGraphImpl = CudaGraphImpl.none
+    """CUDA graphs of the vision tower; packing needs ``none``."""
+    calculate_per_token_loss: bool = True
+    """Bridge ``model.calculate_per_token_loss``: token losses summed and divided by the
+    global batch's loss-token count. Packing needs true."""
+    average_in_collective: bool = False
+    """Bridge ``ddp.average_in_collective``: average (not sum) gradients in the DP
+    all-reduce. Packing needs false."""
+    overlap_moe_expert_parallel_comm: bool = False
+    """Overlap the EP all-to-all with compute; Bridge turns it off with packing (warning)."""
+    delay_wgrad_compute: bool = False
+    """Delay the weight-gradient GEMMs (EP overlap); Bridge turns it off with packing
+    (warning)."""
+    task_encoder: str = "QwenVLEnergonTaskEncoderConfig"
+    """Bridge's task-encoder config class; Energon packing works only with
+    ``QwenVLEnergonTaskEncoderConfig``."""
+    max_num_images: int = 10
+    """Bridge's encoder skips, uncounted, samples with more images than this."""
+    max_visual_tokens: int = 16384
+    """Bridge's encoder skips, uncounted, samples with more visual tokens than this."""
+
+    def rules(self) -> list[str]:
+        p: list[str] = []
+        _check(p, self.pipeline_parallel >= 1, "megatron.pipeline_parallel must be >= 1")
+        _check(p, self.expert_parallel >= 1, "megatron.expert_parallel must be >= 1")
+        _check(p, self.mtp_num_layers >= 0, "megatron.mtp_num_layers must be >= 0")
+        _check(p, self.max_num_images >= 0, "megatron.max_num_images must be >= 0")
+        _check(p, self.max_visual_tokens > 0, "megatron.max_visual_tokens must be > 0")
+        _check(
+            p,
+            all("=" in o for o in self.extra_overrides),
+            "megatron.extra_overrides entries must be key=value",
+        )
+        return p
+
+
+@dataclass(kw_only=True)
+class ValidateConfig(_Section):
+    """Stage validate: the thresholds of its warnings (errors have no knobs)."""
+
+    worker_memory_warn_gib: float = 4.0
+    """Warn when one loader worker's packing buffer is estimated to hold more (GiB)."""
+    min_forecast_fill: float = 0.7
+    """Warn when the forecast fill at ``packing.packing_buffer_size`` is lower."""
+
+    def rules(self) -> list[str]:
+        p: list[str] = []
+        _check(p, self.worker_memory_warn_gib > 0, "validate.worker_memory_warn_gib must be > 0")
+        _check(
+            p, 0.0 <= self.min_forecast_fill <= 1.0, "validate.min_forecast_fill must be in [0, 1]"
+        )
+        return p
+
+
+# --- end of the issue 6 block ----------------------------------------------------------------
+
+
 @dataclass(kw_only=True)
 class TrainConfig(_Section):
     """Training loop settings (embedded local backend or Megatron-Bridge)."""
@@ -406,33 +532,6 @@ class SlurmConfig(_Section):
 
 
 @dataclass(kw_only=True)
-class MegatronConfig(_Section):
-    """Train backend ``megatron``: the Megatron-Bridge recipe packline's overrides apply to
-    (``stages/megatron_overrides.py`` lists every one); runs inside the cluster container."""
-
-    recipe: str = "qwen3_vl_8b_peft_energon_config"
-    """Recipe function in ``megatron.bridge.recipes.qwen_vl`` the run starts from."""
-    expert_parallel: int = 1
-    """EP size (MoE): experts spread over this many GPUs; EP > 1 packs fixed-width rows."""
-    step_func: str = "vlm_step"
-    """Bridge forward step module in ``megatron.bridge.training`` (``vlm_step``)."""
-    run_name: str = "train-megatron"
-    """MLflow run name of Bridge's own logger (nested under the train stage's run)."""
-    extra_overrides: list[str] = field(default_factory=list)
-    """More ``key=value`` Bridge overrides, applied last (dotted ConfigContainer fields)."""
-
-    def rules(self) -> list[str]:
-        p: list[str] = []
-        _check(p, self.expert_parallel >= 1, "megatron.expert_parallel must be >= 1")
-        _check(
-            p,
-            all("=" in o for o in self.extra_overrides),
-            "megatron.extra_overrides entries must be key=value",
-        )
-        return p
-
-
-@dataclass(kw_only=True)
 class ExecutorConfig(_Section):
     """Where the stages run."""
 
@@ -456,10 +555,16 @@ class PipelineConfig(_Section):
     packing: PackingConfig = field(default_factory=PackingConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    validate: ValidateConfig = field(default_factory=ValidateConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     executor: ExecutorConfig = field(default_factory=ExecutorConfig)
+
+    @property
+    def trains_packed(self) -> bool:
+        """Whether a packed run trains: packing on, or the on/off comparison."""
+        return self.packing.enabled or self.train.compare_packing
 
     @property
     def work_path(self) -> Path:
@@ -579,16 +684,36 @@ def load_config(
         _set_key(cfg, key, value, "override", problems)
     for key in sorted(OmegaConf.missing_keys(cfg)):
         problems.append(f"missing value: '{key}' must be set")
-    # Rules of each section, all sections checked before reporting.
-    sections = [f.name for f in fields(PipelineConfig) if f.name not in ("name", "work_dir")]
-    for name in sections:
-        node = cfg[name]
-        if isinstance(node, DictConfig):
-            try:
-                OmegaConf.to_object(node)
-            except (ValueError, OmegaConfBaseException) as exc:
-                msg = exc.msg if isinstance(exc, OmegaConfBaseException) else str(exc)
-                problems += [m.strip() for m in msg.split("\n") if m.strip()]
+    problems += _rule_problems(cfg)
     if problems:
         raise ConfigError(problems)
     return OmegaConf.to_object(cfg)  # type: ignore[return-value]
+
+
+def _rule_problems(cfg: DictConfig) -> list[str]:
+    """Every broken rule at once: each section's own rules (ranges, paths, the alignment)
+    and, when every section could be built, the errors of the cross-section guardrails
+    (``schemas/guardrails.py``: the packing rules Megatron-Bridge enforces at start-up)."""
+    from schemas.guardrails import config_findings  # it imports this module
+
+    names = [f.name for f in fields(PipelineConfig) if f.name not in ("name", "work_dir")]
+    problems: list[str] = []
+    built: dict[str, _Section] = {}
+    with _rules_deferred():
+        for name in names:
+            try:
+                built[name] = OmegaConf.to_object(cfg[name])  # type: ignore[assignment]
+            except (ValueError, OmegaConfBaseException) as exc:
+                msg = exc.msg if isinstance(exc, OmegaConfBaseException) else str(exc)
+                problems += [m.strip() for m in msg.split("\n") if m.strip()]
+    for section in built.values():
+        problems += section.all_rules()
+    if len(built) == len(names):
+        with _rules_deferred():
+            whole = PipelineConfig(
+                name="" if OmegaConf.is_missing(cfg, "name") else cfg.name,
+                work_dir=cfg.work_dir,
+                **built,  # type: ignore[arg-type]
+            )
+        problems += [f.text for f in config_findings(whole) if f.severity == "error"]
+    return problems

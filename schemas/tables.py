@@ -110,3 +110,96 @@ def validate_table(model: type[pa.DataFrameModel], df: pd.DataFrame, name: str) 
         raise ValueError(f"{name} breaks its schema:\n  " + "\n  ".join(lines) + more) from None
     except SchemaError as exc:  # pragma: no cover - lazy=True raises SchemaErrors
         raise ValueError(f"{name} breaks its schema: {exc}") from None
+
+
+# --- across tables (the validate stage) -----------------------------------------------------
+
+
+class SampleJoinModel(pa.DataFrameModel):
+    """``manifest.parquet`` outer-joined with ``lengths.parquet`` on ``key``; ``source`` is
+    the join indicator (``both``, ``left_only``: manifest only, ``right_only``: lengths only).
+    Each check's ``error`` names the keys that break it."""
+
+    key: Series[str]
+    source: Series[str]
+    split_manifest: Series[str] = pa.Field(nullable=True)
+    split_lengths: Series[str] = pa.Field(nullable=True)
+    num_images_manifest: Series[float] = pa.Field(nullable=True)
+    num_images_lengths: Series[float] = pa.Field(nullable=True)
+
+    class Config:
+        coerce = True
+
+    @pa.dataframe_check(error="lengths.parquet key(s) not in manifest.parquet")
+    def lengths_key_in_manifest(cls, df: pd.DataFrame) -> Series[bool]:
+        return df["source"] != "right_only"
+
+    @pa.dataframe_check(error="manifest.parquet key(s) missing from lengths.parquet")
+    def manifest_key_has_lengths(cls, df: pd.DataFrame) -> Series[bool]:
+        return df["source"] != "left_only"
+
+    @pa.dataframe_check(error="key(s) with another split in lengths.parquet than in the manifest")
+    def split_agrees(cls, df: pd.DataFrame) -> Series[bool]:
+        return (df["source"] != "both") | (df["split_manifest"] == df["split_lengths"])
+
+    @pa.dataframe_check(
+        error="key(s) with another image count in lengths.parquet than in the manifest"
+    )
+    def num_images_agree(cls, df: pd.DataFrame) -> Series[bool]:
+        both = df["source"] == "both"
+        return ~both | (df["num_images_manifest"] == df["num_images_lengths"])
+
+
+def _examples(values: list, shown: int = 5) -> str:
+    text = ", ".join(repr(v) for v in values[:shown])
+    return text + (f" and {len(values) - shown} more" if len(values) > shown else "")
+
+
+def _failures(model: type[pa.DataFrameModel], df: pd.DataFrame, name: str) -> list[str]:
+    """One readable line per broken check of ``model`` on ``df`` (all checks run)."""
+    try:
+        model.validate(df, lazy=True)
+        return []
+    except SchemaErrors as exc:
+        cases = exc.failure_cases
+    cases = cases.assign(
+        column=cases["column"].where(cases["schema_context"] == "Column", None).astype(object)
+    )  # a dataframe check is reported once per column: group it as one
+    lines: list[str] = []
+    for (column, check), group in cases.groupby(["column", "check"], dropna=False, sort=False):
+        column = column if isinstance(column, str) else None
+        index = [i for i in dict.fromkeys(group["index"].tolist()) if i is not None]
+        keys = list(dict.fromkeys(df.loc[i, "key"] for i in index)) if "key" in df else []
+        if check == "field_uniqueness" and column == "key":
+            dup = sorted(set(group["failure_case"].astype(str)))
+            lines.append(f"{name} has {len(dup)} duplicated key(s): {_examples(dup)}")
+        elif column is None and "key(s)" in str(check) and keys:
+            lines.append(f"{len(keys)} {check}: {_examples(keys)}")
+        else:
+            values = list(dict.fromkeys(group["failure_case"].astype(str).tolist()))
+            where = f"column {column}" if column else "the table"
+            lines.append(f"{name}: {where} fails {check} ({_examples(values)})")
+    return lines
+
+
+def cross_table_problems(manifest: pd.DataFrame, lengths: pd.DataFrame) -> list[tuple[str, str]]:
+    """(table at fault, problem) for each broken rule of the manifest, the lengths table and
+    the two together: each table's own model (keys unique, ...), every lengths key in the
+    manifest and the reverse, and the same split and image count for a key in both."""
+    out = [("manifest.parquet", p) for p in _failures(ManifestModel, manifest, "manifest.parquet")]
+    out += [("lengths.parquet", p) for p in _failures(LengthsModel, lengths, "lengths.parquet")]
+    if not {"key", "split", "num_images"} <= set(manifest.columns) & set(lengths.columns):
+        return out  # reported above as missing columns
+    joined = manifest[["key", "split", "num_images"]].merge(
+        lengths[["key", "split", "num_images"]],
+        on="key",
+        how="outer",
+        suffixes=("_manifest", "_lengths"),
+        indicator="source",
+    )
+    joined["source"] = joined["source"].astype(str)
+    out += [
+        ("lengths.parquet", p)
+        for p in _failures(SampleJoinModel, joined.reset_index(drop=True), "the join")
+    ]
+    return out

@@ -89,7 +89,8 @@ def bridge_overrides(
 
     ``mlflow_tags`` are added to packline's own tags on Bridge's MLflow run (the train stage
     passes the run it nests under)."""
-    p, t, ep = cfg.packing, cfg.train, cfg.megatron.expert_parallel
+    p, t, m = cfg.packing, cfg.train, cfg.megatron
+    ep = m.expert_parallel
     work = cfg.work_path
     o: dict[str, Any] = {
         # data: the prepared Energon dataset and the processor connect measured lengths with
@@ -99,16 +100,17 @@ def bridge_overrides(
         "dataset.packing_buffer_size": p.packing_buffer_size if p.enabled else None,
         "dataset.pad_to_max_length": p.pad_to_max_length or ep > 1,
         "dataset.task_encoder.hf_processor_path": str(work / "connect" / "processor"),
-        "dataset.task_encoder.max_num_images": cfg.prepare.max_images,
+        "dataset.task_encoder.max_num_images": m.max_num_images,
         "model.seq_length": p.seq_length,
         # packing requirements: one pack per micro-batch, loss normalized over tokens
         "dataset.micro_batch_size": 1,
         "train.micro_batch_size": 1,
-        "model.calculate_per_token_loss": True,
-        "ddp.average_in_collective": False,
-        "model.pipeline_model_parallel_size": 1,
-        "model.cuda_graph_impl": "none",
-        "model.vision_cuda_graph_impl": "none",
+        # the settings validate checks (megatron.*): what packing needs, or it stops there
+        "model.calculate_per_token_loss": m.calculate_per_token_loss,
+        "ddp.average_in_collective": m.average_in_collective,
+        "model.pipeline_model_parallel_size": m.pipeline_parallel,
+        "model.cuda_graph_impl": m.cuda_graph_impl.value,
+        "model.vision_cuda_graph_impl": m.vision_cuda_graph_impl.value,
         # parallelism (alignment of each conversation follows TP/CP/SP, see packing.alignment)
         "model.tensor_model_parallel_size": p.tensor_parallel,
         "model.context_parallel_size": p.context_parallel,
@@ -119,10 +121,10 @@ def bridge_overrides(
             {
                 "model.expert_model_parallel_size": ep,
                 "model.expert_tensor_parallel_size": 1,
-                "model.mtp_num_layers": 0,
+                "model.mtp_num_layers": m.mtp_num_layers,
                 "model.moe_token_dispatcher_type": "alltoall",
-                "model.overlap_moe_expert_parallel_comm": False,
-                "model.delay_wgrad_compute": False,
+                "model.overlap_moe_expert_parallel_comm": m.overlap_moe_expert_parallel_comm,
+                "model.delay_wgrad_compute": m.delay_wgrad_compute,
             }
         )
     o.update(

@@ -9,13 +9,14 @@ from pathlib import Path
 from packline.progress import console, summary_table
 from packline.tracking import Tracker
 from schemas.config import PipelineConfig
-from stages import connect, prepare, train
+from stages import connect, prepare, train, validate
 from stages.base import StageResult, is_up_to_date, result_from_record
 
 #: stage name → (fingerprint of its inputs, the stage function)
 REGISTRY: dict[str, tuple[Callable[[PipelineConfig], str], Callable[..., StageResult]]] = {
     "prepare": (prepare.fingerprint_inputs, prepare.prepare_dataset),
     "connect": (connect.fingerprint_inputs, connect.connect_processor),
+    "validate": (validate.fingerprint_inputs, validate.validate_config),
     "train": (train.fingerprint_inputs, train.train_lora),
 }
 #: stages whose own MLflow runs nest under the stage's run

@@ -312,7 +312,7 @@ def train_lora(
     (cluster only)."""
     t0 = time.perf_counter()
     fp = fp or fingerprint_inputs(cfg)
-    require_record(cfg, "connect", by="train")
+    require_record(cfg, "validate", by="train")  # validate requires connect in turn
     if cfg.train.backend == TrainBackend.megatron:
         from stages.train_megatron import train_megatron
 

@@ -249,3 +249,33 @@ def make_encoder(mode: str, processor_dir, settings: PackingSettings) -> _QwenPa
     if mode == "eager":
         return EagerQwenPackingEncoder(processor_dir, settings)
     raise ValueError(f"unknown encoder mode {mode!r}: use 'lazy' or 'eager'")
+
+
+def buffered_sample_bytes(
+    mode: str,
+    *,
+    num_tokens: int,
+    num_images: int,
+    image_bytes: int,
+    num_patches: int,
+    patch_dim: int,
+) -> int:
+    """Tensor bytes one conversation holds while it waits in a worker's packing buffer
+    (payload only, not Python object overhead), per encoder mode:
+
+    - ``lazy`` (:class:`~packline.qwen.encode.Tokenized`): ``input_ids`` (int64) and the
+      target mask (bool) per token, plus its images still as encoded file bytes;
+    - ``eager`` (:class:`~packline.packing.thd.EncodedConversation`): the same ids and mask,
+      3 M-RoPE rows (int64) per token, ``pixel_values`` (float32, ``patch_dim`` values per
+      patch) and ``image_grid_thw`` (3 int64 per image).
+
+    Worked example (patch 16, temporal patch 2 → ``patch_dim`` = 3·2·16·16 = 1,536): 300
+    tokens with one 32 KB image of 1,024 patches take 300·9 + 32,768 = 35,468 B lazy and
+    300·33 + 1,024·1,536·4 + 24 = 6,301,380 B eager.
+    """
+    ids_and_mask = num_tokens * (8 + 1)
+    if mode == "lazy":
+        return ids_and_mask + image_bytes
+    if mode == "eager":
+        return ids_and_mask + num_tokens * 3 * 8 + num_patches * patch_dim * 4 + num_images * 24
+    raise ValueError(f"unknown encoder mode {mode!r}: use 'lazy' or 'eager'")

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 from transformers import (
+    AutoModelForImageTextToText,
+    PretrainedConfig,
     Qwen3VLConfig,
     Qwen3VLForConditionalGeneration,
     Qwen3VLMoeConfig,
@@ -84,3 +86,10 @@ def build_tiny_model(
         torch.manual_seed(seed)
         model = cls(cfg)
     return model.float().eval()
+
+
+def build_meta_model(config: PretrainedConfig) -> torch.nn.Module:
+    """The model of ``config`` on the meta device: every module and parameter shape, no
+    memory and no weights read (builds a 30B config in well under a second)."""
+    with torch.device("meta"):
+        return AutoModelForImageTextToText.from_config(config)

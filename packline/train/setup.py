@@ -2,29 +2,99 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from peft import LoraConfig, get_peft_model
+from peft.tuners.tuners_utils import check_target_module_exists
+from transformers.pytorch_utils import Conv1D
 
 from packline.energon.packing import PackingSettings
-from packline.qwen.model import build_tiny_model
+from packline.qwen.model import build_tiny_model, tiny_config
 from packline.train.loop import LoopSettings
+
+#: Module types PEFT's LoRA wraps (a name match on any other type fails in get_peft_model).
+LORA_MODULE_TYPES = (
+    torch.nn.Linear,
+    torch.nn.Embedding,
+    torch.nn.Conv1d,
+    torch.nn.Conv2d,
+    torch.nn.Conv3d,
+    torch.nn.MultiheadAttention,
+    Conv1D,
+)
+
+
+def model_config(cfg, processor):
+    """The configured model's HF config, no weights: the tiny one matching ``processor``, or
+    the ``config.json`` of ``model.path``."""
+    if cfg.model.path:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(cfg.model.path, local_files_only=True)
+        # An enabled cache breaks packed isolation (a non-VL config has no text_config).
+        getattr(config, "text_config", config).use_cache = False
+        return config
+    return tiny_config(processor, moe=cfg.model.moe)
 
 
 def build_model(cfg, processor):
     """The configured Qwen3-VL: the tiny one (seeded), or a local checkpoint dir."""
     if cfg.model.path:
-        from transformers import AutoConfig, AutoModelForImageTextToText
+        from transformers import AutoModelForImageTextToText
 
-        config = AutoConfig.from_pretrained(cfg.model.path, local_files_only=True)
-        config.text_config.use_cache = False  # an enabled cache breaks packed isolation
         model = AutoModelForImageTextToText.from_pretrained(
-            cfg.model.path, config=config, local_files_only=True, torch_dtype=torch.float32
+            cfg.model.path,
+            config=model_config(cfg, processor),
+            local_files_only=True,
+            torch_dtype=torch.float32,
         )
     else:
         model = build_tiny_model(processor, moe=cfg.model.moe, seed=cfg.train.seed)
     return model
+
+
+@dataclass
+class LoraTargetMatch:
+    """What one entry of ``lora.target_modules`` / ``lora.target_parameters`` matches."""
+
+    target: str
+    kind: str
+    """``module`` or ``parameter``."""
+    matched: list[str] = field(default_factory=list)
+    """Names PEFT would wrap with an adapter."""
+    unsupported: list[str] = field(default_factory=list)
+    """Modules the name matches whose type LoRA cannot wrap (PEFT raises on them)."""
+
+
+def lora_target_matches(
+    model: torch.nn.Module, target_modules: list[str], target_parameters: list[str]
+) -> list[LoraTargetMatch]:
+    """Each LoRA target's matches in ``model`` (which may live on the meta device), by PEFT's
+    own rules: a module matches when its name is the target or ends in ``.<target>``; a
+    parameter when ``<module>.<param>`` is the target or ends in ``.<target>``, looking only
+    at a module's own parameters. PEFT fails only when *no* target matches; a single target
+    matching nothing (``gate_proj`` on MoE experts, which are 3-D parameters) is silent."""
+    out: list[LoraTargetMatch] = []
+    named = list(model.named_modules())
+    for target in target_modules:
+        match = LoraTargetMatch(target, "module")
+        probe = LoraConfig(target_modules=[target])
+        for name, module in named:
+            if name and check_target_module_exists(probe, name):
+                kind = isinstance(module, LORA_MODULE_TYPES)
+                (match.matched if kind else match.unsupported).append(name)
+        out.append(match)
+    for target in target_parameters:
+        match = LoraTargetMatch(target, "parameter")
+        for name, module in named:
+            for param_name, _ in module.named_parameters(recurse=False):
+                key = f"{name}.{param_name}" if name else param_name
+                if key == target or key.endswith(f".{target}"):
+                    match.matched.append(key)
+        out.append(match)
+    return out
 
 
 def apply_lora(model, lora_cfg):

@@ -47,8 +47,12 @@ def test_run_twice_skips_then_a_changed_sample_count_reruns(tmp_path: Path):
     first = _run(work, *small)
     assert first.returncode == 0, first.stderr[-3000:]
     out = first.stdout + first.stderr
-    assert "Task 0: prepare" in out and "Task 1: connect" in out and "Task 2: train" in out
-    assert out.count("Status: SUCCEEDED") == 3  # NeMo-Run tasks, in dependency order
+    assert "Task 0: prepare" in out and "Task 1: connect" in out
+    assert "Task 2: validate" in out and "Task 3: train" in out
+    assert out.count("Status: SUCCEEDED") == 4  # NeMo-Run tasks, in dependency order
+    assert "validate: all" in out and "rules hold" in out
+    report = json.loads((work / "validate" / "report.json").read_text())
+    assert report["ok"] and report["errors"] == [] and report["warnings"] == []
     prep1, conn1 = _record(work, "prepare"), _record(work, "connect")
     assert len(pd.read_parquet(work / "connect" / "lengths.parquet")) == 46
 
@@ -56,7 +60,7 @@ def test_run_twice_skips_then_a_changed_sample_count_reruns(tmp_path: Path):
     assert second.returncode == 0, second.stderr[-3000:]
     out2 = second.stdout + second.stderr
     assert "prepare: up to date" in out2 and "connect: up to date" in out2
-    assert "train: up to date" in out2
+    assert "validate: up to date" in out2 and "train: up to date" in out2
     assert "Task 0: prepare" not in out2  # nothing launched
     assert _record(work, "prepare") == prep1 and _record(work, "connect") == conn1
 
@@ -81,6 +85,7 @@ def test_run_twice_skips_then_a_changed_sample_count_reruns(tmp_path: Path):
             "connect",
             "prepare",
             "train",
+            "validate",
         ]
         for child in children:
             assert child.data.params["packing.seq_length"] == "2048"
@@ -98,6 +103,10 @@ def test_run_twice_skips_then_a_changed_sample_count_reruns(tmp_path: Path):
     artifacts = {a.path for a in client.list_artifacts(kids["connect"].info.run_id)}
     assert {"forecast.json", "length_histogram.png"} <= artifacts
     assert "rejects.jsonl" in {a.path for a in client.list_artifacts(kids["prepare"].info.run_id)}
+    assert kids["validate"].data.metrics["validate/errors"] == 0
+    assert {"report.json", "pipeline.yaml"} <= {
+        a.path for a in client.list_artifacts(kids["validate"].info.run_id)
+    }
     # Training runs nest under the train stage: packing on and off, per-step metrics.
     train_runs = {
         r.data.tags["mlflow.runName"]: r
@@ -116,3 +125,27 @@ def test_run_with_bad_overrides_exits_2_listing_both(tmp_path: Path):
     assert "2 problem(s)" in result.stderr
     assert "did you mean 'seq_length'" in result.stderr and "expected int" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_run_stops_at_validate_with_exit_2_listing_every_error(tmp_path: Path):
+    """The MoE silent no-op (dense LoRA targets on 3-D experts) and an overlength policy that
+    would stop the run are caught by validate, together, before train starts."""
+    work = tmp_path / "work"
+    result = _run(
+        work,
+        "data.num_train=40",
+        "data.num_val=6",
+        "model.moe=true",
+        "packing.seq_length=256",
+        "packing.overlength=fail",
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "validate: 4 error(s)" in result.stderr
+    problems = [line for line in result.stderr.splitlines() if line.startswith("  - ")]
+    assert len(problems) == 4
+    assert "and packing.overlength is 'fail'" in problems[0]
+    assert [p.split("'")[1] for p in problems[1:]] == ["gate_proj", "up_proj", "down_proj"]
+    assert "Traceback" not in result.stderr
+    assert (work / "validate" / "report.json").is_file()
+    assert not (work / "validate" / "_COMPLETE.json").exists()
+    assert not (work / "train").exists()

@@ -8,6 +8,7 @@ import pytest
 
 from stages.connect import connect_processor
 from stages.prepare import prepare_dataset
+from stages.validate import validate_config
 from tests.conftest import make_config
 from tests.integration.train_helpers import SMALL
 
@@ -19,4 +20,5 @@ def work(tmp_path_factory) -> Path:
     cfg = make_config(work, *SMALL)
     prepare_dataset(cfg)
     connect_processor(cfg)
+    validate_config(cfg)
     return work

@@ -7,30 +7,39 @@ from stages.base import invalidate_from, read_record
 from stages.connect import connect_processor
 from stages.prepare import prepare_dataset
 from stages.runner import run_stage
+from stages.validate import validate_config
 from tests.conftest import make_config
 
 
 def test_stage_records_decide_what_reruns(tmp_path: Path):
     work = tmp_path / "work"
     cfg = make_config(work, "data.num_train=30", "data.num_val=4", "mlflow.enabled=false")
-    assert stages_to_launch(cfg) == ["prepare", "connect", "train"]
+    assert stages_to_launch(cfg) == ["prepare", "connect", "validate", "train"]
     prepare_dataset(cfg)
-    assert stages_to_launch(cfg) == ["connect", "train"]
+    assert stages_to_launch(cfg) == ["connect", "validate", "train"]
     connect_processor(cfg)
+    assert stages_to_launch(cfg) == ["validate", "train"]
+    validate_config(cfg)
     assert stages_to_launch(cfg) == ["train"]
 
-    # A setting only connect reads reruns connect alone; prepare's record still matches.
+    # A setting only connect reads reruns connect and what follows; prepare's record matches.
     longer = make_config(work, "data.num_train=30", "data.num_val=4", "packing.seq_length=4096")
-    assert stages_to_launch(longer) == ["connect", "train"]
+    assert stages_to_launch(longer) == ["connect", "validate", "train"]
+    # A setting only validate and train read leaves connect's record matching.
+    targets = make_config(
+        work, "data.num_train=30", "data.num_val=4", "lora.target_modules=[q_proj]"
+    )
+    assert stages_to_launch(targets) == ["validate", "train"]
     # A data setting reruns everything.
     more = make_config(work, "data.num_train=31", "data.num_val=4")
-    assert stages_to_launch(more) == ["prepare", "connect", "train"]
+    assert stages_to_launch(more) == ["prepare", "connect", "validate", "train"]
 
     # --from connect drops connect's record (and those after it), keeps prepare's.
     before = read_record(cfg, "prepare")
     invalidate_from(cfg, "connect")
     assert read_record(cfg, "connect") is None and read_record(cfg, "prepare") == before
-    assert stages_to_launch(cfg) == ["connect", "train"]
+    assert read_record(cfg, "validate") is None
+    assert stages_to_launch(cfg) == ["connect", "validate", "train"]
 
     # run_stage skips an up-to-date stage without touching its outputs.
     result = run_stage(cfg, "prepare")

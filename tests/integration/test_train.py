@@ -65,7 +65,7 @@ def _steps(log: Path) -> dict[int, dict]:
 def _copy_inputs(src: Path, dst: Path) -> None:
     import shutil
 
-    for name in ("prepare", "connect"):
+    for name in ("prepare", "connect", "validate"):
         shutil.copytree(src / name, dst / name, symlinks=True)
 
 

@@ -109,6 +109,7 @@ def test_megatron_problems_listed_together(tmp_path: Path):
         "model.path=null",
         "packing.algorithm=bfd",
         "megatron.expert_parallel=4",
+        "packing.pad_to_max_length=true",  # EP > 1 needs it (a validate guardrail)
         "train.global_batch_size=12",
         "executor.slurm.gpus_per_node=8",
     )

@@ -58,12 +58,12 @@ def test_dryrun_sbatch_and_overrides_match_golden(name: str, tmp_path: Path):
 
 def test_golden_sbatch_train_job_has_gpus_torchrun_and_container():
     text = (GOLDEN / "qwen3_vl_30b_a3b_lora_ep8_slurm.sbatch.txt").read_text()
-    train = text.split("## job 3/3: train")[1].split("## train: Megatron-Bridge")[0]
+    train = text.split("## job 4/4: train")[1].split("## train: Megatron-Bridge")[0]
     assert "#SBATCH --gpus-per-node=8" in train and "#SBATCH --kill-on-invalid-dep=yes" in train
     assert "torchrun" in train and "--nproc-per-node 8" in train
     assert "--container-image nvcr.io/nvidia/nemo:26.06" in train
     assert "<WORK>:<WORK>" in train  # the work dir at the same path in the container
-    prepare = text.split("## job 1/3: prepare")[1].split("## job 2/3")[0]
+    prepare = text.split("## job 1/4: prepare")[1].split("## job 2/4")[0]
     assert "--gpus-per-node" not in prepare and "torchrun" not in prepare
     assert "model.expert_model_parallel_size=8" in text
 
@@ -72,7 +72,7 @@ def test_cli_dryrun_prints_scripts_and_overrides_without_submitting(tmp_path: Pa
     path, overrides = cluster_args(CONFIGS[0], tmp_path)
     assert main(["run", str(path), *overrides, "--dryrun"]) == 0
     out = capsys.readouterr().out
-    assert out.count("#!/bin/bash") == 3 and "dataset.packing_buffer_size=16" in out
+    assert out.count("#!/bin/bash") == 4 and "dataset.packing_buffer_size=16" in out
     assert "qwen3_vl_8b_peft_energon_config" in out
     experiments = tmp_path / "work" / "nemorun" / "experiments"
     assert not list(experiments.rglob("_DONE"))  # nothing was launched

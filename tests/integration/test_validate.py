@@ -1,0 +1,517 @@
+"""The validate stage on a real prepared + connected tiny dataset: one test per data and model
+rule (the exact message, exit 2 for errors, exit 0 for warnings), all errors listed at once,
+the report, and the train stage refusing to start without it."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import tarfile
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from transformers import LlamaConfig
+
+from packline.packing.selection import align_up
+from packline.qwen.encode import ConversationEncoder
+from packline.qwen.model import tiny_config
+from packline.qwen.processor import load_processor, special_token_ids
+from packline.train.setup import build_model
+from pipelines.cli import main
+from stages.base import InputError, invalidate_from, read_record
+from stages.connect import connect_processor
+from stages.prepare import prepare_dataset
+from stages.train import train_lora
+from stages.validate import buffered_bytes, load_inputs, validate_config
+from tests.conftest import make_config
+
+BASE = ["data.num_train=60", "data.num_val=8", "prepare.num_workers=1", "mlflow.enabled=false"]
+SAME_CHECKPOINT = (
+    "use the processor and the model of the same checkpoint (processor.path, model.path)"
+)
+
+
+@pytest.fixture(scope="module")
+def connected(tmp_path_factory) -> Path:
+    """The default config's built-in set at 60 + 8 samples, prepared and connected once."""
+    work = tmp_path_factory.mktemp("validate") / "work"
+    cfg = make_config(work, "mlflow.enabled=false")
+    prepare_dataset(cfg)
+    connect_processor(cfg)
+    return work
+
+
+@pytest.fixture(scope="module")
+def lengths(connected) -> pd.DataFrame:
+    return pd.read_parquet(connected / "connect" / "lengths.parquet")
+
+
+def _validate(work: Path, capsys, *overrides: str) -> tuple[int, list[str], dict]:
+    """``packline stage validate`` in this process: exit code, the problems it listed on
+    stderr, and the report it wrote."""
+    shutil.rmtree(work / "validate", ignore_errors=True)
+    code = main(["stage", "validate", f"work_dir={work}", *BASE, *overrides, "--force"])
+    err = capsys.readouterr().err
+    problems = [line[4:] for line in err.splitlines() if line.startswith("  - ")]
+    assert "Traceback" not in err
+    report = json.loads((work / "validate" / "report.json").read_text())
+    return code, problems, report
+
+
+def _texts(report: dict, severity: str) -> list[str]:
+    return [f"{f['message']}; fix: {f['fix']}" for f in report[f"{severity}s"]]
+
+
+STALE = (
+    "connect's outputs in {work}/connect were made under other settings (its completion record "
+    "does not match this config); the data checks read them as they are; fix: rerun the stale "
+    "stages: packline run (or packline stage connect)"
+)
+
+
+# --- the shipped config ----------------------------------------------------------------------
+
+
+def test_default_config_passes_every_rule_and_train_requires_the_record(connected, capsys):
+    code, problems, report = _validate(connected, capsys)
+    assert code == 0 and problems == []
+    assert report["ok"] and report["errors"] == [] and report["warnings"] == []
+    status = {c["rule"]: c["status"] for c in report["checks"]}
+    assert set(status.values()) <= {"ok", "not applicable"}
+    for rule in (
+        "config.packing",
+        "packing.micro_batch",
+        "data.tables",
+        "data.overlength",
+        "packing.forecast_fill",
+        "packing.worker_memory",
+        "model.token_ids",
+        "model.vision_geometry",
+        "lora.targets",
+    ):
+        assert status[rule] == "ok", rule
+    assert status["megatron.mtp"] == "not applicable"  # local backend
+    facts = report["facts"]
+    assert facts["lora_targets"]["module:q_proj"] == 2  # one per layer of the tiny model
+    assert (
+        facts["token_ids"]["image_token_id"]["processor"]
+        == facts["token_ids"]["image_token_id"]["model"]
+    )
+    assert (connected / "validate" / "pipeline.yaml").is_file()
+    record = read_record(make_config(connected), "validate")
+    assert record is not None and record["metrics"]["validate/errors"] == 0
+
+    cfg = make_config(connected, "mlflow.enabled=false")
+    invalidate_from(cfg, "validate")
+    with pytest.raises(InputError) as info:
+        train_lora(cfg)
+    assert info.value.header == "train cannot start"
+    assert info.value.problems == [
+        f"validate has not completed in {connected} (run `packline stage validate` first)"
+    ]
+
+
+# --- data against config ---------------------------------------------------------------------
+
+
+def test_overlength_with_policy_fail_is_an_error(connected, lengths, capsys):
+    code, problems, report = _validate(
+        connected, capsys, "packing.seq_length=512", "packing.overlength=fail"
+    )
+    n, longest = int((lengths["total_tokens"] > 512).sum()), int(lengths["total_tokens"].max())
+    assert n > 0
+    expected = (
+        f"{n} of {len(lengths)} samples are longer than packing.seq_length 512 (aligned to m = 1; "
+        f"the longest has {longest} tokens) and packing.overlength is 'fail': the run would "
+        f"stop at the first; fix: set packing.seq_length={longest}, or packing.overlength=drop "
+        "to drop and count them"
+    )
+    assert code == 2 and problems == [expected]
+    assert _texts(report, "error") == [expected]
+    # seq_length is one of connect's inputs: its outputs are stale, which is only a warning
+    assert _texts(report, "warning") == [STALE.format(work=connected)]
+    assert read_record(make_config(connected), "validate") is None
+
+
+def test_overlength_with_policy_drop_is_a_warning(connected, lengths, capsys):
+    code, problems, report = _validate(connected, capsys, "packing.seq_length=512")
+    n, longest = int((lengths["total_tokens"] > 512).sum()), int(lengths["total_tokens"].max())
+    assert code == 0 and problems == []
+    assert (
+        f"{n} of {len(lengths)} samples are longer than packing.seq_length 512 (aligned to "
+        f"m = 1; the longest has {longest} tokens): they will be dropped and counted as "
+        f"overlength ({n / len(lengths):.1%}); fix: set packing.seq_length={longest} to keep "
+        "them" in _texts(report, "warning")
+    )
+    assert report["facts"]["overlength"]["samples"] == n
+
+
+def test_no_training_sample_fitting_is_an_error(connected, lengths, capsys):
+    code, problems, _ = _validate(connected, capsys, "packing.seq_length=16")
+    train = lengths[lengths["split"] == "train"]["total_tokens"]
+    assert code == 2
+    assert problems == [
+        f"none of the {len(train)} training samples fits in packing.seq_length 16 (the "
+        f"shortest needs {int(train.min())} tokens after alignment); fix: set "
+        f"packing.seq_length={int(train.max())} or more"
+    ]
+
+
+def test_alignment_counts_in_the_overlength_check(connected, lengths, capsys):
+    # CP 4 aligns every conversation to 8 tokens: a sample of 509 tokens needs 512.
+    seq = 512
+    code, _, report = _validate(
+        connected, capsys, f"packing.seq_length={seq}", "packing.context_parallel=4"
+    )
+    aligned = lengths["total_tokens"].map(lambda n: align_up(int(n), 8))
+    assert code == 0
+    assert report["facts"]["alignment"] == 8
+    assert report["facts"]["overlength"]["samples"] == int((aligned > seq).sum())
+
+
+def test_more_images_than_prepare_max_images_is_an_error(connected, lengths, capsys):
+    code, problems, _ = _validate(connected, capsys, "prepare.max_images=1")
+    n = int((lengths["num_images"] > 1).sum())
+    assert code == 2
+    assert problems == [
+        f"{n} samples have more than prepare.max_images 1 images (up to "
+        f"{int(lengths['num_images'].max())}): the dataset was prepared under another limit; "
+        "fix: rebuild the dataset with this limit: packline run --from prepare"
+    ]
+
+
+def test_megatron_encoder_limits_are_warnings(connected, lengths, capsys):
+    code, problems, report = _validate(
+        connected,
+        capsys,
+        "train.backend=megatron",
+        "megatron.max_num_images=1",
+        "megatron.max_visual_tokens=100",
+    )
+    images, visual = lengths["num_images"], lengths["image_tokens"]
+    assert code == 0 and problems == []
+    assert _texts(report, "warning") == [
+        f"{int((images > 1).sum())} samples have more than megatron.max_num_images 1 "
+        f"images (up to {int(images.max())}): Megatron-Bridge's encoder skips them without "
+        f"counting them; fix: set megatron.max_num_images={int(images.max())}",
+        f"{int((visual > 100).sum())} samples have more than megatron.max_visual_tokens "
+        f"100 visual tokens (up to {int(visual.max())}): Megatron-Bridge's encoder skips them "
+        f"without counting them; fix: set megatron.max_visual_tokens={int(visual.max())}",
+    ]
+
+
+def test_low_forecast_fill_at_the_configured_buffer_is_a_warning(connected, capsys):
+    code, problems, report = _validate(connected, capsys, "packing.packing_buffer_size=1")
+    # connect forecast the same stream independently; validate's figure must agree with it
+    forecast = json.loads((connected / "connect" / "forecast.json").read_text())
+    fills = {int(b): v["fill"] for b, v in forecast["buffers"].items()}
+    bound = forecast["lower_bound"]["fill"]
+    better = next(b for b in sorted(fills) if b > 1 and fills[b] >= 0.7)
+    assert code == 0 and problems == []
+    assert report["facts"]["forecast_fill"]["fill"] == pytest.approx(fills[1])
+    assert _texts(report, "warning") == [
+        f"the forecast fill at packing.packing_buffer_size 1 is {fills[1]:.3f}, below "
+        f"validate.min_forecast_fill 0.7 (lower bound {bound:.3f}); fix: set "
+        f"packing.packing_buffer_size={better} (forecast fill {fills[better]:.3f})"
+    ]
+
+
+def test_eager_buffer_over_the_memory_threshold_is_a_warning(connected, capsys):
+    code, problems, report = _validate(
+        connected, capsys, "packing.encoder=eager", "validate.worker_memory_warn_gib=0.05"
+    )
+    wm = report["facts"]["worker_memory"]
+    eager, lazy = wm["per_worker_gib"]["eager"], wm["per_worker_gib"]["lazy"]
+    mean = wm["mean_sample_mib"]["eager"]
+    fitting = math.floor(0.05 * 1024**3 / (mean * 1024**2))
+    assert code == 0 and problems == []
+    assert eager == pytest.approx(64 * mean / 1024)
+    assert _texts(report, "warning") == [
+        f"packing.encoder eager holds about {eager:.2f} GiB per loader worker (64 buffered "
+        f"samples x {mean:.2f} MiB of pixel tensors on average), above "
+        f"validate.worker_memory_warn_gib 0.05; fix: set packing.encoder=lazy (about "
+        f"{lazy:.2f} GiB at this buffer), or lower packing.packing_buffer_size to {fitting}"
+    ]
+    assert lazy < eager / 100  # lazy holds token ids and encoded images, not pixels
+
+
+def _shard_samples(prepare_dir: Path) -> dict[str, tuple[list, list[bytes]]]:
+    """key → (conversation, image bytes) read straight from the prepared tar shards."""
+    parts: dict[str, dict[str, bytes]] = {}
+    for shard in sorted(prepare_dir.glob("train-*.tar")):
+        with tarfile.open(shard) as tar:
+            for member in tar.getmembers():
+                key, _, ext = member.name.partition(".")
+                parts.setdefault(key, {})[ext] = tar.extractfile(member).read()
+    out = {}
+    for key, files in parts.items():
+        images = [files[e] for e in sorted(f for f in files if f.startswith("img"))]
+        out[key] = (json.loads(files["json"])["conversation"], images)
+    return out
+
+
+def test_buffer_estimate_equals_the_bytes_the_real_encoders_hold(connected):
+    cfg = make_config(connected, "mlflow.enabled=false")
+    inputs = load_inputs(cfg)
+    estimate = buffered_bytes(inputs)
+    train = inputs.lengths[inputs.lengths["split"] == "train"].reset_index(drop=True)
+    samples = _shard_samples(connected / "prepare")
+    encoder = ConversationEncoder(connected / "connect" / "processor")
+    picked = [0, 1, 2, *train.index[train["num_images"] > 1][:3], *train.index[-2:]]
+    for i in picked:
+        conversation, images = samples[train.loc[i, "key"]]
+        tok = encoder.tokenize(train.loc[i, "key"], conversation, images)
+        lazy = tok.input_ids.nbytes + tok.target_mask.nbytes + sum(map(len, tok.images))
+        enc = encoder.encode_eager(train.loc[i, "key"], conversation, images)
+        eager = sum(
+            t.nbytes
+            for t in (
+                enc.input_ids,
+                enc.target_mask,
+                enc.mrope,
+                enc.pixel_values,
+                enc.image_grid_thw,
+            )
+            if t is not None
+        )
+        assert (estimate["lazy"][i], estimate["eager"][i]) == (lazy, eager), i
+
+
+def _tampered(connected: Path, tmp_path: Path, change) -> Path:
+    work = tmp_path / "work"
+    for name in ("prepare", "connect"):
+        shutil.copytree(connected / name, work / name, symlinks=True)
+    path = work / "connect" / "lengths.parquet"
+    change(pd.read_parquet(path)).to_parquet(path, index=False)
+    return work
+
+
+def test_lengths_and_manifest_disagreeing_are_errors(connected, tmp_path, capsys):
+    def change(df: pd.DataFrame) -> pd.DataFrame:
+        ghost = df.iloc[[0]].assign(key="ghost-000001")
+        dup = df.iloc[[1]]
+        df = df.drop(index=2)  # a manifest key with no lengths
+        df.loc[3, "split"] = "val"  # another split than the manifest says
+        return pd.concat([df, ghost, dup], ignore_index=True)
+
+    lengths = pd.read_parquet(connected / "connect" / "lengths.parquet")
+    key = lengths["key"]
+    work = _tampered(connected, tmp_path, change)
+    code, problems, report = _validate(work, capsys)
+    fix = "fix: remeasure this prepared dataset: packline run --from connect"
+    assert code == 2
+    assert problems == [
+        f"lengths.parquet has 1 duplicated key(s): '{key[1]}'; {fix}",
+        f"1 lengths.parquet key(s) not in manifest.parquet: 'ghost-000001'; {fix}",
+        f"1 manifest.parquet key(s) missing from lengths.parquet: '{key[2]}'; {fix}",
+        f"1 key(s) with another split in lengths.parquet than in the manifest: '{key[3]}'; {fix}",
+    ]
+    assert {f["setting"] for f in report["errors"]} == {"lengths.parquet"}
+
+
+# --- model against data ----------------------------------------------------------------------
+
+
+def _model_dir(connected: Path, tmp_path: Path, change=None, *, weights: bytes | None = None):
+    """A local checkpoint dir holding the tiny model's real HF config.json (changed by
+    ``change``), and optionally a weights file with the given bytes."""
+    config = tiny_config(load_processor(connected / "connect" / "processor"))
+    if change:
+        change(config)
+    out = tmp_path / "model"
+    config.save_pretrained(out)
+    if weights is not None:
+        (out / "model.safetensors").write_bytes(weights)
+    return out
+
+
+def test_processor_and_model_token_ids_disagreeing_is_an_error(connected, tmp_path, capsys):
+    ids = special_token_ids(load_processor(connected / "connect" / "processor"))
+
+    def change(config):
+        config.image_token_id = 7
+        config.vision_start_token_id = 8
+
+    model = _model_dir(connected, tmp_path, change)
+    code, problems, _ = _validate(connected, capsys, f"model.path={model}")
+    assert code == 2
+    assert problems == [
+        f"the processor's image_token_id is {ids['image_token_id']} (<|image_pad|>) but the "
+        "model config's is 7: the model would not find the processor's <|image_pad|> tokens; "
+        f"fix: {SAME_CHECKPOINT}",
+        f"the processor's vision_start_token_id is {ids['vision_start_token_id']} "
+        "(<|vision_start|>) but the model config's is 8: the model would not find the "
+        f"processor's <|vision_start|> tokens; fix: {SAME_CHECKPOINT}",
+    ]
+
+
+def test_processor_vocab_larger_than_the_model_is_an_error(connected, tmp_path, capsys):
+    def change(config):
+        config.text_config.vocab_size = 4000
+
+    code, problems, _ = _validate(
+        connected, capsys, f"model.path={_model_dir(connected, tmp_path, change)}"
+    )
+    assert code == 2
+    assert problems == [
+        "the processor has 4096 token ids but the model's text_config.vocab_size is 4000: ids "
+        f"from 4000 on index past the embedding; fix: {SAME_CHECKPOINT}"
+    ]
+
+
+def test_vision_geometry_disagreeing_with_the_processor_is_an_error(connected, tmp_path, capsys):
+    def change(config):
+        config.vision_config.patch_size = 14
+        config.vision_config.spatial_merge_size = 3
+
+    code, problems, _ = _validate(
+        connected, capsys, f"model.path={_model_dir(connected, tmp_path, change)}"
+    )
+    assert code == 2
+    assert problems == [
+        "the processor's patch_size is 16 but the model's vision_config.patch_size is 14: image "
+        f"patches would not match the vision tower; fix: {SAME_CHECKPOINT}",
+        "the processor's merge_size is 2 but the model's vision_config.spatial_merge_size is 3: "
+        f"image patches would not match the vision tower; fix: {SAME_CHECKPOINT}",
+    ]
+
+
+def test_vision_width_unequal_to_the_text_width_is_an_error(connected, tmp_path, capsys):
+    def change(config):
+        config.vision_config.out_hidden_size = 96
+
+    code, problems, _ = _validate(
+        connected, capsys, f"model.path={_model_dir(connected, tmp_path, change)}"
+    )
+    assert code == 2
+    assert problems == [
+        "the model's vision_config.out_hidden_size is 96 but its text_config.hidden_size is "
+        "128: merged image features cannot enter the language model; fix: use a consistent "
+        "Qwen3-VL config.json"
+    ]
+
+
+def test_model_path_without_a_qwen3_vl_config_is_an_error(connected, tmp_path, capsys):
+    model = tmp_path / "llama"
+    LlamaConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=2).save_pretrained(model)
+    code, problems, report = _validate(connected, capsys, f"model.path={model}")
+    assert code == 2
+    assert problems == [
+        f"model.path '{model}': its config.json is a 'llama' model, not Qwen3-VL (qwen3_vl or "
+        "qwen3_vl_moe); fix: point model.path at a local Hugging Face Qwen3-VL checkpoint dir "
+        "(its config.json is all validate reads)"
+    ]
+    status = {c["rule"]: c["status"] for c in report["checks"]}
+    assert status["lora.targets"] == status["model.token_ids"] == "not applicable"
+
+    fix = (
+        "fix: point model.path at a local Hugging Face Qwen3-VL checkpoint dir (its "
+        "config.json is all validate reads)"
+    )
+    (tmp_path / "empty").mkdir()
+    for path, problem in (
+        (tmp_path / "missing", "not a directory"),
+        (tmp_path / "empty", "it holds no config.json"),
+    ):
+        code, problems, _ = _validate(connected, capsys, f"model.path={path}")
+        assert code == 2 and problems == [f"model.path '{path}': {problem}; {fix}"]
+
+
+def test_validate_reads_no_weights(connected, tmp_path, capsys):
+    """A checkpoint whose weights file is garbage passes: validate reads only config.json
+    and builds the model on the meta device. Loading it, as train does, fails."""
+    model = _model_dir(connected, tmp_path, weights=b"not a safetensors file" * 100)
+    code, problems, report = _validate(connected, capsys, f"model.path={model}")
+    assert code == 0 and problems == [] and report["ok"]
+    assert report["facts"]["lora_targets"]["module:q_proj"] == 2
+    cfg = make_config(connected, f"model.path={model}")
+    with pytest.raises(Exception):  # noqa: B017 - any loader error proves the bytes are read
+        build_model(cfg, load_processor(connected / "connect" / "processor"))
+
+
+def test_lora_targets_matching_nothing_on_moe_experts_are_errors(connected, capsys):
+    code, problems, report = _validate(connected, capsys, "model.moe=true")
+    fix = "lora.target_parameters=[mlp.experts.down_proj,mlp.experts.gate_up_proj]"
+    assert code == 2
+    assert problems == [
+        f"lora.target_modules entry '{t}' matches no module of the model: its MoE experts are "
+        "3-D parameters, which target_modules never match, so the adapter would silently not "
+        f"train them; fix: remove '{t}' from lora.target_modules and set {fix}"
+        for t in ("gate_proj", "up_proj", "down_proj")
+    ]
+    assert report["facts"]["lora_targets"]["module:gate_proj"] == 0
+    code, problems, _ = _validate(
+        connected,
+        capsys,
+        "model.moe=true",
+        "lora.target_modules=[q_proj,k_proj,v_proj,o_proj]",
+        "lora.target_parameters=[mlp.experts.gate_up_proj,mlp.experts.down_proj]",
+    )
+    assert code == 0 and problems == []
+
+
+def test_lora_target_typos_and_unwrappable_modules_are_errors(connected, capsys):
+    code, problems, _ = _validate(
+        connected,
+        capsys,
+        "lora.target_modules=[q_prj,mlp,v_proj]",
+        "lora.target_parameters=[experts.gate_proj]",
+    )
+    assert code == 2
+    assert problems == [
+        "lora.target_modules entry 'q_prj' matches no module of the model; fix: remove it, or "
+        "name a linear layer of the model (did you mean 'q_proj'?)",
+        "lora.target_modules entry 'mlp' matches only modules LoRA cannot wrap (Qwen3VLVisionMLP, "
+        "e.g. model.visual.blocks.0.mlp); fix: target the linear layers inside it by name",
+        "lora.target_parameters entry 'experts.gate_proj' matches no parameter of the model; "
+        "fix: remove it, or name a parameter by its path",
+    ]
+
+
+# --- all at once -----------------------------------------------------------------------------
+
+
+def test_three_broken_rules_of_data_and_model_are_listed_together(connected, lengths, capsys):
+    code, problems, report = _validate(
+        connected,
+        capsys,
+        "packing.overlength=fail",
+        "packing.seq_length=512",
+        "prepare.max_images=1",
+        "lora.target_modules=[q_prj]",
+    )
+    assert code == 2
+    assert [p.split(" ", 3)[:3] for p in problems] == [
+        [str(int((lengths["total_tokens"] > 512).sum())), "of", str(len(lengths))],
+        [str(int((lengths["num_images"] > 1).sum())), "samples", "have"],
+        ["lora.target_modules", "entry", "'q_prj'"],
+    ]
+    assert [f["rule"] for f in report["errors"]] == [
+        "data.overlength",
+        "data.images_per_sample",
+        "lora.targets",
+    ]
+    assert {f["setting"] for f in report["errors"]} == {
+        "packing.overlength",
+        "prepare.max_images",
+        "lora.target_modules",
+    }
+
+
+def test_the_stage_itself_rechecks_config_rules_on_the_object_it_gets(connected):
+    """load_config refuses these; a config object changed in code reaches the stage, which
+    lists the section rule and the guardrail in its report too."""
+    cfg = make_config(connected, "mlflow.enabled=false")
+    cfg.train.micro_batch_size = 2
+    cfg.lora.rank = 0
+    with pytest.raises(InputError) as info:
+        validate_config(cfg)
+    assert info.value.problems == [
+        "lora.rank must be > 0, got 0; fix: change lora.rank (schemas/config.py documents it)",
+        "train.micro_batch_size is 2, but a packed micro-batch is exactly one row; fix: set "
+        "train.micro_batch_size=1 (pack more conversations per row instead)",
+    ]
+    report = json.loads((connected / "validate" / "report.json").read_text())
+    assert [f["rule"] for f in report["errors"]] == ["config.lora", "packing.micro_batch"]
