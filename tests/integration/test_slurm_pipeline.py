@@ -175,7 +175,10 @@ def test_pipeline_on_local_slurm_runs_stages_in_order_then_cluster_stops(
     run_seconds = time.perf_counter() - t0
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-5000:]
-    assert "pipeline finished: prepare SUCCEEDED, connect SUCCEEDED, train SUCCEEDED" in out
+    assert (
+        "pipeline finished: prepare SUCCEEDED, connect SUCCEEDED, validate SUCCEEDED, "
+        "train SUCCEEDED" in out
+    )
 
     # SLURM accounting: one job per stage, each started after the previous one ended.
     jobs = [
@@ -183,15 +186,16 @@ def test_pipeline_on_local_slurm_runs_stages_in_order_then_cluster_stops(
         for r in _sacct(local_slurm, "JobID,JobName,State,Start,End,AllocTRES")
         if r[1].startswith("tiny_cpu.")
     ]
-    assert [r[1] for r in jobs] == ["tiny_cpu.prepare", "tiny_cpu.connect", "tiny_cpu.train"]
-    assert [r[2] for r in jobs] == ["COMPLETED"] * 3
+    stages = ["prepare", "connect", "validate", "train"]
+    assert [r[1] for r in jobs] == [f"tiny_cpu.{stage}" for stage in stages]
+    assert [r[2] for r in jobs] == ["COMPLETED"] * 4
     assert [int(r[0]) for r in jobs] == sorted(int(r[0]) for r in jobs)
     for before, after in zip(jobs, jobs[1:], strict=False):
         assert after[3] >= before[4], (before, after)  # ISO timestamps compare as text
-    assert "gres/gpu=2" in jobs[2][5] and "gres/gpu" not in jobs[0][5]
+    assert "gres/gpu=2" in jobs[3][5] and "gres/gpu" not in jobs[0][5]
 
     # Each job's logs were gathered; the train job ran under torchrun.
-    for stage in ("prepare", "connect", "train"):
+    for stage in stages:
         assert list((work / "logs" / stage).glob("log-*.out")), stage
     train_log = next((work / "logs" / "train").glob("log-*.out")).read_text()
     assert "torch/distributed/elastic" in train_log
@@ -207,7 +211,7 @@ def test_pipeline_on_local_slurm_runs_stages_in_order_then_cluster_stops(
         for r in runs
         if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id
     }
-    assert sorted(children) == ["connect", "prepare", "train"]
+    assert sorted(children) == ["connect", "prepare", "train", "validate"]
     assert all(c.info.status == "FINISHED" for c in children.values())
     nested = [
         r for r in runs if r.data.tags.get("mlflow.parentRunId") == children["train"].info.run_id

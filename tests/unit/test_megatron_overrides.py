@@ -217,3 +217,44 @@ def test_bridge_run_is_nested_under_the_stage_run_by_launch_id(tmp_path: Path):
     assert metrics == {"megatron/lm loss": 1.5}
     assert client.get_run(bridge_run.info.run_id).data.tags[PARENT_TAG] == stage.run_id
     assert PARENT_TAG not in client.get_run(other.info.run_id).data.tags
+
+
+# The Bridge override each validated ``megatron.*`` setting travels in.
+VALIDATED = {
+    "calculate_per_token_loss": "model.calculate_per_token_loss",
+    "average_in_collective": "ddp.average_in_collective",
+    "pipeline_parallel": "model.pipeline_model_parallel_size",
+    "cuda_graph_impl": "model.cuda_graph_impl",
+    "vision_cuda_graph_impl": "model.vision_cuda_graph_impl",
+    "max_num_images": "dataset.task_encoder.max_num_images",
+}
+VALIDATED_MOE = {
+    "expert_parallel": "model.expert_model_parallel_size",
+    "mtp_num_layers": "model.mtp_num_layers",
+    "overlap_moe_expert_parallel_comm": "model.overlap_moe_expert_parallel_comm",
+    "delay_wgrad_compute": "model.delay_wgrad_compute",
+}
+
+
+@pytest.mark.parametrize("path", [DENSE, MOE], ids=["8b_1node", "30b_a3b_ep8"])
+def test_overrides_send_exactly_what_validate_passed(path: Path, tmp_path: Path):
+    from schemas.guardrails import config_findings
+
+    cfg = cluster_config(path, tmp_path)
+    assert [f.text for f in config_findings(cfg) if f.severity == "error"] == []
+    o = bridge_overrides(cfg)
+    pairs = {**VALIDATED, **(VALIDATED_MOE if cfg.model.moe else {})}
+    for setting, key in pairs.items():
+        value = getattr(cfg.megatron, setting)
+        assert o[key] == getattr(value, "value", value), (setting, key)
+    assert o["dataset.micro_batch_size"] == o["train.micro_batch_size"] == 1
+    assert o["dataset.pad_to_max_length"] == (
+        cfg.packing.pad_to_max_length or cfg.megatron.expert_parallel > 1
+    )
+
+
+def test_a_setting_validate_rejects_never_reaches_bridge(tmp_path: Path):
+    with pytest.raises(ConfigError) as info:
+        cluster_config(MOE, tmp_path, "megatron.mtp_num_layers=1", "megatron.cuda_graph_impl=local")
+    text = info.value.render()
+    assert "megatron.mtp_num_layers is 1" in text and "megatron.cuda_graph_impl is 'local'" in text
