@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Headless Chromium for the `packline ui` browser test (tests/e2e/test_ui_browser.py).
+# Headless Chromium for the `packline ui` browser test (tests/e2e/test_compare_ui.py).
 #
 # Debian's `chromium` package is a real browser build; Ubuntu's `chromium`/`chromium-browser`
 # are stubs that install a snap, which does not run in a container or CI job, so on Ubuntu
