@@ -681,6 +681,13 @@ def validate_config(cfg: PipelineConfig, fp: str | None = None) -> StageResult:
     findings, checks = collect(cfg, inputs)
     errors = [f for f in findings if f.severity == "error"]
     warnings = [f for f in findings if f.severity == "warning"]
+    # connect's FLOPs forecast of one epoch, packing on vs off: shown again here, the last
+    # look before training, as the `flops/*` metrics connect logged.
+    forecast_path = cfg.work_path / "connect" / "forecast.json"
+    flops = (
+        json.loads(forecast_path.read_text()).get("flops", {}) if forecast_path.is_file() else {}
+    )
+    inputs.facts["flops_forecast"] = flops
     report = {
         "ok": not errors,
         "errors": [f.to_dict() for f in errors],
@@ -704,6 +711,12 @@ def validate_config(cfg: PipelineConfig, fp: str | None = None) -> StageResult:
             f"{out_dir / 'report.json'}",
         )
     facts = inputs.facts
+    # connect's FLOPs forecast of one epoch, packing on vs off: shown again here, the last
+    # look before training, as the `flops/*` metrics connect logged.
+    forecast_path = cfg.work_path / "connect" / "forecast.json"
+    flops = (
+        json.loads(forecast_path.read_text()).get("flops", {}) if forecast_path.is_file() else {}
+    )
     metrics: dict[str, float] = {
         "validate/rules": len(checks),
         "validate/errors": 0,
@@ -715,6 +728,7 @@ def validate_config(cfg: PipelineConfig, fp: str | None = None) -> StageResult:
     if "worker_memory" in facts:
         wm = facts["worker_memory"]
         metrics["validate/worker_memory_gib"] = wm["per_worker_gib"][wm["mode"]]
+    metrics.update({f"flops/{k}": v for k, v in flops.items()})
     result = StageResult(
         stage=STAGE,
         out_dir=out_dir,

@@ -515,3 +515,14 @@ def test_the_stage_itself_rechecks_config_rules_on_the_object_it_gets(connected)
     ]
     report = json.loads((connected / "validate" / "report.json").read_text())
     assert [f["rule"] for f in report["errors"]] == ["config.lora", "packing.micro_batch"]
+
+
+def test_validate_shows_connects_flops_forecast(connected, capsys):
+    code, problems, report = _validate(connected, capsys)
+    assert code == 0 and problems == []
+    forecast = json.loads((connected / "connect" / "forecast.json").read_text())["flops"]
+    assert report["facts"]["flops_forecast"] == forecast
+    record = json.loads((connected / "validate" / "_COMPLETE.json").read_text())
+    for key in ("epoch_useful", "epoch_executed_packed", "epoch_executed_unpacked", "saving"):
+        assert record["metrics"][f"flops/{key}"] == pytest.approx(forecast[key])
+    assert forecast["epoch_executed_unpacked"] > forecast["epoch_executed_packed"]
