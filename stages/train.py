@@ -155,7 +155,8 @@ def train_run(
     final_eval = evaluate(trainer.step)
     if not lead:
         return None
-    model.save_pretrained(run_dir / "adapter")
+    # The LM head, when adapted, stays frozen: save the adapters alone, not its base weights.
+    model.save_pretrained(run_dir / "adapter", save_embedding_layers=False)
     tracker.log_artifact(run_dir / "adapter")
     by_step = {}
     for line in log.read_text().splitlines():  # a resumed run re-logs the replayed steps
