@@ -4,7 +4,7 @@ Outputs in ``<work>/train/``::
 
     packed/ unpacked/           one run each: checkpoints/step_NNNNNN/, adapter/,
                                 metrics.jsonl (per step), eval.jsonl (per evaluation),
-                                pack_fill.png, result.json
+                                pack_fill.png, config.yaml (resolved), result.json
     comparison.json             real tokens/s, time to the same real tokens, loss, accuracy
 
 Each run resumes from its latest complete checkpoint, so an interrupted stage picks up
@@ -158,6 +158,8 @@ def train_run(
     # The LM head, when adapted, stays frozen: save the adapters alone, not its base weights.
     model.save_pretrained(run_dir / "adapter", save_embedding_layers=False)
     tracker.log_artifact(run_dir / "adapter")
+    (run_dir / "config.yaml").write_text(cfg.to_yaml())  # the resolved config of this run
+    tracker.log_artifact(run_dir / "config.yaml")
     by_step = {}
     for line in log.read_text().splitlines():  # a resumed run re-logs the replayed steps
         rec = json.loads(line)

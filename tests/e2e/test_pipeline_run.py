@@ -114,6 +114,9 @@ def test_run_twice_skips_then_a_changed_sample_count_reruns(tmp_path: Path):
         if r.data.tags.get("mlflow.parentRunId") == kids["train"].info.run_id
     }
     assert sorted(train_runs) == ["train-packed", "train-unpacked"]
+    for run in train_runs.values():  # adapter, resolved config, pack-fill histogram
+        logged = {a.path for a in client.list_artifacts(run.info.run_id)}
+        assert {"adapter", "config.yaml", "pack_fill.png"} <= logged, logged
     history = client.get_metric_history(train_runs["train-packed"].info.run_id, "train/loss")
     assert [m.step for m in history] == [1, 2]
     assert "compare/speedup_real_tokens_per_s" in kids["train"].data.metrics
