@@ -40,7 +40,7 @@ def test_two_ranks_packed_and_unpacked_step_agree(work, tmp_path):
 def test_two_rank_stage_reads_disjoint_data_and_keeps_replicas_equal(work, tmp_path):
     run_work = tmp_path / "work"
     run_work.mkdir()
-    for name in ("prepare", "connect"):
+    for name in ("prepare", "connect", "validate"):
         (run_work / name).symlink_to(work / name)
     steps = 4
     cmd = [
