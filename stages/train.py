@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from packline.counters import flops_model_for, layout_metrics, row_fills
+from packline.counters import layout_metrics, row_fills
 from packline.flops import mfu
 from packline.progress import console, progress
 from packline.qwen.processor import load_processor
@@ -35,7 +35,7 @@ from packline.train.distributed import (
 )
 from packline.train.evaluate import chance_accuracy, eval_accuracy, eval_loss
 from packline.train.loop import Trainer, barrier, dist_rank_world
-from packline.train.setup import apply_lora, build_model, loop_settings, run_paths
+from packline.train.setup import build_trainer, run_paths
 from schemas.config import PipelineConfig, TrainBackend
 from stages.base import StageResult, fingerprint, require_record, write_record
 
@@ -74,20 +74,9 @@ def train_run(
     barrier()
     dataset_dir, processor_dir = run_paths(cfg)
     processor = load_processor(processor_dir)
-    torch.manual_seed(cfg.train.seed)
     device = train_device()
-    model = apply_lora(build_model(cfg, processor), cfg.lora).to(device)
-    settings = loop_settings(cfg, packed=packed)
-    trainer = Trainer(
-        model,
-        settings=settings,
-        dataset_dir=dataset_dir,
-        processor_dir=processor_dir,
-        run_dir=run_dir,
-        flops_model=flops_model_for(cfg, processor),
-        image_token_id=int(processor.image_token_id),
-        pad_token_id=int(processor.tokenizer.pad_token_id),
-    )
+    trainer = build_trainer(cfg, processor, packed=packed, run_dir=run_dir, device=device)
+    model, settings = trainer.model, trainer.s
     start = trainer.resume()
     log = run_dir / "metrics.jsonl"
     name = "packed" if packed else "unpacked"

@@ -10,9 +10,10 @@ from peft import LoraConfig, get_peft_model
 from peft.tuners.tuners_utils import check_target_module_exists
 from transformers.pytorch_utils import Conv1D
 
+from packline.counters import flops_model_for
 from packline.energon.packing import PackingSettings
 from packline.qwen.model import build_tiny_model, tiny_config
-from packline.train.loop import LoopSettings
+from packline.train.loop import LoopSettings, Trainer
 
 #: Module types PEFT's LoRA wraps (a name match on any other type fails in get_peft_model).
 LORA_MODULE_TYPES = (
@@ -140,3 +141,23 @@ def loop_settings(cfg, *, packed: bool) -> LoopSettings:
 def run_paths(cfg) -> tuple[Path, Path]:
     """(prepared dataset dir, connected processor dir)."""
     return cfg.work_path / "prepare", cfg.work_path / "connect" / "processor"
+
+
+def build_trainer(cfg, processor, *, packed: bool, run_dir: Path, device=None) -> Trainer:
+    """The configured model with LoRA (seeded by ``train.seed``), on ``device``, in a
+    :class:`Trainer` for one run, packing on or off."""
+    dataset_dir, processor_dir = run_paths(cfg)
+    torch.manual_seed(cfg.train.seed)
+    model = apply_lora(build_model(cfg, processor), cfg.lora)
+    if device is not None:
+        model = model.to(device)
+    return Trainer(
+        model,
+        settings=loop_settings(cfg, packed=packed),
+        dataset_dir=dataset_dir,
+        processor_dir=processor_dir,
+        run_dir=run_dir,
+        flops_model=flops_model_for(cfg, processor),
+        image_token_id=int(processor.image_token_id),
+        pad_token_id=int(processor.tokenizer.pad_token_id),
+    )
