@@ -111,6 +111,18 @@ class EncoderMode(Enum):
     """The full processor before selection, as Megatron-Bridge does (the baseline)."""
 
 
+class Attention(Enum):
+    """Attention of the language model in the local backend (the vision tower keeps sdpa)."""
+
+    thd = "thd"
+    """Varlen: a packed row attends once per conversation (Σ lᵢ², as flash-attention's
+    varlen kernel and Megatron's THD layout); padded batches and generation use sdpa."""
+    sdpa = "sdpa"
+    """HF sdpa: a packed row gets a dense T×T block-diagonal mask (T² work per row)."""
+    eager = "eager"
+    """HF eager (matmul + softmax), the same dense mask as sdpa; slowest, for checks."""
+
+
 class ExecutorKind(Enum):
     local = "local"
     slurm = "slurm"
@@ -276,6 +288,9 @@ class ModelConfig(_Section):
     """The model is a Mixture-of-Experts: the tiny model is built as Qwen3VLMoe; with
     ``train.backend: megatron`` the MoE overrides apply (EP, alltoall dispatcher, no MTP,
     no CUDA graphs, EP overlap off)."""
+    attention: Attention = Attention.thd
+    """Language-model attention of the local backend: ``thd`` (per conversation, the
+    default), ``sdpa`` or ``eager`` (dense masks); the logits agree within 1e-5."""
 
 
 @dataclass(kw_only=True)

@@ -12,6 +12,7 @@ from transformers.pytorch_utils import Conv1D
 
 from packline.counters import flops_model_for
 from packline.energon.packing import PackingSettings
+from packline.qwen.attention import set_text_attention
 from packline.qwen.model import build_tiny_model, tiny_config
 from packline.train.loop import LoopSettings, Trainer
 
@@ -41,7 +42,8 @@ def model_config(cfg, processor):
 
 
 def build_model(cfg, processor):
-    """The configured Qwen3-VL: the tiny one (seeded), or a local checkpoint dir."""
+    """The configured Qwen3-VL: the tiny one (seeded), or a local checkpoint dir, its
+    language model on ``model.attention``."""
     if cfg.model.path:
         from transformers import AutoModelForImageTextToText
 
@@ -53,7 +55,7 @@ def build_model(cfg, processor):
         )
     else:
         model = build_tiny_model(processor, moe=cfg.model.moe, seed=cfg.train.seed)
-    return model
+    return set_text_attention(model, cfg.model.attention.value)
 
 
 @dataclass

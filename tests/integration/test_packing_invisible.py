@@ -1,8 +1,9 @@
 """The test of record: packing is invisible to the model's math.
 
 Every conversation's logits inside a packed THD row equal its solo, unpadded run, for
-tiny dense and MoE Qwen3-VL models under sdpa and eager attention (fp32), on rows that mix
-multi-image, single-image and text-only conversations with alignment gaps and tail padding.
+tiny dense and MoE Qwen3-VL models under sdpa, eager and packline_thd attention (fp32), on
+rows that mix multi-image, single-image and text-only conversations with alignment gaps and
+tail padding.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from PIL import Image, ImageDraw
 
 from packline.packing.thd import build_packed_batch, shifted_labels
+from packline.qwen.attention import THD_ATTENTION
 from packline.qwen.encode import ConversationEncoder
 from packline.qwen.forward import packed_forward, token_loss_sum
 from packline.qwen.model import build_tiny_model
@@ -78,7 +80,7 @@ def _solo(model, encoder, conv):
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager", THD_ATTENTION])
 @pytest.mark.parametrize(
     ("alignment", "pad_to_max"), [(1, False), (8, True)], ids=["m1", "m8-fixed"]
 )
