@@ -21,6 +21,10 @@ packing (:func:`minimum_slack`) of the same round and keeps it when it needs few
     [[0, 1], [2, 3, 4], [5]]
     >>> minimum_slack([4, 4, 3, 3, 3, 3], 10)  # the optimum, 2 groups of 10
     [[0, 2, 3], [1, 4, 5]]
+
+While the round still has more groups than :func:`lower_bound`, a few short, budgeted
+:func:`fewer_groups` searches try to close one more (rounds of many items longer than C/2,
+as VLM data with images has, leave both greedy packings a group or two over).
 """
 
 from __future__ import annotations
@@ -103,6 +107,12 @@ def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
 REFINE_MAX_ITEMS = 4096
 #: Subsets :func:`minimum_slack` tries per group before it takes the best one seen.
 SLACK_SEARCH_NODES = 2000
+#: Work (items through a subset sum) one :func:`fewer_groups` attempt may spend.
+ATTEMPT_WORK = 2000
+#: Work :func:`select_packs` may spend on such attempts per item of the round ...
+SEARCH_WORK_PER_ITEM = 24
+#: ... and per round, at most (about 1 µs a unit on one core: a few ms a round).
+SEARCH_WORK_MAX = 24_000
 
 
 def minimum_slack(lengths: list[int], capacity: int) -> list[list[int]]:
@@ -166,6 +176,142 @@ def _least_slack_subset(lengths: list[int], room: int, good_enough: float) -> tu
     return best, best_room
 
 
+def lower_bound(lengths: list[int], capacity: int) -> int:
+    """Fewest groups any packing needs: Martello & Toth's L2 (1990). Each item longer than
+    C/2 needs a group of its own; for every k ≤ C/2 among the lengths, the items of
+    k..C/2 must fit in the room those groups leave (only those of length ≤ C − k have any
+    room for them) plus new groups. At least ⌈Σlen/C⌉. Every item must fit.
+
+        >>> lower_bound([6, 6, 6, 4, 4, 4], 10)  # 30 tokens, but three 6s need three groups
+        3
+        >>> lower_bound([7, 7, 7, 4, 4], 10)  # a 4 fits no 7's room (3): 3 + ⌈8/10⌉
+        4
+    """
+    half = capacity // 2
+    big = sorted(n for n in lengths if n > half)
+    small = sorted((n for n in lengths if n <= half), reverse=True)
+    prefix = [0]
+    for n in big:
+        prefix.append(prefix[-1] + n)
+    best = max(-(-sum(lengths) // capacity), len(big))
+    small_sum = 0
+    for j, k in enumerate(small):  # k descending: the items of k..C/2 are small[: j + 1]
+        small_sum += k
+        if j + 1 < len(small) and small[j + 1] == k:
+            continue
+        roomy = bisect.bisect_right(big, capacity - k)  # groups with room for a k
+        room = roomy * capacity - prefix[roomy]
+        best = max(best, len(big) + max(0, -(-(small_sum - room) // capacity)))
+    return best
+
+
+def _fullest_subset(lengths: list[int], capacity: int, rng: random.Random) -> list[int]:
+    """Positions of a subset of ``lengths`` with the largest sum ≤ ``capacity``, one of
+    the fullest chosen by ``rng``: a subset sum over bit sets (bit s of ``reach[j]`` is set
+    when some subset of the first j items, in a shuffled order, sums to s), walked back from
+    the best sum taking an item only where that sum is not reachable without it."""
+    order = list(range(len(lengths)))
+    rng.shuffle(order)
+    mask = (1 << (capacity + 1)) - 1
+    reach = [1]
+    for j in order:
+        reach.append((reach[-1] | reach[-1] << lengths[j]) & mask)
+    total = reach[-1].bit_length() - 1
+    chosen = []
+    for pos in range(len(order) - 1, -1, -1):
+        if not reach[pos] >> total & 1:
+            chosen.append(order[pos])
+            total -= lengths[order[pos]]
+    return chosen
+
+
+def fewer_groups(
+    lengths: list[int], groups: list[list[int]], capacity: int, *, work: int, seed: int = 0
+) -> list[list[int]] | None:
+    """A packing of the items of ``groups`` (every item fits) in one group fewer, or None
+    when none is found within ``work``; a local search after Buljubašić & Vasquez's
+    consistent neighbourhood search (2016).
+
+    An item longer than C/2 never shares a group with another, so each one stays where it is
+    and only the room it leaves matters. The items of the emptiest group without such an
+    item, and the short items of the two groups with the most room (the emptiest on ties),
+    become a pool; the search succeeds when the pool fits those two groups' room. Until then
+    a group drawn at random is refilled with one of the fullest subsets (of what fits its
+    room) of its own short items and the pool's, the others going back to the pool. A group
+    never gets emptier, so the pool never gains tokens; a group already as full as it can get
+    still swaps which items it holds, and what it hands back may close another group's gap.
+    Each refill costs the items it looks at; ``seed`` draws the groups and the ties, so the
+    result is deterministic.
+
+    Worked example, capacity 20: 58 tokens, first-fit decreasing (and best-fit, and
+    :func:`minimum_slack`) need 4 groups. The emptiest, [5], and the two next emptiest,
+    [8, 8] and [9, 9], are the pool: 39 tokens for 2 × 20 of room, but no split fits. One
+    refill of the last group, [7, 6, 6] → [8, 6, 6], leaves [9, 9] and [5, 8, 7]::
+
+        >>> lengths = [8, 5, 6, 8, 7, 9, 6, 9]
+        >>> first_fit_decreasing(lengths, 20)
+        [[5, 7], [0, 3], [4, 2, 6], [1]]
+        >>> fewer_groups(lengths, [[5, 7], [0, 3], [4, 2, 6], [1]], 20, work=0)  # no refill
+        >>> fewer_groups(lengths, [[5, 7], [0, 3], [4, 2, 6], [1]], 20, work=20)
+        [[4, 1, 0], [5, 7], [2, 6, 3]]
+    """
+    rng = random.Random(seed)
+    half = capacity // 2
+    anchors: list[int | None] = []  # per group: its long item, if any
+    rooms: list[int] = []  # per group: the room left to its short items
+    held: list[list[int]] = []  # per group: its short items
+    loose: list[list[int]] = []  # the groups of short items only
+    for g in groups:
+        long = [i for i in g if lengths[i] > half]
+        if long:
+            anchors.append(long[0])
+            rooms.append(capacity - lengths[long[0]])
+            held.append([i for i in g if i != long[0]])
+        else:
+            loose.append(g)
+    if not loose:
+        return None  # a long item in every group: no packing has fewer
+    loose.sort(key=lambda g: sum(lengths[i] for i in g))
+    pool = list(loose[0])
+    for g in loose[1:]:
+        anchors.append(None)
+        rooms.append(capacity)
+        held.append(list(g))
+    order = sorted(range(len(rooms)), key=lambda b: (-rooms[b], sum(lengths[i] for i in held[b])))
+    target, kept = order[:2], order[2:]
+    for b in target:
+        pool += held[b]
+        held[b] = []
+
+    def fullest(items: list[int], room: int) -> tuple[list[int], list[int]]:
+        take = set(_fullest_subset([lengths[i] for i in items], room, rng))
+        return (
+            [i for j, i in enumerate(items) if j in take],
+            [i for j, i in enumerate(items) if j not in take],
+        )
+
+    while True:
+        if sum(lengths[i] for i in pool) <= sum(rooms[b] for b in target):
+            rest = pool
+            for b in target:  # the fullest first, so the rest is as short as it can be
+                work -= len(rest)
+                held[b], rest = fullest(rest, rooms[b])
+            if not rest:
+                return [
+                    ([anchors[b]] if anchors[b] is not None else []) + held[b]
+                    for b in range(len(rooms))
+                    if anchors[b] is not None or held[b]
+                ]
+            for b in target:
+                held[b] = []
+        if not kept or work <= 0:
+            return None
+        b = kept[rng.randrange(len(kept))]
+        items = held[b] + pool
+        work -= len(items)
+        held[b], pool = fullest(items, rooms[b])
+
+
 def pack_fill(lengths: list[int], groups: list[list[int]], capacity: int) -> float:
     """Σ packed lengths / (number of groups × capacity)."""
     if not groups:
@@ -174,19 +320,39 @@ def pack_fill(lengths: list[int], groups: list[list[int]], capacity: int) -> flo
 
 
 def _refined(aligned: list[int], groups: list[list[int]], capacity: int) -> list[list[int]]:
-    """``groups``, or the :func:`minimum_slack` packing of the same fitting items when it
-    needs fewer groups (oversize singletons stay last, as FFD/BFD put them)."""
+    """``groups``, or a packing of the same fitting items in fewer groups: the
+    :func:`minimum_slack` packing when it needs fewer, then :func:`fewer_groups` attempts
+    (from each packing with the fewest groups in turn, ``ATTEMPT_WORK`` each,
+    ``SEARCH_WORK_PER_ITEM`` per item and ``SEARCH_WORK_MAX`` in all) until one reaches
+    :func:`lower_bound`. Oversize singletons stay last, as FFD/BFD put them."""
     fits = [i for i, n in enumerate(aligned) if n <= capacity]
-    packed = len(groups) - (len(aligned) - len(fits))
     if not fits or len(fits) > REFINE_MAX_ITEMS:
         return groups
-    if packed <= -(-sum(aligned[i] for i in fits) // capacity):
+    sizes = [aligned[i] for i in fits]
+    bound = lower_bound(sizes, capacity)
+    position = {i: j for j, i in enumerate(fits)}
+    plain = [[position[i] for i in g] for g in groups if aligned[g[0]] <= capacity]
+    if len(plain) <= bound:
         return groups  # already the fewest groups possible
-    alternative = minimum_slack([aligned[i] for i in fits], capacity)
-    if len(alternative) >= packed:
+    starts = [plain]
+    alternative = minimum_slack(sizes, capacity)
+    if len(alternative) < len(plain):
+        starts = [alternative]
+    elif len(alternative) == len(plain):
+        starts.append(alternative)
+    work, attempt = min(SEARCH_WORK_PER_ITEM * len(sizes), SEARCH_WORK_MAX), 0
+    while len(starts[0]) > bound and work > 0:
+        budget = min(ATTEMPT_WORK, work)
+        start = starts[attempt % len(starts)]
+        found = fewer_groups(sizes, start, capacity, work=budget, seed=attempt)
+        work -= budget
+        attempt += 1
+        if found is not None:
+            starts = [found]
+    if len(starts[0]) == len(plain):
         return groups
     oversize = [[i] for i, n in enumerate(aligned) if n > capacity]
-    return [[fits[j] for j in g] for g in alternative] + oversize
+    return [[fits[j] for j in g] for g in starts[0]] + oversize
 
 
 def select_packs(
@@ -200,8 +366,9 @@ def select_packs(
 ) -> list[list[int]]:
     """Groups of indices for one buffer round: lengths aligned up to ``alignment``, packed
     into ``capacity`` by ``algorithm`` (``ffd`` or ``bfd``); when that needs more groups than
-    ⌈Σlen/C⌉ and ``refine`` is on (rounds up to ``REFINE_MAX_ITEMS``), the
-    :func:`minimum_slack` packing replaces it if it needs fewer. The groups are then
+    :func:`lower_bound` and ``refine`` is on (rounds up to ``REFINE_MAX_ITEMS``), the
+    :func:`minimum_slack` packing replaces it if it needs fewer, and :func:`fewer_groups`
+    searches, on a fixed work budget, for fewer still. The groups are then
     shuffled with ``seed`` so the longest conversations are not always emitted first
     (``seed=None`` keeps the algorithm's order). Every index is in exactly one group; an item
     whose aligned length exceeds ``capacity`` gets a group of its own (the caller drops or
@@ -222,6 +389,8 @@ def select_packs(
         >>> select_packs([4, 4, 3, 3, 3, 3], capacity=10, algorithm="bfd", seed=None,
         ...              refine=False)
         [[0, 1], [2, 3, 4], [5]]
+        >>> select_packs([8, 5, 6, 8, 7, 9, 6, 9], capacity=20, seed=None)  # 3, not 4
+        [[4, 1, 0], [5, 7], [2, 6, 3]]
     """
     if alignment < 1:
         raise ValueError(f"alignment must be >= 1, got {alignment}")
