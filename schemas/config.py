@@ -118,7 +118,8 @@ class Attention(Enum):
     """Varlen: a packed row attends once per conversation (Σ lᵢ², as flash-attention's
     varlen kernel and Megatron's THD layout); padded batches and generation use sdpa."""
     sdpa = "sdpa"
-    """HF sdpa: a packed row gets a dense T×T block-diagonal mask (T² work per row)."""
+    """HF sdpa: a packed row gets a dense T×T block-diagonal mask (T² work per row; the
+    ``flops/*`` counters still count attention per conversation, as thd runs it)."""
     eager = "eager"
     """HF eager (matmul + softmax), the same dense mask as sdpa; slowest, for checks."""
 
