@@ -391,6 +391,29 @@ def run_loader(
 # -- the benchmark ----------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def stdout_to_stderr(enabled: bool = True):
+    """Send everything written to file descriptor 1 (Python prints, Energon's ``prepare``
+    messages, child processes) to stderr while active, so ``--json`` output stays one JSON
+    object on stdout."""
+    if not enabled:
+        yield
+        return
+    import os
+    import sys
+
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def _targets(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
     targets: dict[str, dict[str, Any]] = {}
     for dist in ("default", "vlm_sft"):
@@ -470,7 +493,7 @@ def bench_packing(
         raise ValueError(f"throughput_rounds must be >= 1, got {throughput_rounds}")
     work_dir = Path(work_dir) if work_dir is not None else Path("runs") / "bench"
     capacity = SEQ_LENGTH
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), stdout_to_stderr(as_json):
         # Energon's loader asks for pinned memory; on a CPU-only machine torch warns each time.
         warnings.filterwarnings("ignore", message=".*pin_memory.*no accelerator.*")
         console.log(f"bench packing: default set under {work_dir}")

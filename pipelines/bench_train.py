@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from packline.progress import console
+from pipelines.bench import stdout_to_stderr
 
 SPEEDUP_TARGET = 2.0
 
@@ -119,12 +120,13 @@ def bench_train(
             f"train.eval_every={eval_every}",
         ],
     )
-    for stage in available_stages():  # the inputs of train, skipped when up to date
-        if stage != "train":
-            run_stage(cfg, stage)
-    shutil.rmtree(cfg.work_path / "train", ignore_errors=True)  # from scratch, no resume
-    console.log("bench train: packing on, then off, from scratch")
-    run_stage(cfg, "train", force=True)
+    with stdout_to_stderr(as_json):  # --json: stdout holds the JSON object only
+        for stage in available_stages():  # the inputs of train, skipped when up to date
+            if stage != "train":
+                run_stage(cfg, stage)
+        shutil.rmtree(cfg.work_path / "train", ignore_errors=True)  # from scratch, no resume
+        console.log("bench train: packing on, then off, from scratch")
+        run_stage(cfg, "train", force=True)
     result = summarize(cfg.work_path / "train")
     if as_json:
         print(json.dumps(result, indent=2))

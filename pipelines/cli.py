@@ -2,7 +2,7 @@
 
     packline run [CONFIG] [key=value ...] [--executor local|slurm] [--from STAGE] [--dryrun]
     packline stage NAME [CONFIG] [key=value ...]
-    packline bench {packing,train} [--json]
+    packline bench {packing,train} [--json] [--config PATH] [--work-dir DIR]
     packline compare [CONFIG] [key=value ...] [--experiment NAME] [--run RUN_ID]
     packline ui [CONFIG] [key=value ...] [--port N]
 
@@ -58,11 +58,11 @@ def cmd_bench(ns: argparse.Namespace) -> int:
     if ns.what == "packing":
         from pipelines.bench import bench_packing
 
-        bench_packing(as_json=ns.json)
+        bench_packing(as_json=ns.json, config=ns.config, work_dir=ns.work_dir)
     else:
         from pipelines.bench_train import bench_train
 
-        bench_train(as_json=ns.json)
+        bench_train(as_json=ns.json, config=ns.config, work_dir=ns.work_dir)
     return 0
 
 
@@ -102,6 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmarks, measured side by side in one run")
     b.add_argument("what", choices=["packing", "train"])
     b.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    b.add_argument("--config", help="pipeline config of the default set (default: tiny_cpu)")
+    b.add_argument("--work-dir", help="where the benchmark prepares and runs (default: runs/bench)")
     b.set_defaults(fn=cmd_bench)
 
     c = sub.add_parser("compare", help="packing on vs off from MLflow: table + plots")

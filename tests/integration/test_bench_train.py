@@ -1,0 +1,43 @@
+"""``packline bench train`` as a user runs it: a subprocess on a small config of its own."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SMALL_YAML = """\
+name: bench_small
+data: {num_train: 120, num_val: 8}
+prepare: {num_workers: 1}
+train: {max_steps: 2, global_batch_size: 2, eval_samples: 2}
+"""
+
+
+def test_bench_train_cli_measures_both_runs_on_the_same_conversations(tmp_path: Path):
+    config = tmp_path / "small.yaml"
+    config.write_text(SMALL_YAML)
+    work = tmp_path / "bench"
+    cmd = [sys.executable, "-m", "pipelines.cli", "bench", "train", "--json"]
+    out = subprocess.run(
+        [*cmd, "--config", str(config), "--work-dir", str(work)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout)
+    rate = result["real_tokens_per_s"]
+    assert rate["packed"] > 0 and rate["unpacked"] > 0
+    assert result["speedup"] == pytest.approx(rate["packed"] / rate["unpacked"])
+    # the same conversations per step: equal real tokens, loss and accuracy; only padding differs
+    assert result["real_tokens"]["packed"] == result["real_tokens"]["unpacked"] > 0
+    assert result["padded_tokens"]["packed"] == 0 < result["padded_tokens"]["unpacked"]
+    assert result["eval_loss"]["packed"] == pytest.approx(result["eval_loss"]["unpacked"], abs=1e-6)
+    assert result["eval_questions"] == {"packed": 2, "unpacked": 2}
+    assert result["targets"]["equal_accuracy"]["held"]
+    assert set(result["targets"]) == {"speedup", "equal_accuracy"}
+    assert (work / "train" / "packed" / "eval.jsonl").is_file()
