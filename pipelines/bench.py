@@ -27,7 +27,9 @@ import contextlib
 import gc
 import json
 import math
+import os
 import random
+import sys
 import threading
 import time
 import warnings
@@ -399,9 +401,6 @@ def stdout_to_stderr(enabled: bool = True):
     if not enabled:
         yield
         return
-    import os
-    import sys
-
     sys.stdout.flush()
     saved = os.dup(1)
     try:
