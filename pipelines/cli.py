@@ -120,10 +120,26 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse the command line; ``key=value`` overrides may come before or after options
+    (``run CONFIG --dryrun a=1`` as well as ``run --executor slurm a=1``).
+
+    argparse ends a ``nargs="*"`` positional at the first option, so overrides after an
+    option come back unparsed; they are appended to the command's overrides in order.
+    """
+    parser = build_parser()
+    ns, extra = parser.parse_known_args(argv)
+    if extra and (not hasattr(ns, "args") or any(a.startswith("-") for a in extra)):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        ns.args = [*ns.args, *extra]
+    return ns
+
+
 def main(argv: list[str] | None = None) -> int:
     from stages.base import InputError
 
-    ns = build_parser().parse_args(argv)
+    ns = parse_args(argv)
     debug = os.environ.get("PACKLINE_DEBUG") == "1"
     try:
         return ns.fn(ns)
