@@ -121,7 +121,7 @@ def train_run(
                 # One value per laid-out row (the pack-fill histogram of `packline
                 # compare`); its step is the row's index in the run, resume-exact.
                 total = trainer.counters.total
-                laid_out = total.rows if packed else total.conversations
+                laid_out = total.rows  # packed rows, or padded rows (one per conversation)
                 tracker.log_series(
                     "pack/row_fill",
                     row_fills(r.row_real_tokens, settings.packing.seq_length),

@@ -244,7 +244,9 @@ class Trainer:
             counts = counts + PackCounts.of(row, self.flops_model, self.s.packing.seq_length)
         micro = self.micro_batches(rows)
         if not self.s.packed:  # the padded layout executes (and wastes) more
+            counts.rows = sum(m.input_ids.shape[0] for m in micro)  # one per conversation
             counts.padded_tokens = sum(m.num_padded_tokens for m in micro)
+            counts.flops_nominal = sum(self.flops_model.nominal(m.input_ids.numel()) for m in micro)
             counts.flops_executed = sum(
                 self.flops_model.executed(
                     [m.input_ids.shape[1]] * m.input_ids.shape[0],

@@ -36,6 +36,17 @@ def test_packed_and_unpacked_step_give_the_same_loss_and_gradients(work, tmp_pat
     assert cosine >= 0.99999, cosine
 
 
+def test_unpacked_step_counts_its_own_layout(work, tmp_path):
+    """Packing off: one executed row per conversation, its padding, and the nominal FLOPs
+    of its physical slots (not of the packed rows its conversations were read from)."""
+    cfg = make_config(work, *SMALL, "train.global_batch_size=2")
+    unpacked = trainer_for(cfg, False, tmp_path / "u")
+    c = unpacked.train_step().counts
+    assert c.rows == c.conversations > 2
+    assert c.padded_tokens > 0
+    assert c.flops_nominal == unpacked.flops_model.nominal(c.real_tokens + c.padded_tokens)
+
+
 def _train_cmd(work: Path, run: str) -> list[str]:
     return [
         sys.executable,
