@@ -37,7 +37,14 @@ from packline.train.evaluate import chance_accuracy, eval_accuracy, eval_loss
 from packline.train.loop import Trainer, barrier, dist_rank_world
 from packline.train.setup import build_trainer, run_paths
 from schemas.config import PipelineConfig, TrainBackend
-from stages.base import StageResult, fingerprint, require_record, write_record
+from stages.base import (
+    InputError,
+    StageResult,
+    fingerprint,
+    is_up_to_date,
+    require_record,
+    write_record,
+)
 
 STAGE = "train"
 
@@ -294,6 +301,28 @@ def _launch_ranks(
     return json.loads((run_dir / "result.json").read_text())
 
 
+def ensure_validated(cfg: PipelineConfig) -> None:
+    """Train only on settings validate has passed. A validate record of other settings
+    (``packline stage train key=value`` after a run) is renewed first: validate's errors
+    stop the stage. Ranks of an outside launch (torchrun on SLURM) cannot validate in
+    parallel, so there a stale record is an error; the pipeline's validate job renews it."""
+    from stages import validate
+
+    require_record(cfg, "validate", by="train")  # validate requires connect in turn
+    if is_up_to_date(cfg, "validate", validate.fingerprint_inputs(cfg)):
+        return
+    if launched():
+        raise InputError(
+            [
+                f"validate's record in {cfg.work_path} is for other settings "
+                "(run `packline stage validate` with these settings first)"
+            ],
+            "train cannot start",
+        )
+    console.log("[yellow]validate: its record is for other settings; validating these[/]")
+    validate.validate_config(cfg)
+
+
 def train_lora(
     cfg: PipelineConfig, fp: str | None = None, *, parent_run_id: str | None = None
 ) -> StageResult:
@@ -304,7 +333,7 @@ def train_lora(
     (cluster only)."""
     t0 = time.perf_counter()
     fp = fp or fingerprint_inputs(cfg)
-    require_record(cfg, "validate", by="train")  # validate requires connect in turn
+    ensure_validated(cfg)
     if cfg.train.backend == TrainBackend.megatron:
         from stages.train_megatron import train_megatron
 

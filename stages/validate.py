@@ -711,12 +711,6 @@ def validate_config(cfg: PipelineConfig, fp: str | None = None) -> StageResult:
             f"{out_dir / 'report.json'}",
         )
     facts = inputs.facts
-    # connect's FLOPs forecast of one epoch, packing on vs off: shown again here, the last
-    # look before training, as the `flops/*` metrics connect logged.
-    forecast_path = cfg.work_path / "connect" / "forecast.json"
-    flops = (
-        json.loads(forecast_path.read_text()).get("flops", {}) if forecast_path.is_file() else {}
-    )
     metrics: dict[str, float] = {
         "validate/rules": len(checks),
         "validate/errors": 0,

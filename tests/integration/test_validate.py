@@ -113,6 +113,23 @@ def test_default_config_passes_every_rule_and_train_requires_the_record(connecte
     ]
 
 
+def test_train_validates_changed_settings_before_it_starts(connected):
+    """``packline stage train key=value`` after a validated run: the new settings are
+    validated first, and validate's errors stop train before any training."""
+    validate_config(make_config(connected, "mlflow.enabled=false"))
+    cfg = make_config(
+        connected, "mlflow.enabled=false", "packing.seq_length=512", "packing.overlength=fail"
+    )
+    with pytest.raises(InputError) as info:
+        train_lora(cfg)
+    assert info.value.header.startswith("validate: 1 error(s)")
+    assert any("packing.overlength" in p for p in info.value.problems), info.value.problems
+    assert not (connected / "train").exists()  # nothing trained
+    report = json.loads((connected / "validate" / "report.json").read_text())
+    assert not report["ok"]  # the report is of the changed settings
+    validate_config(make_config(connected, "mlflow.enabled=false"))  # leave it valid
+
+
 # --- data against config ---------------------------------------------------------------------
 
 
