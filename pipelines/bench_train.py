@@ -9,7 +9,13 @@ step for step and the comparison is cost alone:
   training steps only (evaluation excluded);
 - ``seconds_to_eval_loss``: training seconds until each run's eval loss first reaches the
   higher of the two final eval losses (evaluated every ``eval_every`` steps);
-- final eval loss and answer accuracy of both (equal accuracy is part of the target).
+- final eval loss and answer accuracy of both (equal accuracy is part of the target);
+- where the time goes: ``data_seconds`` (waiting for rows: reading, packing, image decoding
+  and processing) and ``vision_seconds`` (vision tower forwards) are the same work in both
+  runs, so they dilute the speedup; ``speedup_without_data_and_vision`` is the ratio of
+  what is left (language model forward and backward, optimizer), and
+  ``flops_executed_ratio`` the ratio of executed FLOPs (padding included): the speedup of a
+  device whose time follows FLOPs.
 
 Target: ``speedup`` ≥ 2 with equal accuracy.
 """
@@ -77,8 +83,17 @@ def summarize(train_dir: Path) -> dict[str, Any]:
             n: seconds_to_loss(r["steps"], r["evals"], target) for n, r in runs.items()
         },
     }
+    for key in ("data_seconds", "vision_seconds", "tflops_executed"):
+        out[key] = {n: r["result"][key] for n, r in runs.items()}
+    rest = {
+        n: out["train_seconds"][n] - out["data_seconds"][n] - out["vision_seconds"][n] for n in runs
+    }
+    out["other_seconds"] = rest
     rate = out["real_tokens_per_s"]
     out["speedup"] = rate["packed"] / rate["unpacked"]
+    out["speedup_without_data_and_vision"] = rest["unpacked"] / rest["packed"]
+    flops = out["tflops_executed"]
+    out["flops_executed_ratio"] = flops["unpacked"] / flops["packed"]
     reach = out["seconds_to_eval_loss"]
     if reach["packed"] and reach["unpacked"]:
         out["seconds_to_eval_loss_ratio"] = reach["unpacked"] / reach["packed"]
@@ -146,6 +161,10 @@ def _print_table(result: dict[str, Any]) -> None:
     rows = [
         ("real tokens/s", "real_tokens_per_s", "{:.0f}"),
         ("train seconds", "train_seconds", "{:.1f}"),
+        ("  of which data (same work)", "data_seconds", "{:.1f}"),
+        ("  of which vision tower (same work)", "vision_seconds", "{:.1f}"),
+        ("  of which the rest (LM, optimizer)", "other_seconds", "{:.1f}"),
+        ("executed TFLOPs", "tflops_executed", "{:.2f}"),
         ("padded tokens", "padded_tokens", "{:,.0f}"),
         ("final eval loss", "eval_loss", "{:.4f}"),
         ("eval accuracy", "eval_accuracy", "{:.3f}"),
@@ -166,6 +185,11 @@ def _print_table(result: dict[str, Any]) -> None:
         )
     out = Console()
     out.print(table)
+    out.print(
+        f"speedup {result['speedup']:.2f}x; without data and vision "
+        f"{result['speedup_without_data_and_vision']:.2f}x; executed FLOPs ratio "
+        f"{result['flops_executed_ratio']:.2f}x"
+    )
     for name, t in result["targets"].items():
         held = "[green]held[/]" if t["held"] else "[red]missed[/]"
         out.print(f"{name}: {t['value']:.4f} ({t['rule']}) {held}")

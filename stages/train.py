@@ -165,6 +165,7 @@ def train_run(
     tracker.log_artifact(fill_plot)
     real = sum(s["train/real_tokens"] for s in steps)
     wall = sum(s["train/step_seconds"] for s in steps)
+    total = trainer.counters.total
     return {
         "run": name,
         "steps": trainer.step,
@@ -178,8 +179,12 @@ def train_run(
         "eval_accuracy_start": first_eval.get("eval/accuracy"),
         "eval_accuracy": final_eval["eval/accuracy"],
         "eval_accuracy_chance": chance,
-        "tflops_useful": trainer.counters.total.flops_useful / 1e12,
-        "padded_tokens": trainer.counters.total.padded_tokens,
+        "tflops_useful": total.flops_useful / 1e12,
+        "tflops_executed": total.flops_executed / 1e12,
+        "padded_tokens": total.padded_tokens,
+        # of `seconds`: the same work whatever the layout (rank 0)
+        "data_seconds": sum(s.get("train/data_seconds", 0.0) for s in steps),
+        "vision_seconds": sum(s.get("train/vision_seconds", 0.0) for s in steps),
     }
 
 
@@ -191,6 +196,8 @@ def _step_metrics(r, trainer: Trainer, device_name: str) -> dict[str, float]:
         "train/lr": r.lr,
         "train/grad_norm": r.grad_norm,
         "train/step_seconds": r.seconds,
+        "train/data_seconds": r.data_seconds,
+        "train/vision_seconds": r.vision_seconds,
         **r.counts.to_metrics("train"),
         **{k.replace("train/", "train/cum_"): v for k, v in c.to_metrics("train").items()},
         "throughput/real_tokens_per_s": r.counts.real_tokens / r.seconds,

@@ -120,6 +120,11 @@ class StepResult:
     """Real tokens of each row as laid out (all ranks): packed rows, or one per
     conversation when packing is off."""
     weights_checksums: list[float] = field(default_factory=list)  # per rank, after the step
+    data_seconds: float = 0.0
+    """Of ``seconds`` on rank 0: waiting for the step's rows (reading, tokenizing, packing,
+    image decoding and processing, unless loader workers did it ahead)."""
+    vision_seconds: float = 0.0
+    """Of ``seconds`` on rank 0: the vision tower's forwards (the same work packed or not)."""
 
     @property
     def keys(self) -> list[str]:
@@ -179,9 +184,30 @@ class Trainer:
             seed_offset=settings.seed,
         )
         self._rows = None
+        self._vision_seconds = 0.0
+        self._time_vision(model)
         self.step = 0
         self.counters = RunningCounters.fresh()
         self.ledger = Ledger()
+
+    def _time_vision(self, model) -> None:
+        """Time the vision tower's forwards with module hooks (synchronized on a GPU)."""
+        tower = next((m for n, m in model.named_modules() if n.endswith("visual")), None)
+        if tower is None:
+            return
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        started: list[float] = []
+
+        def before(_module, _args):
+            sync()
+            started.append(time.perf_counter())
+
+        def after(_module, _args, _out):
+            sync()
+            self._vision_seconds += time.perf_counter() - started.pop()
+
+        tower.register_forward_pre_hook(before)
+        tower.register_forward_hook(after)
 
     # -- data -------------------------------------------------------------------------------
 
@@ -238,7 +264,9 @@ class Trainer:
     def train_step(self) -> StepResult:
         t0 = time.perf_counter()
         self.model.train()
+        self._vision_seconds = 0.0
         rows = self._next_rows()
+        data_seconds = time.perf_counter() - t0
         counts = PackCounts()
         for row in rows:
             counts = counts + PackCounts.of(row, self.flops_model, self.s.packing.seq_length)
@@ -291,6 +319,8 @@ class Trainer:
             keys_by_rank=[g[2] for g in gathered],
             row_real_tokens=[n for g in gathered for n in g[3]],
             weights_checksums=checksums,
+            data_seconds=data_seconds,
+            vision_seconds=self._vision_seconds,
         )
 
     def weights_checksum(self) -> float:

@@ -41,3 +41,18 @@ def test_bench_train_cli_measures_both_runs_on_the_same_conversations(tmp_path: 
     assert result["targets"]["equal_accuracy"]["held"]
     assert set(result["targets"]) == {"speedup", "equal_accuracy"}
     assert (work / "train" / "packed" / "eval.jsonl").is_file()
+    # where the time went: data and vision are parts of each run's training seconds
+    for run in ("packed", "unpacked"):
+        data, vision = result["data_seconds"][run], result["vision_seconds"][run]
+        assert data > 0 and vision > 0
+        assert result["other_seconds"][run] == pytest.approx(
+            result["train_seconds"][run] - data - vision
+        )
+        assert result["other_seconds"][run] > 0
+    rest = result["other_seconds"]
+    assert result["speedup_without_data_and_vision"] == pytest.approx(
+        rest["unpacked"] / rest["packed"]
+    )
+    flops = result["tflops_executed"]
+    assert flops["unpacked"] > flops["packed"] > 0  # padding is executed too
+    assert result["flops_executed_ratio"] == pytest.approx(flops["unpacked"] / flops["packed"])
