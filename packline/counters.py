@@ -80,7 +80,7 @@ class PackCounts:
     """The counters of one row (or the sum of many)."""
 
     rows: int = 0
-    real_tokens: int = 0
+    tokens_real: int = 0
     padded_tokens: int = 0
     loss_tokens: int = 0
     conversations: int = 0
@@ -98,7 +98,7 @@ class PackCounts:
         segments = (batch.cu_seqlens_padded[1:] - batch.cu_seqlens_padded[:-1]).tolist()
         return cls(
             rows=1,
-            real_tokens=batch.num_real_tokens,
+            tokens_real=batch.num_real_tokens,
             padded_tokens=batch.num_padded_tokens,
             loss_tokens=batch.num_loss_tokens,
             conversations=batch.num_conversations,
@@ -137,6 +137,9 @@ class RunningCounters:
         return asdict(self.total)
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        state = dict(state)
+        if "real_tokens" in state:  # checkpoints before the DESIGN name train/tokens_real
+            state["tokens_real"] = state.pop("real_tokens")
         self.total = PackCounts(**state)
 
 
@@ -179,6 +182,7 @@ def layout_metrics(
         "pack/rows": float(rows),
         "pack/fill": real / (rows * seq_length) if rows else 0.0,
         "pack/conversations_per_pack": conversations / rows if rows else 0.0,
+        "pack/padding_tokens": float(padded_tokens),
         "pack/padding_fraction": padded_tokens / (real + padded_tokens) if real else 0.0,
     }
 

@@ -38,8 +38,8 @@ PLOTS = (
 #: the metrics the table and the plots read, per training run
 HISTORY_KEYS = (
     "train/loss",
-    "train/real_tokens",
-    "train/cum_real_tokens",
+    "train/tokens_real",
+    "train/cum_tokens_real",
     "train/padded_tokens",
     "train/conversations",
     "train/step_seconds",
@@ -83,7 +83,7 @@ class RunFigures:
     first_step: int
     last_step: int
     real_tokens: float
-    """Σ ``train/real_tokens``."""
+    """Σ ``train/tokens_real``."""
     train_seconds: float
     """Σ ``train/step_seconds``: time in optimizer steps (data, forward, backward, update)."""
     wall_seconds: float | None
@@ -270,7 +270,7 @@ def run_figures(run, h: dict[str, list[tuple[int, float]]]) -> RunFigures:
             "nothing to compare",
         )
     steps = [s for s, _ in h["train/loss"]]
-    real = sum(_values(h, "train/real_tokens"))
+    real = sum(_values(h, "train/tokens_real"))
     padded = sum(_values(h, "train/padded_tokens"))
     seconds = sum(_values(h, "train/step_seconds"))
     rows = sum(_values(h, "pack/rows"))
@@ -336,7 +336,7 @@ def write_plots(
     x_axes = {
         PLOTS[0]: (
             "real tokens trained (cumulative)",
-            lambda run, h: dict(h["train/cum_real_tokens"]),
+            lambda run, h: dict(h["train/cum_tokens_real"]),
         ),
         PLOTS[1]: ("training seconds (cumulative step time)", lambda run, h: cum_seconds[run]),
     }

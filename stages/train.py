@@ -163,7 +163,7 @@ def train_run(
     steps = [by_step[k] for k in sorted(by_step)]
     fill_plot = _plot_row_fill(steps, cfg.packing.seq_length, run_dir / "pack_fill.png", name)
     tracker.log_artifact(fill_plot)
-    real = sum(s["train/real_tokens"] for s in steps)
+    real = sum(s["train/tokens_real"] for s in steps)
     wall = sum(s["train/step_seconds"] for s in steps)
     total = trainer.counters.total
     return {
@@ -200,9 +200,9 @@ def _step_metrics(r, trainer: Trainer, device_name: str) -> dict[str, float]:
         "train/vision_seconds": r.vision_seconds,
         **r.counts.to_metrics("train"),
         **{k.replace("train/", "train/cum_"): v for k, v in c.to_metrics("train").items()},
-        "throughput/real_tokens_per_s": r.counts.real_tokens / r.seconds,
+        "throughput/real_tokens_per_s": r.counts.tokens_real / r.seconds,
         "flops/tflops_per_s": r.counts.flops_useful / r.seconds / 1e12,
-        "train/real_tokens_rank_spread": float(max(r.rank_real_tokens) - min(r.rank_real_tokens)),
+        "train/tokens_real_rank_spread": float(max(r.rank_real_tokens) - min(r.rank_real_tokens)),
         "flops/useful_rank_spread": float(max(r.rank_flops) - min(r.rank_flops)),
         **trainer.ledger_metrics(),
     }

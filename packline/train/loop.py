@@ -294,7 +294,7 @@ class Trainer:
         self.step += 1
         gathered = _all_gather(
             (
-                counts.real_tokens,
+                counts.tokens_real,
                 counts.flops_useful,
                 [k for row in rows for k in row.keys],
                 (

@@ -90,7 +90,7 @@ def test_compare_on_a_quick_real_run_agrees_with_the_store(trained):
     assert f"train-unpacked {off.info.run_id[:8]}" in result.stdout
 
     def rate(run) -> float:
-        tokens = client.get_metric_history(run.info.run_id, "train/real_tokens")
+        tokens = client.get_metric_history(run.info.run_id, "train/tokens_real")
         seconds = client.get_metric_history(run.info.run_id, "train/step_seconds")
         return sum(m.value for m in tokens) / sum(m.value for m in seconds)
 

@@ -54,8 +54,8 @@ def _log_training_run(cfg, stage_run_id: str, packed: bool, scale: float = 1.0) 
         run.log_metrics(
             {
                 "train/loss": LOSS[i],
-                "train/real_tokens": REAL[i],
-                "train/cum_real_tokens": cum,
+                "train/tokens_real": REAL[i],
+                "train/cum_tokens_real": cum,
                 "train/padded_tokens": PADDED[mode][i],
                 "train/conversations": CONVS[i],
                 "train/step_seconds": seconds,
@@ -126,7 +126,7 @@ def test_compare_reads_the_newest_pair_and_its_speedup_from_the_store(store):
         return sum(m.value for m in client.get_metric_history(run_id, key))
 
     rate = {
-        mode: total(newest[mode], "train/real_tokens") / total(newest[mode], "train/step_seconds")
+        mode: total(newest[mode], "train/tokens_real") / total(newest[mode], "train/step_seconds")
         for mode in ("packed", "unpacked")
     }
     assert result.speedup_real_tokens_per_s == pytest.approx(rate["packed"] / rate["unpacked"])

@@ -135,7 +135,7 @@ def test_flops_forecast_equals_an_actual_epoch_through_the_loader(default_set):
     for pack in loader:
         total = total + PackCounts.of(pack.batch, model, cfg.packing.seq_length)
     assert total.flops_useful == pytest.approx(forecast["epoch_useful"], rel=0.01)
-    assert total.real_tokens == forecast["tokens_real"]
+    assert total.tokens_real == forecast["tokens_real"]
     # The loader's stream order differs from the forecast's, so the packs do too: the
     # executed (padding-inclusive) figure agrees closely but not exactly.
     assert total.flops_executed == pytest.approx(forecast["epoch_executed_packed"], rel=0.02)

@@ -44,7 +44,7 @@ def test_unpacked_step_counts_its_own_layout(work, tmp_path):
     c = unpacked.train_step().counts
     assert c.rows == c.conversations > 2
     assert c.padded_tokens > 0
-    assert c.flops_nominal == unpacked.flops_model.nominal(c.real_tokens + c.padded_tokens)
+    assert c.flops_nominal == unpacked.flops_model.nominal(c.tokens_real + c.padded_tokens)
 
 
 def _train_cmd(work: Path, run: str) -> list[str]:

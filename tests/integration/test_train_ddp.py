@@ -72,7 +72,7 @@ def test_two_rank_stage_reads_disjoint_data_and_keeps_replicas_equal(work, tmp_p
         seen[1] |= b
         assert len(r["weights_checksums"]) == 2
         assert r["weights_checksums"][0] == r["weights_checksums"][1]
-        assert r["train/real_tokens"] == sum(r["row_real_tokens"])  # summed over ranks
+        assert r["train/tokens_real"] == sum(r["row_real_tokens"])  # summed over ranks
     assert not seen[0] & seen[1]  # disjoint over the whole run, not only per step
     result = json.loads((run_work / "train" / "packed" / "result.json").read_text())
     assert result["ranks"] == 2 and result["steps"] == steps
