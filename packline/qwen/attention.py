@@ -10,7 +10,10 @@ slice), so a row costs Σ lᵢ² instead of T² — what :mod:`packline.flops` c
 
 Conversations are found the way HF finds them: a new one starts wherever the text
 position does not continue the previous one by +1 (row 0 of the packed ``position_ids``
-restarts per conversation). Anything else — a padding mask, a KV cache, batches of
+restarts per conversation). They are found once per forward, not once per layer (on a GPU
+each search is a device-to-host sync): every layer of a forward gets the same
+``position_ids`` tensor, and the bounds are reused only for that very tensor, unmodified.
+Anything else — a padding mask, a KV cache, batches of
 several rows, the vision tower — is handed to HF's ``sdpa`` unchanged, so padded
 (packing off) batches and generation behave exactly as with ``sdpa``.
 
@@ -21,6 +24,8 @@ several rows, the vision tower — is handed to HF's ``sdpa`` unchanged, so padd
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 from transformers import AttentionInterface
@@ -39,6 +44,21 @@ def conversation_bounds(text_positions: torch.Tensor) -> list[tuple[int, int]]:
     starts = torch.nonzero(pos[1:] - pos[:-1] != 1).flatten().add(1).tolist()
     edges = [0, *starts, int(pos.numel())]
     return list(zip(edges[:-1], edges[1:], strict=True))
+
+
+_last_bounds: list = [None, -1, []]  # weakref to the position tensor, its version, bounds
+
+
+def _bounds_of(position_ids: torch.Tensor) -> list[tuple[int, int]]:
+    """:func:`conversation_bounds`, reused across the layers of one forward: only for the
+    same live tensor (a weakref, so a new tensor at a reused address never matches) at the
+    same version (an in-place change invalidates)."""
+    ref, version, bounds = _last_bounds
+    if ref is not None and ref() is position_ids and version == position_ids._version:
+        return bounds
+    bounds = conversation_bounds(position_ids)
+    _last_bounds[:] = [weakref.ref(position_ids), position_ids._version, bounds]
+    return bounds
 
 
 def thd_attention_forward(
@@ -86,7 +106,7 @@ def thd_attention_forward(
             is_causal=True,
             **kwargs,
         )[0]
-        for s, e in conversation_bounds(position_ids)
+        for s, e in _bounds_of(position_ids)
     ]
     return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), None
 

@@ -59,6 +59,37 @@ def test_packed_row_runs_one_attention_per_conversation(processor, monkeypatch):
     assert seen == [5, 3, 4] * layers
 
 
+def test_conversations_are_found_once_per_forward_and_never_reused_stale(processor, monkeypatch):
+    """One search of the positions per forward, shared by the layers; a new forward (new
+    positions tensor) or an in-place change to the positions searches again."""
+    calls: list[list[tuple[int, int]]] = []
+    real = attention.conversation_bounds
+
+    def spy(positions):
+        calls.append(real(positions))
+        return calls[-1]
+
+    monkeypatch.setattr(attention, "conversation_bounds", spy)
+    model = _model(processor, "thd")
+    assert model.config.text_config.num_hidden_layers > 1
+    ids = torch.randint(10, 200, (1, 6))
+
+    def forward(positions):
+        with torch.no_grad():
+            return model(input_ids=ids, position_ids=positions, use_cache=False).logits
+
+    a = torch.tensor([0, 1, 2, 0, 1, 2]).view(1, 1, -1).expand(4, 1, -1)
+    b = torch.tensor([0, 1, 2, 3, 4, 5]).view(1, 1, -1).expand(4, 1, -1)
+    forward(a)
+    forward(b)
+    assert calls == [[(0, 3), (3, 6)], [(0, 6)]]
+    text = torch.tensor([[0, 1, 0, 1, 2, 3]])
+    assert attention._bounds_of(text) == [(0, 2), (2, 6)]
+    assert attention._bounds_of(text) == [(0, 2), (2, 6)] and len(calls) == 3  # reused
+    text[0, 4:] = torch.tensor([0, 1])  # in place: a new version
+    assert attention._bounds_of(text) == [(0, 2), (2, 4), (4, 6)] and len(calls) == 4
+
+
 def test_padded_batches_and_generation_match_sdpa(processor):
     """A padding mask or a KV cache goes to HF's sdpa unchanged: same logits, same tokens."""
     thd, sdpa = _model(processor, "thd"), _model(processor, "sdpa")
