@@ -19,6 +19,9 @@ side by side in one run at ``seq_length`` 2048.
 - **Selection time**: ``select_packs`` on 100,000 VLM-SFT lengths in one buffer.
 
 Ratios and targets come with the tables; ``--json`` prints one JSON object instead.
+
+``packline bench loader`` runs the loader part alone (worker RSS, throughput and packing
+overhead, the measured fill), on the real Energon loader only — no simulation.
 """
 
 from __future__ import annotations
@@ -428,6 +431,17 @@ def _targets(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
                 "vs_round_bound": value / fill["round_bound@256"],
                 "rule": f">= {FILL_TARGET}, >= {1 - OFFLINE_GAP_TARGET:g}x offline_bfd",
             }
+    targets.update(_loader_targets(result))
+    targets["select_100k_s"] = {
+        "held": result["select_100k_s"] < SELECT_TARGET_S,
+        "value": result["select_100k_s"],
+        "rule": f"< {SELECT_TARGET_S:g} s, slower of ffd/bfd",
+    }
+    return targets
+
+
+def _loader_targets(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    targets: dict[str, dict[str, Any]] = {}
     rss = result["worker_rss_mb"]
     ratio = rss["lazy_ffd@256"] / rss["eager_ffd@16"]
     targets["worker_rss_mb.lazy_ffd@256"] = {
@@ -440,11 +454,6 @@ def _targets(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
         "held": overhead <= OVERHEAD_TARGET,
         "value": overhead,
         "rule": f"<= {OVERHEAD_TARGET}",
-    }
-    targets["select_100k_s"] = {
-        "held": result["select_100k_s"] < SELECT_TARGET_S,
-        "value": result["select_100k_s"],
-        "rule": f"< {SELECT_TARGET_S:g} s, slower of ffd/bfd",
     }
     return targets
 
@@ -464,6 +473,83 @@ def _default_set(work_dir: Path, config: str | Path | None) -> tuple[Path, Path,
     df = pd.read_parquet(cfg.work_path / "connect" / "lengths.parquet")
     lengths = [int(n) for n in df.loc[df["split"] == "train", "total_tokens"]]
     return cfg.work_path / "prepare", cfg.work_path / "connect" / "processor", lengths
+
+
+def measure_loader(
+    dataset_dir: Path,
+    processor_dir: Path,
+    *,
+    num_samples: int,
+    throughput_samples: int | None = None,
+    throughput_rounds: int = 4,
+) -> tuple[dict[str, Any], dict[str, LoaderRun], dict[str, list[LoaderRun]]]:
+    """The real loader on a prepared set of ``num_samples`` train conversations: worker RSS
+    of :data:`RSS_RUNS` (one epoch each, one worker), the measured fill of lazy_ffd@256,
+    and throughput without and with packing (alternated rounds, best of each). Returns
+    (figures, the RSS runs, the throughput runs)."""
+    if throughput_rounds < 1:
+        raise ValueError(f"throughput_rounds must be >= 1, got {throughput_rounds}")
+    rss: dict[str, float] = {}
+    growth: dict[str, float] = {}
+    loader_runs: dict[str, LoaderRun] = {}
+    for mode, b in RSS_RUNS:
+        name = f"{mode}_ffd@{b}"
+        run = run_loader(
+            dataset_dir,
+            processor_dir,
+            mode=mode,
+            buffer_size=b,
+            num_workers=1,
+            watch_worker=True,
+            description=f"worker RSS {name}",
+            total=num_samples,
+        )
+        if run.num_samples != num_samples:
+            raise RuntimeError(
+                f"{name}: one epoch gave {run.num_samples} conversations, the set has {num_samples}"
+            )
+        loader_runs[name] = run
+        rss[name] = run.peak_rss_mb
+        growth[name] = run.peak_rss_mb - run.first_rss_mb
+    measured = loader_runs["lazy_ffd@256"]
+    result: dict[str, Any] = {
+        "fill_measured": measured.real_tokens / (measured.num_items * SEQ_LENGTH),
+        "worker_rss_mb": rss,
+        "worker_rss_growth_mb": growth,
+    }
+
+    # Alternated rounds, best of each: other load on the machine only ever slows a run.
+    # Single-threaded torch, as in every DataLoader worker: with intra-op threads, the
+    # row's pixel copy in the main process measures thread hand-offs, not packing.
+    packed_name = f"lazy_ffd@{THROUGHPUT_BUFFER}"
+    throughput: dict[str, list[LoaderRun]] = {"encode_only": [], packed_name: []}
+    for round_ in range(1, throughput_rounds + 1):
+        for name, buffer_size in (("encode_only", None), (packed_name, THROUGHPUT_BUFFER)):
+            with torch_threads(1):
+                run = run_loader(
+                    dataset_dir,
+                    processor_dir,
+                    mode="lazy",
+                    buffer_size=buffer_size,
+                    num_workers=0,
+                    max_samples=throughput_samples,
+                    description=f"throughput {name} ({round_}/{throughput_rounds})",
+                    total=num_samples,
+                )
+            throughput[name].append(run)
+    counts = {run.num_samples for runs in throughput.values() for run in runs}
+    if len(counts) != 1:
+        raise RuntimeError(
+            f"throughput runs differ in conversations ({sorted(counts)}): use a "
+            f"throughput_samples that ends a buffer of {THROUGHPUT_BUFFER}"
+        )
+    speed = {
+        name: max(run.num_samples / run.seconds for run in runs)
+        for name, runs in throughput.items()
+    }
+    result["samples_per_s"] = speed
+    result["packing_overhead"] = 1 - speed[packed_name] / speed["encode_only"]
+    return result, loader_runs, throughput
 
 
 def bench_packing(
@@ -488,8 +574,6 @@ def bench_packing(
     (other load only ever slows a run: on the same code, 2 rounds once read a 5.9%
     packing overhead, 4 rounds 3.3%).
     """
-    if throughput_rounds < 1:
-        raise ValueError(f"throughput_rounds must be >= 1, got {throughput_rounds}")
     work_dir = Path(work_dir) if work_dir is not None else Path("runs") / "bench"
     capacity = SEQ_LENGTH
     with warnings.catch_warnings(), stdout_to_stderr(as_json):
@@ -512,67 +596,15 @@ def bench_packing(
             "select_packs the same exact lengths"
         )
 
-        rss: dict[str, float] = {}
-        growth: dict[str, float] = {}
-        loader_runs: dict[str, LoaderRun] = {}
-        for mode, b in RSS_RUNS:
-            name = f"{mode}_ffd@{b}"
-            run = run_loader(
-                dataset_dir,
-                processor_dir,
-                mode=mode,
-                buffer_size=b,
-                num_workers=1,
-                watch_worker=True,
-                description=f"worker RSS {name}",
-                total=len(default_lengths),
-            )
-            if run.num_samples != len(default_lengths):
-                raise RuntimeError(
-                    f"{name}: one epoch gave {run.num_samples} conversations, the set has "
-                    f"{len(default_lengths)}"
-                )
-            loader_runs[name] = run
-            rss[name] = run.peak_rss_mb
-            growth[name] = run.peak_rss_mb - run.first_rss_mb
-        measured = loader_runs["lazy_ffd@256"]
-        result["default"]["fill"]["lazy_ffd@256.measured"] = measured.real_tokens / (
-            measured.num_items * capacity
+        loader, loader_runs, throughput = measure_loader(
+            dataset_dir,
+            processor_dir,
+            num_samples=len(default_lengths),
+            throughput_samples=throughput_samples,
+            throughput_rounds=throughput_rounds,
         )
-        result["worker_rss_mb"] = rss
-        result["worker_rss_growth_mb"] = growth
-
-        # Alternated rounds, best of each: other load on the machine only ever slows a run.
-        # Single-threaded torch, as in every DataLoader worker: with intra-op threads, the
-        # row's pixel copy in the main process measures thread hand-offs, not packing.
-        packed_name = f"lazy_ffd@{THROUGHPUT_BUFFER}"
-        throughput: dict[str, list[LoaderRun]] = {"encode_only": [], packed_name: []}
-        for round_ in range(1, throughput_rounds + 1):
-            for name, buffer_size in (("encode_only", None), (packed_name, THROUGHPUT_BUFFER)):
-                with torch_threads(1):
-                    run = run_loader(
-                        dataset_dir,
-                        processor_dir,
-                        mode="lazy",
-                        buffer_size=buffer_size,
-                        num_workers=0,
-                        max_samples=throughput_samples,
-                        description=f"throughput {name} ({round_}/{throughput_rounds})",
-                        total=len(default_lengths),
-                    )
-                throughput[name].append(run)
-        counts = {run.num_samples for runs in throughput.values() for run in runs}
-        if len(counts) != 1:
-            raise RuntimeError(
-                f"throughput runs differ in conversations ({sorted(counts)}): use a "
-                f"throughput_samples that ends a buffer of {THROUGHPUT_BUFFER}"
-            )
-        speed = {
-            name: max(run.num_samples / run.seconds for run in runs)
-            for name, runs in throughput.items()
-        }
-        result["samples_per_s"] = speed
-        result["packing_overhead"] = 1 - speed[packed_name] / speed["encode_only"]
+        result["default"]["fill"]["lazy_ffd@256.measured"] = loader.pop("fill_measured")
+        result.update(loader)
 
         console.log(f"timing select_packs on {num_select_lengths:,} VLM-SFT lengths")
         select_s = time_selection(
@@ -585,6 +617,41 @@ def bench_packing(
         print(json.dumps(result, indent=2))
     else:
         _print_tables(result, loader_runs, throughput, select_s, num_select_lengths)
+    return result
+
+
+def bench_loader(
+    *,
+    as_json: bool = False,
+    work_dir: str | Path | None = None,
+    config: str | Path | None = None,
+    throughput_samples: int | None = None,
+    throughput_rounds: int = 4,
+) -> dict[str, Any]:
+    """The loader part of :func:`bench_packing` alone: worker RSS, the measured fill of
+    lazy_ffd@256 through the real Energon loader, throughput and packing overhead."""
+    work_dir = Path(work_dir) if work_dir is not None else Path("runs") / "bench"
+    with warnings.catch_warnings(), stdout_to_stderr(as_json):
+        warnings.filterwarnings("ignore", message=".*pin_memory.*no accelerator.*")
+        console.log(f"bench loader: default set under {work_dir}")
+        dataset_dir, processor_dir, lengths = _default_set(work_dir, config)
+        result, loader_runs, throughput = measure_loader(
+            dataset_dir,
+            processor_dir,
+            num_samples=len(lengths),
+            throughput_samples=throughput_samples,
+            throughput_rounds=throughput_rounds,
+        )
+        result["targets"] = _loader_targets(result)
+    if as_json:
+        print(json.dumps(result, indent=2))
+    else:
+        from rich.console import Console
+
+        out = Console()
+        _print_loader_tables(out, result, loader_runs, throughput)
+        out.print(f"fill of lazy_ffd@256 through the loader: {result['fill_measured']:.4f}")
+        _print_targets(out, result["targets"])
     return result
 
 
@@ -617,6 +684,19 @@ def _print_tables(result, loader_runs, throughput, select_s, num_select_lengths)
             table.add_row(name, f"{value:.4f}", f"{value / fill['offline_bfd']:.4f}")
         out.print(table)
 
+    _print_loader_tables(out, result, loader_runs, throughput)
+    table = Table(title="selection time")
+    for col in ("what", "value"):
+        table.add_column(col, justify="right" if col != "what" else "left")
+    for algorithm, s in select_s.items():
+        table.add_row(f"select_packs {algorithm}, {num_select_lengths:,} lengths", f"{s:.3f} s")
+    out.print(table)
+    _print_targets(out, result["targets"])
+
+
+def _print_loader_tables(out, result, loader_runs, throughput) -> None:
+    from rich.table import Table
+
     table = Table(
         title="loader worker on the default set (num_workers=1, one epoch), RSS in MiB",
         caption="growth = peak - RSS at the first pack, when the buffer is already full",
@@ -635,9 +715,7 @@ def _print_tables(result, loader_runs, throughput, select_s, num_select_lengths)
         )
     out.print(table)
 
-    table = Table(
-        title="throughput (lazy encoder, num_workers=0, 1 torch thread) and selection time"
-    )
+    table = Table(title="throughput (lazy encoder, num_workers=0, 1 torch thread)")
     for col in ("what", "value"):
         table.add_column(col, justify="right" if col != "what" else "left")
     for name, runs in throughput.items():
@@ -647,16 +725,18 @@ def _print_tables(result, loader_runs, throughput, select_s, num_select_lengths)
             f"{result['samples_per_s'][name]:.1f} (best of {rates}; {runs[0].num_samples} each)",
         )
     table.add_row("packing overhead", f"{result['packing_overhead']:+.1%}")
-    for algorithm, s in select_s.items():
-        table.add_row(f"select_packs {algorithm}, {num_select_lengths:,} lengths", f"{s:.3f} s")
     out.print(table)
+
+
+def _print_targets(out, targets: dict[str, dict[str, Any]]) -> None:
+    from rich.table import Table
 
     table = Table(title="ratios and targets")
     table.add_column("target", no_wrap=True)
     table.add_column("value", justify="right", no_wrap=True)
     table.add_column("rule")
     table.add_column("held")
-    for name, t in result["targets"].items():
+    for name, t in targets.items():
         value = f"{t['value']:.4f}"
         if "vs_offline_bfd" in t:
             value += (

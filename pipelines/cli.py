@@ -59,6 +59,10 @@ def cmd_bench(ns: argparse.Namespace) -> int:
         from pipelines.bench import bench_packing
 
         bench_packing(as_json=ns.json, config=ns.config, work_dir=ns.work_dir)
+    elif ns.what == "loader":
+        from pipelines.bench import bench_loader
+
+        bench_loader(as_json=ns.json, config=ns.config, work_dir=ns.work_dir)
     else:
         from pipelines.bench_train import bench_train
 
@@ -100,7 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_stage)
 
     b = sub.add_parser("bench", help="benchmarks, measured side by side in one run")
-    b.add_argument("what", choices=["packing", "train"])
+    b.add_argument(
+        "what",
+        choices=["packing", "loader", "train"],
+        help="packing: fill, loader, selection; loader: the real loader's memory, throughput "
+        "and overhead alone; train: training packing on vs off",
+    )
     b.add_argument("--json", action="store_true", help="print JSON instead of a table")
     b.add_argument("--config", help="pipeline config of the default set (default: tiny_cpu)")
     b.add_argument("--work-dir", help="where the benchmark prepares and runs (default: runs/bench)")

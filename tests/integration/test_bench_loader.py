@@ -1,0 +1,70 @@
+"""``packline bench loader`` as a user runs it (a subprocess, its own small config), and
+``bench packing`` on the same prepared set: both measure through the real Energon loader."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipelines import bench
+
+SMALL_YAML = """\
+name: bench_loader_small
+data: {num_train: 40, num_val: 4}
+prepare: {num_workers: 1}
+"""
+
+
+@pytest.fixture(scope="module")
+def loader_result(tmp_path_factory) -> tuple[dict, Path, Path]:
+    tmp = tmp_path_factory.mktemp("bench_loader")
+    config = tmp / "small.yaml"
+    config.write_text(SMALL_YAML)
+    work = tmp / "bench"
+    cmd = [sys.executable, "-m", "pipelines.cli", "bench", "loader", "--json"]
+    out = subprocess.run(
+        [*cmd, "--config", str(config), "--work-dir", str(work)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout), config, work
+
+
+def test_bench_loader_cli_measures_memory_throughput_and_fill(loader_result):
+    result, _, _ = loader_result
+    assert set(result["worker_rss_mb"]) == {f"{m}_ffd@{b}" for m, b in bench.RSS_RUNS}
+    assert all(v > 0 for v in result["worker_rss_mb"].values())
+    speed = result["samples_per_s"]
+    assert set(speed) == {"encode_only", f"lazy_ffd@{bench.THROUGHPUT_BUFFER}"}
+    assert all(v > 0 for v in speed.values())
+    assert result["packing_overhead"] == pytest.approx(
+        1 - speed["lazy_ffd@256"] / speed["encode_only"]
+    )
+    assert 0 < result["fill_measured"] <= 1
+    assert set(result["targets"]) == {"worker_rss_mb.lazy_ffd@256", "packing_overhead"}
+
+
+def test_bench_packing_reports_the_loader_figures_beside_the_fills(loader_result, capsys):
+    _, config, work = loader_result  # the set is prepared: packing reuses it
+    result = bench.bench_packing(
+        as_json=True,
+        config=config,
+        work_dir=work,
+        num_vlm_samples=500,
+        num_select_lengths=500,
+        throughput_rounds=1,
+    )
+    printed = json.loads(capsys.readouterr().out)
+    assert printed == json.loads(json.dumps(result))
+    fill = result["default"]["fill"]
+    assert 0 < fill["lazy_ffd@256.measured"] <= 1
+    assert fill["lazy_ffd@256"] <= fill["round_bound@256"] + 1e-12
+    assert set(result["worker_rss_mb"]) == {f"{m}_ffd@{b}" for m, b in bench.RSS_RUNS}
+    assert "packing_overhead" in result["targets"] and "select_100k_s" in result["targets"]
+    assert "default.fill.lazy_ffd@256" in result["targets"]
