@@ -395,11 +395,17 @@ def train_lora(
 def _print_comparison(runs: list[dict]) -> None:
     from rich.table import Table
 
-    table = Table(title="packing on vs off (same conversations per optimizer step)")
+    table = Table(
+        title="packing on vs off (same conversations per optimizer step)",
+        caption="seconds: training steps; of them, data (waiting for rows) and the vision "
+        "tower cost the same either way",
+    )
     for col in (
         "run",
         "real tok/s",
         "seconds",
+        "data s",
+        "vision s",
         "train loss",
         "eval loss",
         "eval acc (start→end)",
@@ -417,6 +423,8 @@ def _print_comparison(runs: list[dict]) -> None:
             r["run"],
             f"{r['real_tokens_per_s']:.0f}",
             f"{r['seconds']:.1f}",
+            f"{r.get('data_seconds', float('nan')):.1f}",
+            f"{r.get('vision_seconds', float('nan')):.1f}",
             f"{r['final_train_loss']:.3f}",
             f"{r['eval_loss']:.3f}",
             acc,
