@@ -13,9 +13,9 @@ position does not continue the previous one by +1 (row 0 of the packed ``positio
 restarts per conversation). They are found once per forward, not once per layer (on a GPU
 each search is a device-to-host sync): every layer of a forward gets the same
 ``position_ids`` tensor, and the bounds are reused only for that very tensor, unmodified.
-Anything else — a padding mask, a KV cache, batches of
-several rows, the vision tower — is handed to HF's ``sdpa`` unchanged, so padded
-(packing off) batches and generation behave exactly as with ``sdpa``.
+Anything else — a padding mask, a KV cache, batches of several rows, the vision tower — is
+handed to HF's ``sdpa`` unchanged, so padded (packing off) batches and generation behave
+exactly as with ``sdpa``.
 
 >>> import torch
 >>> positions = torch.tensor([[0, 1, 2, 0, 1, 0]])
