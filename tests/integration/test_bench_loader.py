@@ -4,13 +4,12 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from pipelines import bench
+from tests.integration.bench_cli import run_bench
 
 SMALL_YAML = """\
 name: bench_loader_small
@@ -21,19 +20,7 @@ prepare: {num_workers: 1}
 
 @pytest.fixture(scope="module")
 def loader_result(tmp_path_factory) -> tuple[dict, Path, Path]:
-    tmp = tmp_path_factory.mktemp("bench_loader")
-    config = tmp / "small.yaml"
-    config.write_text(SMALL_YAML)
-    work = tmp / "bench"
-    cmd = [sys.executable, "-m", "pipelines.cli", "bench", "loader", "--json"]
-    out = subprocess.run(
-        [*cmd, "--config", str(config), "--work-dir", str(work)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout), config, work
+    return run_bench("loader", SMALL_YAML, tmp_path_factory.mktemp("bench_loader"))
 
 
 def test_bench_loader_cli_measures_memory_throughput_and_fill(loader_result):

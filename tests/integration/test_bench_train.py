@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.integration.bench_cli import run_bench
 
 SMALL_YAML = """\
 name: bench_small
@@ -18,18 +17,7 @@ train: {max_steps: 2, global_batch_size: 2, eval_samples: 2}
 
 
 def test_bench_train_cli_measures_both_runs_on_the_same_conversations(tmp_path: Path):
-    config = tmp_path / "small.yaml"
-    config.write_text(SMALL_YAML)
-    work = tmp_path / "bench"
-    cmd = [sys.executable, "-m", "pipelines.cli", "bench", "train", "--json"]
-    out = subprocess.run(
-        [*cmd, "--config", str(config), "--work-dir", str(work)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout)
+    result, _, work = run_bench("train", SMALL_YAML, tmp_path)
     rate = result["real_tokens_per_s"]
     assert rate["packed"] > 0 and rate["unpacked"] > 0
     assert result["speedup"] == pytest.approx(rate["packed"] / rate["unpacked"])
