@@ -393,41 +393,42 @@ def train_lora(
 
 
 def _print_comparison(runs: list[dict]) -> None:
+    """One column per run, one row per figure (fits a narrow log)."""
     from rich.table import Table
 
-    table = Table(
-        title="packing on vs off (same conversations per optimizer step)",
-        caption="seconds: training steps; of them, data (waiting for rows) and the vision "
-        "tower cost the same either way",
+    title = (
+        "packing on vs off (same conversations per optimizer step)"
+        if len(runs) == 2
+        else f"train run {runs[0]['run']}"
     )
-    for col in (
-        "run",
-        "real tok/s",
-        "seconds",
-        "data s",
-        "vision s",
-        "train loss",
-        "eval loss",
-        "eval acc (start→end)",
-        "chance",
-    ):
-        table.add_column(col, justify="right")
+    table = Table(title=title)
+    table.add_column("")
     for r in runs:
+        table.add_column(r["run"], justify="right")
+
+    def accuracy(r: dict) -> str:
         start = r["eval_accuracy_start"]
-        acc = (
-            f"{start:.2f}→{r['eval_accuracy']:.2f}"
-            if start is not None
-            else f"{r['eval_accuracy']:.2f}"
-        )
-        table.add_row(
-            r["run"],
-            f"{r['real_tokens_per_s']:.0f}",
-            f"{r['seconds']:.1f}",
-            f"{r.get('data_seconds', float('nan')):.1f}",
-            f"{r.get('vision_seconds', float('nan')):.1f}",
-            f"{r['final_train_loss']:.3f}",
-            f"{r['eval_loss']:.3f}",
-            acc,
-            f"{r.get('eval_accuracy_chance', float('nan')):.2f}",
+        end = f"{r['eval_accuracy']:.2f}"
+        return f"{start:.2f} → {end}" if start is not None else end
+
+    rows = (
+        ("real tokens/s", lambda r: f"{r['real_tokens_per_s']:,.0f}"),
+        ("train seconds (same real tokens)", lambda r: f"{r['seconds']:.1f}"),
+        ("  of them data (same work)", lambda r: f"{r.get('data_seconds', float('nan')):.1f}"),
+        (
+            "  of them vision tower (same work)",
+            lambda r: f"{r.get('vision_seconds', float('nan')):.1f}",
+        ),
+        ("final train loss", lambda r: f"{r['final_train_loss']:.3f}"),
+        ("eval loss", lambda r: f"{r['eval_loss']:.3f}"),
+        ("eval accuracy (start → end)", accuracy),
+        ("accuracy by chance", lambda r: f"{r.get('eval_accuracy_chance', float('nan')):.2f}"),
+    )
+    for label, value in rows:
+        table.add_row(label, *(value(r) for r in runs))
+    if len(runs) == 2:
+        table.caption = (
+            f"speedup {runs[0]['real_tokens_per_s'] / runs[1]['real_tokens_per_s']:.2f}x "
+            f"({runs[0]['run']} / {runs[1]['run']} real tokens/s)"
         )
     console.print(table)
