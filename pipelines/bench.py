@@ -416,6 +416,16 @@ def stdout_to_stderr(enabled: bool = True):
         os.close(saved)
 
 
+@contextlib.contextmanager
+def _measuring(as_json: bool):
+    """What every loader benchmark runs under: Energon's loader asks for pinned memory and
+    torch warns each time on a CPU-only machine (silenced); with ``--json`` all output but
+    the JSON object goes to stderr."""
+    with warnings.catch_warnings(), stdout_to_stderr(as_json):
+        warnings.filterwarnings("ignore", message=".*pin_memory.*no accelerator.*")
+        yield
+
+
 def _targets(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
     targets: dict[str, dict[str, Any]] = {}
     for dist in ("default", "vlm_sft"):
@@ -571,14 +581,12 @@ def bench_packing(
     end of an epoch has the packed loader no lookahead — mid-epoch it has already
     pre-encoded up to a buffer more than it emitted, work the unpacked run has not done.
     The two throughput runs alternate for ``throughput_rounds`` rounds; each keeps its best
-    (other load only ever slows a run: on the same code, 2 rounds once read a 5.9%
-    packing overhead, 4 rounds 3.3%).
+    (other load only ever slows a run). On this shared 2-core machine the overhead still
+    reads between 3.3% and 6.0% from run to run on the same code.
     """
     work_dir = Path(work_dir) if work_dir is not None else Path("runs") / "bench"
     capacity = SEQ_LENGTH
-    with warnings.catch_warnings(), stdout_to_stderr(as_json):
-        # Energon's loader asks for pinned memory; on a CPU-only machine torch warns each time.
-        warnings.filterwarnings("ignore", message=".*pin_memory.*no accelerator.*")
+    with _measuring(as_json):
         console.log(f"bench packing: default set under {work_dir}")
         dataset_dir, processor_dir, default_lengths = _default_set(work_dir, config)
 
@@ -631,8 +639,7 @@ def bench_loader(
     """The loader part of :func:`bench_packing` alone: worker RSS, the measured fill of
     lazy_ffd@256 through the real Energon loader, throughput and packing overhead."""
     work_dir = Path(work_dir) if work_dir is not None else Path("runs") / "bench"
-    with warnings.catch_warnings(), stdout_to_stderr(as_json):
-        warnings.filterwarnings("ignore", message=".*pin_memory.*no accelerator.*")
+    with _measuring(as_json):
         console.log(f"bench loader: default set under {work_dir}")
         dataset_dir, processor_dir, lengths = _default_set(work_dir, config)
         result, loader_runs, throughput = measure_loader(

@@ -414,15 +414,15 @@ def _print_comparison(runs: list[dict]) -> None:
     rows = (
         ("real tokens/s", lambda r: f"{r['real_tokens_per_s']:,.0f}"),
         ("train seconds (same real tokens)", lambda r: f"{r['seconds']:.1f}"),
-        ("  of them data (same work)", lambda r: f"{r.get('data_seconds', float('nan')):.1f}"),
+        ("  of them data (same work)", lambda r: f"{r['data_seconds']:.1f}"),
         (
             "  of them vision tower (same work)",
-            lambda r: f"{r.get('vision_seconds', float('nan')):.1f}",
+            lambda r: f"{r['vision_seconds']:.1f}",
         ),
         ("final train loss", lambda r: f"{r['final_train_loss']:.3f}"),
         ("eval loss", lambda r: f"{r['eval_loss']:.3f}"),
         ("eval accuracy (start → end)", accuracy),
-        ("accuracy by chance", lambda r: f"{r.get('eval_accuracy_chance', float('nan')):.2f}"),
+        ("accuracy by chance", lambda r: f"{r['eval_accuracy_chance']:.2f}"),
     )
     for label, value in rows:
         table.add_row(label, *(value(r) for r in runs))
