@@ -35,6 +35,7 @@ from packline.train.distributed import (
 )
 from packline.train.evaluate import chance_accuracy, eval_accuracy, eval_loss
 from packline.train.loop import Trainer, barrier, dist_rank_world
+from packline.train.records import append_record, drop_torn_tail, read_records
 from packline.train.setup import build_trainer, run_paths
 from schemas.config import PipelineConfig, TrainBackend
 from stages.base import (
@@ -88,6 +89,9 @@ def train_run(
     log = run_dir / "metrics.jsonl"
     name = "packed" if packed else "unpacked"
     lead = rank == 0
+    if lead:  # a kill in the middle of a record left a fragment: the next starts clean
+        for torn in (log, run_dir / "eval.jsonl"):
+            drop_torn_tail(torn)
 
     def evaluate(step: int) -> dict[str, float]:
         """Rank 0 evaluates; the others wait for it."""
@@ -106,8 +110,7 @@ def train_run(
             )
             metrics = {"eval/loss": loss, "eval/accuracy": acc, "eval/questions": float(asked)}
             tracker.log_metrics(metrics, step=step)
-            with (run_dir / "eval.jsonl").open("a") as f:
-                f.write(json.dumps({"step": step, **metrics}) + "\n")
+            append_record(run_dir / "eval.jsonl", {"step": step, **metrics})
         barrier()
         return metrics
 
@@ -139,8 +142,7 @@ def train_run(
                 if trainer.world > 1:
                     record["keys_by_rank"] = r.keys_by_rank
                     record["weights_checksums"] = r.weights_checksums
-                with log.open("a") as f:
-                    f.write(json.dumps(record) + "\n")
+                append_record(log, record)
             bar.update(task, completed=r.step, description=f"train {name} loss {r.loss:.3f}")
             if settings.save_every and r.step % settings.save_every == 0:
                 trainer.save_checkpoint()
@@ -156,11 +158,7 @@ def train_run(
     tracker.log_artifact(run_dir / "adapter")
     (run_dir / "config.yaml").write_text(cfg.to_yaml())  # the resolved config of this run
     tracker.log_artifact(run_dir / "config.yaml")
-    by_step = {}
-    for line in log.read_text().splitlines():  # a resumed run re-logs the replayed steps
-        rec = json.loads(line)
-        by_step[rec["step"]] = rec
-    steps = [by_step[k] for k in sorted(by_step)]
+    steps = read_records(log)  # a resumed run re-logs the replayed steps; the last wins
     fill_plot = _plot_row_fill(steps, cfg.packing.seq_length, run_dir / "pack_fill.png", name)
     tracker.log_artifact(fill_plot)
     real = sum(s["train/tokens_real"] for s in steps)

@@ -37,6 +37,10 @@ def test_bench_train_cli_measures_both_runs_on_the_same_conversations(tmp_path: 
             result["train_seconds"][run] - data - vision
         )
         assert result["other_seconds"][run] > 0
+    seconds, data = result["train_seconds"], result["data_seconds"]
+    assert result["speedup_without_data"] == pytest.approx(
+        (seconds["unpacked"] - data["unpacked"]) / (seconds["packed"] - data["packed"])
+    )
     rest = result["other_seconds"]
     assert result["speedup_without_data_and_vision"] == pytest.approx(
         rest["unpacked"] / rest["packed"]

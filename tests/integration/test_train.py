@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -14,6 +13,7 @@ import pytest
 import torch
 
 from packline.train.loop import FAULT_ENV
+from packline.train.records import read_records
 from tests.conftest import make_config
 from tests.integration.train_helpers import SMALL, trainer_for
 
@@ -66,11 +66,9 @@ def _train_cmd(work: Path, run: str) -> list[str]:
 
 
 def _steps(log: Path) -> dict[int, dict]:
-    out = {}
-    for line in log.read_text().splitlines():
-        rec = json.loads(line)
-        out[rec["step"]] = rec  # the last record of a step wins (resume replays)
-    return out
+    """Complete records by step (the last of a step wins: resume replays), also while the
+    run is still writing one."""
+    return {rec["step"]: rec for rec in read_records(log)}
 
 
 def _copy_inputs(src: Path, dst: Path) -> None:
@@ -123,6 +121,9 @@ def test_resume_after_sigkill_replays_nothing_and_skips_nothing(work, tmp_path, 
     ckpts = sorted(p.name for p in (log.parent / "checkpoints").iterdir())
     if where == "while_writing_checkpoint_10":
         assert "step_000010" not in ckpts and ".tmp-step_000010" in ckpts  # torn write left aside
+    else:  # what a kill in the middle of a log record leaves: the resume must start clean
+        with log.open("a") as f:
+            f.write('{"step": 11, "train/loss": 1.0, "ke')
     subprocess.run(
         _train_cmd(killed_work, "packed"),
         cwd=root,
