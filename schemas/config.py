@@ -129,6 +129,20 @@ class ExecutorKind(Enum):
     slurm = "slurm"
 
 
+class Precision(Enum):
+    """Compute precision of the local backend's training forwards (weights, gradients and
+    optimizer state stay fp32)."""
+
+    auto = "auto"
+    """bf16 on a GPU that has it (Ampere and later), fp32 elsewhere: CPU runs stay exact
+    (packed and unpacked agree to 1e-6, a resumed run repeats every loss bitwise)."""
+    bf16 = "bf16"
+    """bf16 autocast on any device: a GPU without bf16 is an error; CPUs emulate it where
+    they lack native bf16 (``avx512_bf16``/AMX)."""
+    fp32 = "fp32"
+    """fp32 everywhere (for numerics checks on a GPU)."""
+
+
 class TrainBackend(Enum):
     local = "local"
     """HF transformers + PEFT in this process (CPU or one GPU), torchrun for DP."""
@@ -448,6 +462,9 @@ class TrainConfig(_Section):
     """AdamW weight decay."""
     grad_clip: float = 1.0
     """Max global gradient norm."""
+    precision: Precision = Precision.auto
+    """Backend local: ``auto`` (bf16 on a GPU that has it, fp32 on CPU), ``bf16`` or
+    ``fp32``; Megatron-Bridge takes its precision from its recipe."""
     seed: int = 0
     """Seed of model init, data order and packing shuffles."""
     num_workers: int = 0

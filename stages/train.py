@@ -168,6 +168,7 @@ def train_run(
         "run": name,
         "steps": trainer.step,
         "ranks": trainer.world,
+        "precision": "bf16" if trainer.bf16 else "fp32",  # what train.precision resolved to
         "real_tokens": real,
         "seconds": wall,
         "real_tokens_per_s": real / wall if wall else 0.0,

@@ -56,11 +56,31 @@ class LoopSettings:
     grad_clip: float
     seed: int
     save_every: int
+    precision: str = "auto"  # auto | bf16 | fp32 (see schemas.config.Precision)
     keep_last: int
     num_workers: int
     packing_buffer_size: int
     encoder_mode: str
     packing: PackingSettings
+
+
+def use_bf16(precision: str, device: torch.device) -> bool:
+    """Whether training forwards run under bf16 autocast on ``device`` for ``precision``
+    (``auto``: on a GPU that has bf16; ``bf16``: everywhere, an error on a GPU without it;
+    ``fp32``: never).
+
+    >>> use_bf16("auto", torch.device("cpu")), use_bf16("bf16", torch.device("cpu"))
+    (False, True)
+    """
+    if precision not in ("auto", "bf16", "fp32"):
+        raise ValueError(f"unknown precision {precision!r}: use auto, bf16 or fp32")
+    gpu_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+    if precision == "bf16" and device.type == "cuda" and not gpu_bf16:
+        raise ValueError(
+            f"train.precision=bf16 but {torch.cuda.get_device_name(device)} has no bf16: "
+            "use train.precision=fp32 (or auto)"
+        )
+    return precision == "bf16" or (precision == "auto" and gpu_bf16)
 
 
 def dist_rank_world() -> tuple[int, int]:
@@ -161,8 +181,7 @@ class Trainer:
         self.pad_token_id = pad_token_id
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.device = self.params[0].device
-        # bf16 autocast where the device has it (GPUs since Ampere); fp32 on CPU.
-        self.autocast = self.device.type == "cuda" and torch.cuda.is_bf16_supported()
+        self.bf16 = use_bf16(settings.precision, self.device)
         self.optimizer = torch.optim.AdamW(
             self.params, lr=settings.lr, weight_decay=settings.weight_decay
         )
@@ -245,7 +264,7 @@ class Trainer:
         for m in micro:
             m = to_device(m, self.device)
             forward = packed_forward if self.s.packed else padded_forward
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.autocast):
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
                 logits = forward(self.model, m, image_token_id=self.image_token_id)
             loss_sum, _ = token_loss_sum(logits, m.labels)
             (loss_sum / global_targets).backward()

@@ -130,6 +130,7 @@ def loop_settings(cfg, *, packed: bool) -> LoopSettings:
         warmup_steps=t.warmup_steps,
         weight_decay=t.weight_decay,
         grad_clip=t.grad_clip,
+        precision=t.precision.value,
         seed=t.seed,
         save_every=t.save_every,
         keep_last=t.keep_last,

@@ -47,6 +47,26 @@ def test_unpacked_step_counts_its_own_layout(work, tmp_path):
     assert c.flops_nominal == unpacked.flops_model.nominal(c.tokens_real + c.padded_tokens)
 
 
+def test_bf16_precision_runs_the_training_forwards_under_autocast(work, tmp_path):
+    """``train.precision=bf16`` runs the forwards in bf16 on any device (here the CPU, the
+    same autocast code path a GPU takes); ``auto`` keeps the CPU in exact fp32. Weights and
+    gradients stay fp32 either way."""
+    losses, dtypes = {}, {}
+    for precision in ("auto", "bf16"):
+        cfg = make_config(work, *SMALL, f"train.precision={precision}")
+        trainer = trainer_for(cfg, True, tmp_path / precision)
+        q_proj = next(m for n, m in trainer.model.named_modules() if n.endswith("q_proj"))
+        seen = []
+        hook = q_proj.register_forward_hook(lambda _m, _a, out, seen=seen: seen.append(out.dtype))
+        losses[precision], _ = trainer.accumulate_gradients(trainer._next_rows())
+        hook.remove()
+        dtypes[precision] = set(seen)
+        assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in trainer.params)
+    assert dtypes == {"auto": {torch.float32}, "bf16": {torch.bfloat16}}
+    assert losses["bf16"] != losses["auto"]  # really computed in another precision ...
+    assert losses["bf16"] == pytest.approx(losses["auto"], rel=1e-2)  # ... of the same loss
+
+
 def _train_cmd(work: Path, run: str) -> list[str]:
     return [
         sys.executable,
