@@ -2,7 +2,7 @@
 
     packline run [CONFIG] [key=value ...] [--executor local|slurm] [--from STAGE] [--dryrun]
     packline stage NAME [CONFIG] [key=value ...]
-    packline bench {packing,train} [--json] [--config PATH] [--work-dir DIR]
+    packline bench {packing,loader,train} [--json] [--config PATH] [--work-dir DIR]
     packline compare [CONFIG] [key=value ...] [--experiment NAME] [--run RUN_ID]
     packline ui [CONFIG] [key=value ...] [--port N]
 
