@@ -74,6 +74,7 @@ def summarize(train_dir: Path) -> dict[str, Any]:
         "eval_loss": {n: r["evals"][-1]["eval/loss"] for n, r in runs.items()},
         "eval_accuracy": {n: r["evals"][-1]["eval/accuracy"] for n, r in runs.items()},
         "eval_questions": {n: int(r["evals"][-1]["eval/questions"]) for n, r in runs.items()},
+        "eval_by_kind": {n: r["result"]["eval_by_kind"] for n, r in runs.items()},
         "target_eval_loss": target,
         "seconds_to_eval_loss": {
             n: seconds_to_loss(r["steps"], r["evals"], target) for n, r in runs.items()
@@ -181,6 +182,13 @@ def _print_table(result: dict[str, Any]) -> None:
                 for n in ("packed", "unpacked")
             ),
         )
+        if key == "eval_accuracy":  # then per question kind, against its chance
+            by_kind = result["eval_by_kind"]
+            for kind, k in by_kind["packed"].items():
+                table.add_row(
+                    f"  {kind} ({k['questions']} q, chance {k['chance']:.2f})",
+                    *(f"{by_kind[n][kind]['accuracy']:.3f}" for n in ("packed", "unpacked")),
+                )
     out = Console()
     out.print(table)
     out.print(

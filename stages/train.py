@@ -93,6 +93,8 @@ def train_run(
         for torn in (log, run_dir / "eval.jsonl"):
             drop_torn_tail(torn)
 
+    by_kind_at: dict[int, dict] = {}  # evaluated step → questions and accuracy per kind
+
     def evaluate(step: int) -> dict[str, float]:
         """Rank 0 evaluates; the others wait for it."""
         metrics: dict[str, float] = {}
@@ -105,19 +107,20 @@ def train_run(
                 buffer=settings.packing_buffer_size,
                 image_token_id=trainer.image_token_id,
             )
-            acc, asked = eval_accuracy(
+            acc, asked, by_kind = eval_accuracy(
                 model, processor, dataset_dir, max_samples=cfg.train.eval_samples
             )
             metrics = {"eval/loss": loss, "eval/accuracy": acc, "eval/questions": float(asked)}
             tracker.log_metrics(metrics, step=step)
-            append_record(run_dir / "eval.jsonl", {"step": step, **metrics})
+            append_record(run_dir / "eval.jsonl", {"step": step, **metrics, "by_kind": by_kind})
+            by_kind_at[step] = by_kind
         barrier()
         return metrics
 
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    chance = float("nan")
+    chance, chance_by_kind = float("nan"), {}
     if lead and cfg.train.eval_samples:
-        chance = chance_accuracy(dataset_dir, max_samples=cfg.train.eval_samples)
+        chance, chance_by_kind = chance_accuracy(dataset_dir, max_samples=cfg.train.eval_samples)
         tracker.log_metrics({"eval/accuracy_chance": chance}, step=start)
     first_eval = evaluate(start) if start == 0 else {}
     every = cfg.train.eval_every
@@ -178,6 +181,11 @@ def train_run(
         "eval_accuracy_start": first_eval.get("eval/accuracy"),
         "eval_accuracy": final_eval["eval/accuracy"],
         "eval_accuracy_chance": chance,
+        # per question kind (count, colour, ...): which answers were learned, against chance
+        "eval_by_kind": {
+            kind: {**v, "chance": chance_by_kind.get(kind)}
+            for kind, v in by_kind_at.get(trainer.step, {}).items()
+        },
         "tflops_useful": total.flops_useful / 1e12,
         "tflops_executed": total.flops_executed / 1e12,
         "padded_tokens": total.padded_tokens,

@@ -70,28 +70,32 @@ def _val_questions(dataset_dir: Path, max_samples: int):
             yield sample, answers[0]
 
 
-def chance_accuracy(dataset_dir: Path, *, max_samples: int) -> float:
-    """Accuracy of guessing uniformly among the distinct answers a question kind has on
-    the questions :func:`eval_accuracy` asks: Σ 1/|answers of the question's kind| / N."""
+def chance_accuracy(dataset_dir: Path, *, max_samples: int) -> tuple[float, dict[str, float]]:
+    """Accuracy of guessing uniformly among the distinct answers a question kind has, on
+    the questions :func:`eval_accuracy` asks: (Σ 1/|answers of the question's kind| / N,
+    that per kind)."""
     kinds = [
         (q["kind"], normalize_answer(q["answer"]))
         for _, q in _val_questions(dataset_dir, max_samples)
     ]
     if not kinds:
-        return float("nan")
+        return float("nan"), {}
     distinct = Counter(kind for kind, _ in set(kinds))
-    return sum(1 / distinct[kind] for kind, _ in kinds) / len(kinds)
+    by_kind = {kind: 1 / n for kind, n in sorted(distinct.items())}
+    return sum(by_kind[kind] for kind, _ in kinds) / len(kinds), by_kind
 
 
 @torch.no_grad()
 def eval_accuracy(
     model, processor, dataset_dir: Path, *, max_samples: int, max_new_tokens: int = 32
-) -> tuple[float, int]:
-    """(share of correct answers, questions asked): for each val conversation with a
-    checkable answer, the model answers the first such question greedily."""
+) -> tuple[float, int, dict[str, dict[str, float]]]:
+    """(share of correct answers, questions asked, per question kind: its questions and
+    share of correct answers): for each val conversation with a checkable answer, the model
+    answers the first such question greedily."""
     model.eval()
     device = next(model.parameters()).device
-    asked = correct = 0
+    asked: Counter[str] = Counter()
+    correct: Counter[str] = Counter()
     for sample, first in _val_questions(dataset_dir, max_samples):
         prompt = sample.conversation[: first["turn"]]
         n_images = sum(
@@ -121,6 +125,10 @@ def eval_accuracy(
         text = processor.tokenizer.decode(
             out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True
         )
-        asked += 1
-        correct += answer_matches(first["answer"], text, first["kind"])
-    return (correct / asked if asked else float("nan")), asked
+        asked[first["kind"]] += 1
+        correct[first["kind"]] += answer_matches(first["answer"], text, first["kind"])
+    total = sum(asked.values())
+    by_kind = {
+        kind: {"questions": n, "accuracy": correct[kind] / n} for kind, n in sorted(asked.items())
+    }
+    return (sum(correct.values()) / total if total else float("nan")), total, by_kind

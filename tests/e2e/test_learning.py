@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from packline.synthetic import ANSWER_KINDS
 from schemas.config import load_config
 from stages.runner import run_stage
 
@@ -42,6 +43,13 @@ def test_default_training_learns_with_packing_on_and_off(tmp_path: Path):
         assert r["eval_loss_start"] - r["eval_loss"] >= 2.0, r
         assert r["eval_loss"] < r["final_train_loss"] + 1.0, r  # no collapse on held-out data
         assert 0 < r["eval_accuracy_chance"] < 1
+        # per question kind: the same questions split by kind, each with its chance
+        by_kind = r["eval_by_kind"]
+        assert set(by_kind) <= set(ANSWER_KINDS) and len(by_kind) >= 3
+        assert sum(k["questions"] for k in by_kind.values()) == cfg.train.eval_samples
+        correct = sum(k["accuracy"] * k["questions"] for k in by_kind.values())
+        assert correct / cfg.train.eval_samples == pytest.approx(r["eval_accuracy"])
+        assert all(0 < k["chance"] <= 1 for k in by_kind.values())
     on, off = runs["packed"], runs["unpacked"]
     assert on["real_tokens"] == off["real_tokens"]  # the same conversations
     assert abs(on["eval_loss"] - off["eval_loss"]) <= 1e-3

@@ -26,6 +26,8 @@ def test_bench_train_cli_measures_both_runs_on_the_same_conversations(tmp_path: 
     assert result["padded_tokens"]["packed"] == 0 < result["padded_tokens"]["unpacked"]
     assert result["eval_loss"]["packed"] == pytest.approx(result["eval_loss"]["unpacked"], abs=1e-6)
     assert result["eval_questions"] == {"packed": 2, "unpacked": 2}
+    for run in ("packed", "unpacked"):  # the same questions, split by kind
+        assert sum(k["questions"] for k in result["eval_by_kind"][run].values()) == 2
     assert result["targets"]["equal_accuracy"]["held"]
     assert set(result["targets"]) == {"speedup", "equal_accuracy"}
     assert (work / "train" / "packed" / "eval.jsonl").is_file()
