@@ -93,11 +93,10 @@ def train_run(
         for torn in (log, run_dir / "eval.jsonl"):
             drop_torn_tail(torn)
 
-    by_kind_at: dict[int, dict] = {}  # evaluated step → questions and accuracy per kind
-
-    def evaluate(step: int) -> dict[str, float]:
-        """Rank 0 evaluates; the others wait for it."""
-        metrics: dict[str, float] = {}
+    def evaluate(step: int) -> dict:
+        """Rank 0 evaluates (and gets the metrics and the per-kind accuracy); the others
+        wait for it."""
+        metrics: dict = {}
         if lead:
             loss, _ = eval_loss(
                 model,
@@ -112,8 +111,8 @@ def train_run(
             )
             metrics = {"eval/loss": loss, "eval/accuracy": acc, "eval/questions": float(asked)}
             tracker.log_metrics(metrics, step=step)
-            append_record(run_dir / "eval.jsonl", {"step": step, **metrics, "by_kind": by_kind})
-            by_kind_at[step] = by_kind
+            metrics["by_kind"] = by_kind
+            append_record(run_dir / "eval.jsonl", {"step": step, **metrics})
         barrier()
         return metrics
 
@@ -184,7 +183,7 @@ def train_run(
         # per question kind (count, colour, ...): which answers were learned, against chance
         "eval_by_kind": {
             kind: {**v, "chance": chance_by_kind.get(kind)}
-            for kind, v in by_kind_at.get(trainer.step, {}).items()
+            for kind, v in final_eval["by_kind"].items()
         },
         "tflops_useful": total.flops_useful / 1e12,
         "tflops_executed": total.flops_executed / 1e12,

@@ -56,7 +56,7 @@ class LoopSettings:
     grad_clip: float
     seed: int
     save_every: int
-    precision: str = "auto"  # auto | bf16 | fp32 (see schemas.config.Precision)
+    precision: str  # auto | bf16 | fp32 (see schemas.config.Precision)
     keep_last: int
     num_workers: int
     packing_buffer_size: int
