@@ -274,6 +274,66 @@ class PaddedBatch:
         return (self.input_ids == image_token_id).to(torch.int32)
 
 
+def expected_text_positions(cu_seqlens_padded: torch.Tensor, length: int) -> torch.Tensor:
+    """(T,) row 0 of a packed row's ``position_ids`` as :func:`build_packed_batch` lays it
+    out: ``arange`` over each aligned segment of ``cu_seqlens_padded`` (gap tokens and the
+    ``pad_to_max_length`` tail continue their segment's count). No device sync.
+
+    >>> expected_text_positions(torch.tensor([0, 8, 12]), 12).tolist()
+    [0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3]
+    """
+    bounds = cu_seqlens_padded.to(torch.long)
+    starts = bounds[:-1].clamp(0, length)  # clamped: a bad offset must not index out of range
+    # Each offset's segment start: scatter the starts, carry the latest one forward.
+    marker = torch.zeros(length + 1, dtype=torch.long, device=bounds.device)
+    marker.scatter_reduce_(0, starts, starts, reduce="amax")
+    segment_start = marker[:length].cummax(0).values
+    return torch.arange(length, device=bounds.device) - segment_start
+
+
+def check_text_positions(text_positions: torch.Tensor, cu_seqlens_padded: torch.Tensor) -> None:
+    """Raise ``ValueError`` unless the text positions (row 0 of ``position_ids``, any shape
+    holding T values) restart at 0 exactly at the offsets ``cu_seqlens_padded[:-1]`` and
+    count up by 1 everywhere else, over a row of ``cu_seqlens_padded[-1]`` tokens.
+
+    The model finds the conversations of a packed row from where these positions restart,
+    not from ``cu_seqlens``: a row whose positions disagree with its boundaries would attend
+    across conversations (or cut one in two) with no error. One comparison and one device
+    sync on a valid row; the message names the first mismatching offset.
+    """
+    pos = text_positions.reshape(-1)
+    length = pos.numel()
+    bounds = cu_seqlens_padded.to(device=pos.device, dtype=torch.long)
+    expected = expected_text_positions(bounds, length)
+    ok = (
+        (pos == expected).all()
+        & (bounds[0] == 0)
+        & (bounds[-1] == length)
+        & (bounds[1:] >= bounds[:-1]).all()
+    )
+    if bool(ok):  # the one sync
+        return
+    pos, bounds, expected = pos.cpu(), bounds.cpu(), expected.cpu()
+    offsets = bounds.tolist()
+    if offsets[0] != 0 or offsets[-1] != length or offsets != sorted(offsets):
+        raise ValueError(
+            f"cu_seqlens_padded {offsets} does not describe a row of {length} tokens: it must "
+            f"start at 0, never decrease and end at {length}"
+        )
+    i = int(torch.nonzero(pos != expected)[0])
+    got, want = int(pos[i]), int(expected[i])
+    if want == 0:
+        what = f"a conversation starts there but the position is {got}, not 0"
+    elif got == 0 or (i > 0 and got != int(pos[i - 1]) + 1):
+        what = f"the positions restart there ({got}) inside a conversation (expected {want})"
+    else:
+        what = f"position {got}, expected {want}"
+    raise ValueError(
+        f"row 0 of position_ids does not restart at the cu_seqlens_padded boundaries "
+        f"{offsets[:-1]}: first mismatch at offset {i}: {what}"
+    )
+
+
 def build_padded_batch(convs: list[EncodedConversation], *, pad_token_id: int = 0) -> PaddedBatch:
     """Right-pad ``convs`` to the longest; images concatenated in row order."""
     longest = max(len(c) for c in convs)

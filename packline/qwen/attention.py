@@ -10,9 +10,12 @@ slice), so a row costs Σ lᵢ² instead of T² — what :mod:`packline.flops` c
 
 Conversations are found the way HF finds them: a new one starts wherever the text
 position does not continue the previous one by +1 (row 0 of the packed ``position_ids``
-restarts per conversation). They are found once per forward, not once per layer (on a GPU
-each search is a device-to-host sync): every layer of a forward gets the same
-``position_ids`` tensor, and the bounds are reused only for that very tensor, unmodified.
+restarts per conversation); :func:`packline.qwen.forward.packed_forward`, the one way
+packline runs a packed row, checks before the model runs that these restarts are exactly
+the row's ``cu_seqlens_padded`` boundaries. They are found once per forward, not once per
+layer (on a GPU each search is a device-to-host sync): every layer of a forward gets the
+same ``position_ids`` tensor, and the bounds are reused only for that very tensor,
+unmodified.
 Anything else — a padding mask, a KV cache, batches of several rows, the vision tower — is
 handed to HF's ``sdpa`` unchanged, so padded (packing off) batches and generation behave
 exactly as with ``sdpa``.

@@ -3,9 +3,11 @@
 HF Qwen3-VL isolates the conversations of a packed row only when it gets 4-row
 ``position_ids`` (row 0 = text positions restarting per conversation), no 2-D attention
 mask and no KV cache: it then builds a block-diagonal causal mask from the position
-resets. A 2-D mask, 3-row (M-RoPE only) positions or an enabled cache make every
-conversation attend to the ones before it — with no error. :func:`check_packed_inputs`
-turns each of those into a ``ValueError``.
+resets (so does ``packline_thd``, :mod:`packline.qwen.attention`). A 2-D mask, 3-row
+(M-RoPE only) positions or an enabled cache make every conversation attend to the ones
+before it, and text positions that do not restart exactly at the row's
+``cu_seqlens_padded`` boundaries join or split its conversations — all with no error.
+:func:`check_packed_inputs` turns each of those into a ``ValueError``.
 """
 
 from __future__ import annotations
@@ -13,13 +15,19 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from packline.packing.thd import IGNORE_INDEX, PackedBatch
+from packline.packing.thd import IGNORE_INDEX, PackedBatch, check_text_positions
 
 
 def check_packed_inputs(
-    *, position_ids: torch.Tensor, attention_mask: torch.Tensor | None, use_cache: bool | None
+    *,
+    position_ids: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    use_cache: bool | None,
 ) -> None:
-    """Refuse the inputs under which HF Qwen3-VL silently attends across conversations."""
+    """Refuse the inputs under which HF Qwen3-VL silently attends across conversations,
+    including row-0 positions that do not restart at the ``cu_seqlens_padded`` boundaries
+    (:func:`~packline.packing.thd.check_text_positions`: one device sync)."""
     problems = []
     if attention_mask is not None:
         problems.append(
@@ -39,6 +47,10 @@ def check_packed_inputs(
         )
     if problems:
         raise ValueError("unsafe packed forward: " + "; ".join(problems))
+    try:
+        check_text_positions(position_ids[0], cu_seqlens_padded)
+    except ValueError as err:
+        raise ValueError(f"unsafe packed forward: {err}") from None
 
 
 def packed_forward(
@@ -53,7 +65,10 @@ def packed_forward(
     """Logits (1, T, V) of a packed row; every conversation sees only itself."""
     position_ids = batch.position_ids if position_ids is None else position_ids
     check_packed_inputs(
-        position_ids=position_ids, attention_mask=attention_mask, use_cache=use_cache
+        position_ids=position_ids,
+        cu_seqlens_padded=batch.cu_seqlens_padded,
+        attention_mask=attention_mask,
+        use_cache=use_cache,
     )
     out = model(
         input_ids=batch.input_ids,
