@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first and pinned: an unpinned torch (direct or transitive) pulls a multi-GB CUDA build.
-	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet torch==2.14.1 torchvision==0.29.1
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
