@@ -1,4 +1,5 @@
-"""The packline config as a Megatron-Bridge run: recipe name + dotted ConfigContainer overrides.
+"""The packline config as a Megatron-Bridge run: recipe name + dotted ConfigContainer overrides,
+and the Megatron rules that run must keep.
 
 Pure: this module never imports ``megatron.bridge`` (it cannot be installed off the cluster), so
 the overrides can be printed by ``--dryrun``, checked by the validate stage and tested here. The
@@ -9,14 +10,25 @@ every key against a pinned Bridge release's source):
 
 - data: the prepared Energon dataset, the processor connect measured lengths with, and native
   Energon packing through ``dataset.packing_buffer_size`` (samples per loader worker).
-- packing requirements (Bridge's native-packing guardrails): micro-batch 1 in both places,
-  per-token loss (``model.calculate_per_token_loss``), gradient sums not averaged in the
-  collective (``ddp.average_in_collective=False``), no pipeline parallelism, no CUDA graphs.
+- packing requirements (Bridge's native-packing guardrails): micro-batch 1 in all three places
+  (train, dataset, ``validation.eval_micro_batch_size``), per-token loss
+  (``model.calculate_per_token_loss``), gradient sums not averaged in the collective
+  (``ddp.average_in_collective=False``), no pipeline parallelism, no CUDA graphs.
 - MoE (``model.moe``): EP from ``megatron.expert_parallel``, expert TP 1, no MTP, the
   ``alltoall`` dispatcher, EP communication overlap and delayed wgrad off; EP > 1 packs
-  fixed-width rows (``dataset.pad_to_max_length``).
-- schedule, LoRA, checkpoints (resume from ``<work>/train/megatron/checkpoints``), and Bridge's
-  own MLflow logger pointed at packline's store and experiment.
+  fixed-width rows (``dataset.pad_to_max_length``); sequence parallelism on with TP > 1, as
+  Bridge's MoE provider turns it on anyway.
+- schedule: AdamW with ``train.weight_decay`` in the optimizer *and* the scheduler's
+  ``start_weight_decay``/``end_weight_decay`` (the scheduler writes every param group's decay
+  each step from those: the recipes' 0.033 would otherwise decay the adapters).
+- LoRA, checkpoints (resume from ``<work>/train/megatron/checkpoints``), and Bridge's own MLflow
+  logger pointed at packline's store and experiment.
+
+``megatron.extra_overrides`` are applied last, so they win. The Megatron rules
+(:data:`MEGATRON_RULES`, run by the validate stage, by ``packline run --executor slurm`` and by
+the in-container entry) therefore read the overrides Bridge will really get: every extra key
+must name a field of Bridge's config (the table in :mod:`stages.bridge_fields`, generated from
+the pinned release's source) and keep Bridge's guardrails.
 """
 
 from __future__ import annotations
@@ -26,6 +38,7 @@ from typing import Any
 
 from packline.tracking import experiment_name, tracking_uri
 from schemas.config import ConfigError, PipelineConfig
+from stages.prepare import BRIDGE_METADATASET, image_geometry
 
 #: packline's HF module names → Megatron module names (Bridge LoRA ``target_modules``).
 #: Megatron fuses q/k/v into ``linear_qkv`` and gate/up into ``linear_fc1``: naming one of a
@@ -62,20 +75,49 @@ def section_classes(cfg: PipelineConfig) -> dict[str, str]:
     }
 
 
+def lora_target_problems(cfg: PipelineConfig) -> list[str]:
+    """One line per ``lora.target_modules`` / ``target_parameters`` entry with no Megatron
+    module."""
+    names = list(cfg.lora.target_modules) + list(cfg.lora.target_parameters)
+    return [
+        f"lora target {n!r} has no Megatron-Bridge module (train.backend megatron knows: "
+        f"{', '.join(LORA_TARGETS)})"
+        for n in names
+        if n not in LORA_TARGETS
+    ]
+
+
+def _mapped_targets(cfg: PipelineConfig) -> list[str]:
+    names = list(cfg.lora.target_modules) + list(cfg.lora.target_parameters)
+    return list(dict.fromkeys(LORA_TARGETS[n] for n in names if n in LORA_TARGETS))
+
+
 def lora_target_modules(cfg: PipelineConfig) -> list[str]:
     """Bridge LoRA target modules for packline's ``lora.target_modules`` + ``target_parameters``
     (order kept, duplicates dropped). Raises ConfigError naming every unmappable target."""
-    names = list(cfg.lora.target_modules) + list(cfg.lora.target_parameters)
-    unknown = [n for n in names if n not in LORA_TARGETS]
-    if unknown:
-        raise ConfigError(
-            [
-                f"lora target {n!r} has no Megatron-Bridge module (train.backend megatron knows: "
-                f"{', '.join(LORA_TARGETS)})"
-                for n in unknown
-            ]
-        )
-    return list(dict.fromkeys(LORA_TARGETS[n] for n in names))
+    problems = lora_target_problems(cfg)
+    if problems:
+        raise ConfigError(problems)
+    return _mapped_targets(cfg)
+
+
+def sequence_parallel(cfg: PipelineConfig) -> bool:
+    """Sequence parallelism as the run has it: ``packing.sequence_parallel``, and always with
+    TP > 1 on an MoE model — Bridge's ``Qwen3VLMoEModelProvider.finalize`` turns it on there,
+    after ``ConfigContainer.validate`` has computed the alignment without it."""
+    p = cfg.packing
+    return p.sequence_parallel or (cfg.model.moe and p.tensor_parallel > 1)
+
+
+def _geometry_overrides(cfg: PipelineConfig) -> dict[str, int]:
+    g = image_geometry(cfg)
+    return {
+        "dataset.task_encoder.min_pixels": g.min_pixels,
+        "dataset.task_encoder.max_pixels": g.max_pixels,
+        "dataset.task_encoder.patch_size": g.patch_size,
+        "dataset.task_encoder.temporal_patch_size": g.temporal_patch_size,
+        "dataset.task_encoder.spatial_merge_size": g.merge_size,
+    }
 
 
 def checkpoint_dir(cfg: PipelineConfig) -> str:
@@ -85,22 +127,45 @@ def checkpoint_dir(cfg: PipelineConfig) -> str:
 def bridge_overrides(
     cfg: PipelineConfig, *, mlflow_tags: dict[str, str] | None = None
 ) -> dict[str, Any]:
-    """Every ConfigContainer field packline sets, as ``{"dotted.key": value}`` in apply order.
+    """Every ConfigContainer field packline sets, as ``{"dotted.key": value}`` in apply order:
+    packline's own, then ``megatron.extra_overrides`` (which win).
 
     ``mlflow_tags`` are added to packline's own tags on Bridge's MLflow run (the train stage
-    passes the run it nests under)."""
+    passes the run it nests under). Raises ConfigError for LoRA targets with no Megatron name."""
+    o = _packline_overrides(cfg, lora_target_modules(cfg), mlflow_tags)
+    o.update(extra_overrides(cfg))
+    return o
+
+
+def extra_overrides(cfg: PipelineConfig) -> dict[str, Any]:
+    """``megatron.extra_overrides`` as ``{"dotted.key": value}`` (values parsed as JSON)."""
+    out: dict[str, Any] = {}
+    for item in cfg.megatron.extra_overrides:
+        key, _, raw = item.partition("=")
+        out[key.strip()] = _parse_value(raw)
+    return out
+
+
+def _packline_overrides(
+    cfg: PipelineConfig, lora_targets: list[str], mlflow_tags: dict[str, str] | None
+) -> dict[str, Any]:
+    """The overrides packline's own settings make (no extra overrides)."""
     p, t, m = cfg.packing, cfg.train, cfg.megatron
     ep = m.expert_parallel
     work = cfg.work_path
     o: dict[str, Any] = {
         # data: the prepared Energon dataset and the processor connect measured lengths with
-        "dataset.path": str(work / "prepare"),
+        "dataset.path": str(work / "prepare" / BRIDGE_METADATASET),
         "dataset.seq_length": p.seq_length,
         "dataset.num_workers": t.num_workers,
         "dataset.packing_buffer_size": p.packing_buffer_size if p.enabled else None,
         "dataset.pad_to_max_length": p.pad_to_max_length or ep > 1,
         "dataset.task_encoder.hf_processor_path": str(work / "connect" / "processor"),
         "dataset.task_encoder.max_num_images": m.max_num_images,
+        "dataset.task_encoder.max_visual_tokens": m.max_visual_tokens,
+        # the visual geometry connect measured with (Bridge's defaults — min 200,704 and max
+        # 1,003,520 pixels, patch 14 — would change every image's token count)
+        **_geometry_overrides(cfg),
         "model.seq_length": p.seq_length,
         # packing requirements: one pack per micro-batch, loss normalized over tokens
         "dataset.micro_batch_size": 1,
@@ -114,7 +179,7 @@ def bridge_overrides(
         # parallelism (alignment of each conversation follows TP/CP/SP, see packing.alignment)
         "model.tensor_model_parallel_size": p.tensor_parallel,
         "model.context_parallel_size": p.context_parallel,
-        "model.sequence_parallel": p.sequence_parallel,
+        "model.sequence_parallel": sequence_parallel(cfg),
     }
     if cfg.model.moe:
         o.update(
@@ -139,13 +204,19 @@ def bridge_overrides(
             "scheduler.lr_warmup_iters": t.warmup_steps,
             "scheduler.lr_decay_iters": t.max_steps,
             "scheduler.lr_decay_style": "cosine",
+            # the scheduler sets every param group's weight_decay each step from these (the
+            # recipes set 0.033): optimizer.weight_decay alone would change nothing
+            "scheduler.start_weight_decay": t.weight_decay,
+            "scheduler.end_weight_decay": t.weight_decay,
             "rng.seed": t.seed,
             "validation.eval_interval": t.eval_every or t.max_steps,
+            # Bridge requires the eval micro-batch to equal the dataset's (one packed row)
+            "validation.eval_micro_batch_size": 1,
             # LoRA on the language model
             "peft.dim": cfg.lora.rank,
             "peft.alpha": cfg.lora.alpha,
             "peft.dropout": cfg.lora.dropout,
-            "peft.target_modules": lora_target_modules(cfg),
+            "peft.target_modules": lora_targets,
             # checkpoints: base weights from the HF dir, resume from packline's work dir
             "checkpoint.pretrained_checkpoint": cfg.model.path,
             "checkpoint.save": checkpoint_dir(cfg),
@@ -166,9 +237,6 @@ def bridge_overrides(
                 "logger.mlflow_log_artifacts": False,
             }
         )
-    for item in cfg.megatron.extra_overrides:
-        key, _, raw = item.partition("=")
-        o[key.strip()] = _parse_value(raw)
     return o
 
 

@@ -72,6 +72,32 @@ def test_native_packing_overrides_buffer_mbs1_per_token_loss_sum_reduction(tmp_p
     assert unpacked["dataset.packing_buffer_size"] is None
 
 
+def test_weight_decay_reaches_the_optimizer_and_both_scheduler_fields(tmp_path: Path):
+    """The scheduler writes every param group's weight_decay each step from its start/end
+    values (the recipes set 0.033): the optimizer's alone would change nothing."""
+    o = bridge_overrides(cluster_config(DENSE, tmp_path))
+    assert o["optimizer.weight_decay"] == 0.0
+    assert o["scheduler.start_weight_decay"] == o["scheduler.end_weight_decay"] == 0.0
+    decayed = bridge_overrides(cluster_config(DENSE, tmp_path, "train.weight_decay=0.01"))
+    assert decayed["optimizer.weight_decay"] == 0.01
+    assert decayed["scheduler.start_weight_decay"] == decayed["scheduler.end_weight_decay"] == 0.01
+
+
+def test_eval_micro_batch_is_the_dataset_micro_batch(tmp_path: Path):
+    for path in (DENSE, MOE):
+        o = bridge_overrides(cluster_config(path, tmp_path))
+        assert o["validation.eval_micro_batch_size"] == o["dataset.micro_batch_size"] == 1
+
+
+def test_moe_with_tp_sends_sequence_parallel_as_bridge_runs_it(tmp_path: Path):
+    """Bridge's MoE provider turns SP on when TP > 1: packline sends it on, so Bridge's own
+    alignment check sees the SP it will run with. A dense model keeps the setting."""
+    moe = bridge_overrides(cluster_config(MOE, tmp_path, "packing.tensor_parallel=2"))
+    assert moe["model.sequence_parallel"] is True
+    dense = bridge_overrides(cluster_config(DENSE, tmp_path, "packing.tensor_parallel=2"))
+    assert dense["model.sequence_parallel"] is False
+
+
 def test_bridge_mlflow_logger_points_at_packline_store(tmp_path: Path):
     cfg = cluster_config(DENSE, tmp_path)
     o = bridge_overrides(cfg, mlflow_tags={"packline.launch_id": "42"})
