@@ -534,8 +534,10 @@ class SlurmConfig(_Section):
     time: str = "04:00:00"
     """Wall-clock limit per job."""
     container_image: str | None = None
-    """Container image (pyxis/enroot), e.g. the NeMo container; ``null`` runs on the host. The
-    image needs packline's Python dependencies; the work dir is mounted at the same path."""
+    """Container image (pyxis/enroot); ``null`` runs on the host. The image needs packline's
+    Python dependencies; ``train.backend: megatron`` needs the one ``containers/Dockerfile``
+    builds (no stock NeMo image has a Bridge with native packing). The work dir is mounted at
+    the same path."""
     container_mounts: list[str] = field(default_factory=list)
     """``host:container`` mounts (the work dir is added automatically)."""
     env: dict[str, str] = field(default_factory=dict)

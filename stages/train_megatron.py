@@ -12,15 +12,25 @@ Bridge run happens only in the container. What it runs:
 Bridge logs to packline's MLflow store on its last rank; afterwards rank 0 nests that run under
 the train stage's run and writes the completion record. Outputs in ``<work>/train/megatron/``:
 ``checkpoints/`` (Bridge's, resumed on a rerun) and ``overrides.json``.
+
+Which Bridge: no release packs natively. ``nvcr.io/nvidia/nemo:26.06`` carries 0.5.0, which
+has no ``megatron.bridge.data.builders.energon``; 0.6.x has no
+``QwenVLTaskEncoder.select_samples_to_pack``. Native Energon packing for Qwen-VL is on main from
+:data:`NATIVE_PACKING_COMMIT` (#5285); ``containers/Dockerfile`` builds :data:`PACKLINE_IMAGE`
+with :data:`BRIDGE_COMMIT`. :func:`bridge_problem` reads the installed Bridge's source (it
+imports nothing of it) and the job stops with that fix before any Bridge import.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.util
 import json
 import os
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from schemas.config import ConfigError, PipelineConfig
@@ -36,12 +46,75 @@ from stages.megatron_overrides import (
 STAGE = "train"
 LAUNCH_TAG = "packline.launch_id"
 
+NATIVE_PACKING_COMMIT = "46d7e9f4f9ee71832ab24c13228aecbf09a0df46"
+"""Megatron-Bridge main, "enable native Energon packing for Qwen3-VL" (#5285, 2026-08-10): the
+oldest Bridge commit the megatron backend can pack with."""
+BRIDGE_COMMIT = "067f987df03b8355b03192d88d70f1709fedf51a"
+"""The Megatron-Bridge main commit ``containers/Dockerfile`` installs (its ``BRIDGE_COMMIT``
+build arg; tests/unit/test_container.py checks they agree): a descendant of
+:data:`NATIVE_PACKING_COMMIT`, the newest of the main snapshot packline's Bridge facts were
+read from (2026-08-22)."""
+PACKLINE_IMAGE = f"packline-bridge:{BRIDGE_COMMIT[:9]}"
+"""The tag ``containers/Dockerfile`` is built as (the cluster configs' container image)."""
+BRIDGE_FIX = (
+    f"use the image containers/Dockerfile builds ({PACKLINE_IMAGE}: the NeMo container plus "
+    f"Megatron-Bridge main at {BRIDGE_COMMIT[:9]}) as executor.slurm.container_image — the "
+    f"megatron backend needs a Bridge at or after main commit {NATIVE_PACKING_COMMIT[:9]} "
+    "(PR #5285, native Energon packing), which no release has yet"
+)
 
-def _bridge_importable() -> bool:
+SpecLookup = Callable[[str], Any]
+"""``importlib.util.find_spec``-style: a module name → its spec, or None."""
+
+
+def _defines_method(path: Path, cls: str, method: str) -> bool:
+    """Whether the module file at ``path`` defines class ``cls`` with ``method`` in its body
+    (read with ``ast``, never imported)."""
     try:
-        return importlib.util.find_spec("megatron.bridge") is not None
-    except ModuleNotFoundError:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, UnicodeDecodeError):
         return False
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            return any(
+                isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.name == method
+                for n in node.body
+            )
+    return False
+
+
+def bridge_problem(
+    *, packing: bool, find_spec: SpecLookup = importlib.util.find_spec
+) -> str | None:
+    """Why the Megatron-Bridge that ``find_spec`` finds cannot run the megatron backend (None:
+    it can), with the fix. Only ``megatron.bridge`` itself is looked up; its files are read,
+    not imported: importing Bridge ≤ 0.5's missing energon builder would end in a
+    ModuleNotFoundError, and 0.6.x would train unpacked."""
+    try:
+        spec = find_spec("megatron.bridge")
+    except (ImportError, ValueError):
+        spec = None
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    if not locations:
+        return (
+            "train.backend megatron needs megatron.bridge, which is not installed here: it runs "
+            f"inside the cluster's NeMo container (--executor slurm); {BRIDGE_FIX}"
+        )
+    root = Path(locations[0])
+    if not (root / "data" / "builders" / "energon.py").is_file():
+        return (
+            f"the Megatron-Bridge at {root} has no megatron.bridge.data.builders.energon: it is "
+            "0.5 or older (nvcr.io/nvidia/nemo:26.06 carries 0.5.0), with no Energon dataset "
+            f"builder and no native packing; {BRIDGE_FIX}"
+        )
+    encoder = root / "models" / "qwen_vl" / "data" / "energon.py"
+    if packing and not _defines_method(encoder, "QwenVLTaskEncoder", "select_samples_to_pack"):
+        return (
+            f"the Megatron-Bridge at {root} has no QwenVLTaskEncoder.select_samples_to_pack "
+            f"({encoder}): a release (0.6.x) that would train unpacked; {BRIDGE_FIX}, or set "
+            "packing.enabled=false"
+        )
+    return None
 
 
 def _import_class(qualified: str) -> type:
@@ -92,21 +165,7 @@ def build_bridge_config(cfg: PipelineConfig, overrides: dict[str, Any]) -> Any:
                 ]
             )
     apply_overrides(container, overrides)
-    if cfg.packing.enabled:
-        _require_native_packing()
     return container
-
-
-def _require_native_packing() -> None:
-    """Bridge releases before NVIDIA-NeMo/Megatron-Bridge#5285 accept ``packing_buffer_size``
-    but their Qwen-VL encoder cannot pack: refuse instead of training unpacked."""
-    from megatron.bridge.models.qwen_vl.data.energon import QwenVLTaskEncoder
-
-    if "select_samples_to_pack" not in vars(QwenVLTaskEncoder):
-        raise RuntimeError(
-            "this container's Megatron-Bridge has no native Energon packing for Qwen-VL "
-            "(Megatron-Bridge PR #5285); use an image that includes it, or packing.enabled=false"
-        )
 
 
 def _nest_bridge_run(cfg: PipelineConfig, launch_id: str, parent_run_id: str | None) -> dict:
@@ -139,15 +198,9 @@ def train_megatron(
     problems = megatron_problems(cfg, world_size=_world_size())
     if problems:
         raise ConfigError(problems, "train.backend megatron cannot run this config")
-    if not _bridge_importable():
-        raise ConfigError(
-            [
-                "train.backend megatron needs megatron.bridge, which is installed only in the "
-                "cluster's NeMo container: run with --executor slurm and "
-                "executor.slurm.container_image"
-            ],
-            "train.backend megatron cannot run here",
-        )
+    problem = bridge_problem(packing=cfg.packing.enabled)
+    if problem:  # before any Bridge import: an old Bridge would crash on it or train unpacked
+        raise ConfigError([problem], "train.backend megatron cannot run here")
     rank = int(os.environ.get("RANK", "0"))
     # The same on every rank of this launch, so rank 0 can find the run Bridge's last rank made.
     launch_id = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID", "local")

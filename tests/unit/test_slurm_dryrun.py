@@ -18,6 +18,7 @@ import pytest
 from pipelines.cli import main
 from pipelines.experiment import dryrun_text, write_resolved_config
 from schemas.config import PROJECT_ROOT, load_config
+from stages.train_megatron import PACKLINE_IMAGE
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 CONFIGS = ["qwen3_vl_8b_lora_1node", "qwen3_vl_30b_a3b_lora_ep8_slurm"]
@@ -61,7 +62,7 @@ def test_golden_sbatch_train_job_has_gpus_torchrun_and_container():
     train = text.split("## job 4/4: train")[1].split("## train: Megatron-Bridge")[0]
     assert "#SBATCH --gpus-per-node=8" in train and "#SBATCH --kill-on-invalid-dep=yes" in train
     assert "torchrun" in train and "--nproc-per-node 8" in train
-    assert "--container-image nvcr.io/nvidia/nemo:26.06" in train
+    assert f"--container-image {PACKLINE_IMAGE} " in train  # containers/Dockerfile's image
     assert "<WORK>:<WORK>" in train  # the work dir at the same path in the container
     prepare = text.split("## job 1/4: prepare")[1].split("## job 2/4")[0]
     assert "--gpus-per-node" not in prepare and "torchrun" not in prepare
