@@ -84,12 +84,17 @@ class _Section:
 
 
 class Algorithm(Enum):
-    """Packing selection algorithm."""
+    """Packing selection algorithm, run on each buffer round (``packline/packing/selection.py``)."""
 
     ffd = "ffd"
-    """First-fit decreasing: each sample, longest first, goes to the first pack with room."""
+    """Plain first-fit decreasing: each sample, longest first, goes to the first pack with
+    room. What Megatron-Bridge's encoder runs; ``train.backend: megatron`` requires it."""
     bfd = "bfd"
-    """Best-fit decreasing: each sample goes to the fullest pack that still has room."""
+    """Plain best-fit decreasing: each sample goes to the fullest pack that still has room."""
+    refined = "refined"
+    """First-fit decreasing, then, while the round has more packs than its lower bound, the
+    minimum-slack packing of the round when it needs fewer packs and a short, budgeted
+    search for one pack fewer still. Never more packs than ``ffd``; backend local only."""
 
 
 class OverlengthPolicy(Enum):
@@ -237,8 +242,9 @@ class PackingConfig(_Section):
     """Tokens per packed row (the capacity C)."""
     packing_buffer_size: int = 64
     """Samples per DataLoader worker that selection chooses packs from."""
-    algorithm: Algorithm = Algorithm.ffd
-    """Selection algorithm: ``ffd`` or ``bfd``."""
+    algorithm: Algorithm = Algorithm.refined
+    """Selection algorithm: ``refined`` (FFD plus packline's refinement, the local default),
+    or plain ``ffd`` / ``bfd``; ``train.backend: megatron`` needs ``ffd`` (Bridge's)."""
     tensor_parallel: int = 1
     """TP size (alignment only: with sequence parallel each conversation aligns to CP·TP)."""
     context_parallel: int = 1

@@ -31,13 +31,11 @@ import pandas as pd
 from megatron.energon import WorkerConfig, get_loader, get_train_dataset, get_val_dataset
 
 from packline.energon.sample import ConversationReader, ConversationSample
-from packline.packing.selection import (
-    align_up,
-    select_packs,
-)
+from packline.packing.forecast import simulate_packing
+from packline.packing.selection import align_up
 from packline.progress import console, progress
 from packline.qwen.vision import read_image_size
-from schemas.config import Algorithm, PipelineConfig
+from schemas.config import Algorithm, ExecutorKind, PipelineConfig, TrainBackend
 from schemas.tables import LengthsModel, validate_table
 from stages.base import (
     InputError,
@@ -177,29 +175,88 @@ def measure_lengths(
     return records
 
 
+def data_parallel_ranks(cfg: PipelineConfig) -> int:
+    """Data-parallel ranks the train backend reads data with (Energon's
+    ``WorkerConfig.world_size``; each has ``train.num_workers`` loader workers):
+
+    - backend megatron: the SLURM train job's GPUs, ``nodes × (nproc_per_node or
+      gpus_per_node)``, over TP × CP × PP (Bridge gives Energon the pure DP group; EP and
+      sequence parallel split no data);
+    - backend local on the SLURM executor: every process of the train job;
+    - backend local otherwise: ``train.nproc_per_node``."""
+    s = cfg.executor.slurm
+    job = s.nodes * (s.nproc_per_node or max(s.gpus_per_node, 1))
+    if cfg.train.backend is TrainBackend.megatron:
+        p = cfg.packing
+        model_parallel = p.tensor_parallel * p.context_parallel * cfg.megatron.pipeline_parallel
+        return max(job // model_parallel, 1)
+    if cfg.executor.kind is ExecutorKind.slurm:
+        return job
+    return cfg.train.nproc_per_node
+
+
+def forecast_settings(cfg: PipelineConfig) -> dict[str, Any]:
+    """How the forecast simulates ``cfg``'s packer (``simulate_packing``'s keywords): the
+    train backend, its selection — plain ``ffd`` for backend megatron, as Bridge runs
+    whatever ``packing.algorithm`` says (validate refuses any other there), else
+    ``packing.algorithm`` — and its loader streams, ranks × ``train.num_workers``."""
+    megatron = cfg.train.backend is TrainBackend.megatron
+    return {
+        "backend": cfg.train.backend.value,
+        "algorithm": "ffd" if megatron else cfg.packing.algorithm.value,
+        "num_ranks": data_parallel_ranks(cfg),
+        "num_workers": cfg.train.num_workers,
+    }
+
+
+def stream_order(num_samples: int, seed: int) -> list[int]:
+    """The forecast's sample stream: table positions in a seeded shuffle (Energon's
+    shuffled reading order, approximately)."""
+    order = list(range(num_samples))
+    random.Random(seed).shuffle(order)
+    return order
+
+
 def forecast_fill(
-    lengths: list[int], capacity: int, buffer_sizes: list[int], algorithm: Algorithm, seed: int
+    lengths: list[int],
+    capacity: int,
+    buffer_sizes: list[int],
+    algorithm: Algorithm | str,
+    seed: int,
+    *,
+    backend: str = "local",
+    num_ranks: int = 1,
+    num_workers: int = 0,
 ) -> dict[str, Any]:
-    """Fill of packing ``lengths`` (already aligned, none over capacity) in arrival order,
-    one buffer of B samples at a time, for each B; and the lower bound Σlen/(⌈Σlen/C⌉·C)."""
-    order = list(range(len(lengths)))
-    random.Random(seed).shuffle(order)  # Energon's shuffled stream, approximately
-    stream = [lengths[i] for i in order]
-    total = sum(stream)
-    out: dict[str, Any] = {"capacity": capacity, "samples": len(stream), "tokens": total}
+    """Fill of packing ``lengths`` (already aligned; any over ``capacity`` are handled as
+    ``backend`` does: see ``packline.packing.forecast``) in a seeded stream order, one
+    buffer of B samples per loader stream at a time, for each B; and the lower bound
+    Σlen/(⌈Σlen/C⌉·C) over the samples that fit."""
+    algorithm = algorithm.value if isinstance(algorithm, Algorithm) else algorithm
+    stream = [lengths[i] for i in stream_order(len(lengths), seed)]
+    fits = [n for n in stream if n <= capacity]
+    total = sum(fits)
+    out: dict[str, Any] = {
+        "capacity": capacity,
+        "samples": len(fits),
+        "tokens": total,
+        "backend": backend,
+        "algorithm": algorithm,
+        "num_ranks": num_ranks,
+        "num_workers": num_workers,
+    }
     per_buffer = {}
     for b in buffer_sizes:
-        packs = 0
-        for start in range(0, len(stream), b):
-            packs += len(
-                select_packs(
-                    stream[start : start + b],
-                    capacity=capacity,
-                    algorithm=algorithm.value,
-                    seed=None,
-                )
-            )
-        per_buffer[str(b)] = {"packs": packs, "fill": total / (packs * capacity) if packs else 0.0}
+        simulated = simulate_packing(
+            stream,
+            capacity=capacity,
+            buffer_size=b,
+            algorithm=algorithm,
+            backend=backend,
+            num_ranks=num_ranks,
+            num_workers=num_workers,
+        )
+        per_buffer[str(b)] = {"packs": simulated.packs, "fill": simulated.fill}
     out["buffers"] = per_buffer
     min_packs = -(-total // capacity)
     out["lower_bound"] = {
@@ -207,8 +264,8 @@ def forecast_fill(
         "fill": total / (min_packs * capacity) if min_packs else 0.0,
     }
     out["unpacked"] = {
-        "rows": len(stream),
-        "fill": total / (len(stream) * capacity) if stream else 0.0,
+        "rows": len(fits),
+        "fill": total / (len(fits) * capacity) if fits else 0.0,
     }
     return out
 
@@ -216,9 +273,10 @@ def forecast_fill(
 def forecast_flops(
     cfg: PipelineConfig, processor_dir: Path, train: pd.DataFrame
 ) -> dict[str, float]:
-    """FLOPs and tokens of one training epoch with packing on (at the configured buffer)
-    and off (``train.unpacked_micro_batch_size`` conversations padded to the longest), before
-    any training. Useful FLOPs are the same both ways; what packing saves is the padding."""
+    """FLOPs and tokens of one training epoch with packing on (the packs
+    :func:`forecast_fill` forecasts at the configured buffer, same stream) and off
+    (``train.unpacked_micro_batch_size`` conversations padded to the longest), before any
+    training. Useful FLOPs are the same both ways; what packing saves is the padding."""
     from packline.counters import flops_model_for
     from packline.qwen.processor import load_processor
 
@@ -229,32 +287,26 @@ def forecast_flops(
         for n, grids, loss in zip(
             train["total_tokens"], train["image_grids"], train["loss_tokens"], strict=True
         )
-        if align_up(int(n), p.alignment) <= p.seq_length
     ]
-    order = list(range(len(rows)))
-    random.Random(cfg.train.seed).shuffle(order)
-    stream = [rows[i] for i in order]
+    ordered = [rows[i] for i in stream_order(len(rows), cfg.train.seed)]
+    simulated = simulate_packing(
+        [align_up(n, p.alignment) for n, _, _ in ordered],
+        capacity=p.seq_length,
+        buffer_size=p.packing_buffer_size,
+        **forecast_settings(cfg),
+    )
+    stream = [row for row in ordered if align_up(row[0], p.alignment) <= p.seq_length]
     useful = sum(model.useful([n], grids, n, loss) for n, grids, loss in stream)
 
     packed_exec = packed_rows = packed_real = 0
-    b = p.packing_buffer_size
-    for start in range(0, len(stream), b):
-        chunk = stream[start : start + b]
-        groups = select_packs(
-            [n for n, _, _ in chunk],
-            capacity=p.seq_length,
-            alignment=p.alignment,
-            algorithm=p.algorithm.value,
-            seed=None,
-        )
-        for g in groups:
-            segments = [align_up(chunk[i][0], p.alignment) for i in g]
-            if p.pad_to_max_length:
-                segments[-1] += p.seq_length - sum(segments)
-            grids = [grid for i in g for grid in chunk[i][1]]
-            packed_exec += model.executed(segments, grids)
-            packed_rows += 1
-            packed_real += sum(chunk[i][0] for i in g)
+    for g in (g for r in simulated.rounds for g in r.groups):
+        segments = [simulated.lengths[i] for i in g]  # aligned
+        if p.pad_to_max_length:
+            segments[-1] += p.seq_length - sum(segments)
+        grids = [grid for i in g for grid in ordered[i][1]]
+        packed_exec += model.executed(segments, grids)
+        packed_rows += 1
+        packed_real += sum(ordered[i][0] for i in g)
 
     k = cfg.train.unpacked_micro_batch_size
     unpacked_exec = unpacked_rows = unpacked_capacity = 0
@@ -367,15 +419,16 @@ def connect_processor(
         m = cfg.packing.alignment
         train = df[df["split"] == "train"]
         aligned = [align_up(int(n), m) for n in train["total_tokens"]]
-        fits = [n for n in aligned if n <= cfg.packing.seq_length]
+        settings = forecast_settings(cfg)
         forecast = forecast_fill(
-            fits,
+            aligned,
             cfg.packing.seq_length,
             list(cfg.packing.forecast_buffer_sizes),
-            cfg.packing.algorithm,
+            settings.pop("algorithm"),
             cfg.train.seed,
+            **settings,
         )
-        forecast["overlength"] = len(aligned) - len(fits)
+        forecast["overlength"] = len(aligned) - forecast["samples"]
         forecast["alignment"] = m
         forecast["flops"] = forecast_flops(cfg, processor_dir, train)
         (out / "forecast.json").write_text(json.dumps(forecast, indent=2))

@@ -1,9 +1,20 @@
 """Sample selection for packing: which conversations share a row.
 
-Both algorithms take item lengths and a capacity and return groups of item indices that
-cover every index exactly once (an item longer than the capacity gets a group of its own —
-the caller decides what an overlength item means). Items are visited longest first, ties by
-index, so the result is deterministic.
+Three algorithms, named by ``packing.algorithm``. All take item lengths and a capacity and
+return groups of item indices that cover every index exactly once (an item longer than the
+capacity gets a group of its own — the caller decides what an overlength item means). Items
+are visited longest first, ties by index, so the result is deterministic.
+
+- ``ffd``: plain first-fit decreasing (:func:`first_fit_decreasing`), nothing more. This is
+  what Megatron-Bridge's Qwen-VL encoder runs on each buffer (its ``first_fit_decreasing``
+  gives the same groups), so ``train.backend: megatron`` requires it.
+- ``bfd``: plain best-fit decreasing (:func:`best_fit_decreasing`), nothing more.
+- ``refined`` (the local default): first-fit decreasing, then, only while the round has
+  more groups than :func:`lower_bound`, the :func:`minimum_slack` packing of the round
+  (kept when it needs fewer groups) and a few short, budgeted :func:`fewer_groups` searches
+  for one group fewer still (:func:`refine`). Never more groups than ``ffd``; the search
+  work per round is capped (``SEARCH_WORK_MAX``); rounds of more than ``REFINE_MAX_ITEMS``
+  fitting items get plain ``ffd``.
 
 Worked example, capacity 10::
 
@@ -14,10 +25,11 @@ Worked example, capacity 10::
     >>> best_fit_decreasing([5, 7, 3, 2], 10)
     [[1, 2], [0, 3]]
 
-Both can use one group more than needed; :func:`select_packs` then tries a minimum-slack
-packing (:func:`minimum_slack`) of the same round and keeps it when it needs fewer groups::
+Both greedy packings can use one group more than needed; ``refined`` then tries a
+minimum-slack packing (:func:`minimum_slack`) of the same round and keeps it when it needs
+fewer groups::
 
-    >>> best_fit_decreasing([4, 4, 3, 3, 3, 3], 10)  # 20 tokens in 3 groups
+    >>> first_fit_decreasing([4, 4, 3, 3, 3, 3], 10)  # 20 tokens in 3 groups
     [[0, 1], [2, 3, 4], [5]]
     >>> minimum_slack([4, 4, 3, 3, 3, 3], 10)  # the optimum, 2 groups of 10
     [[0, 2, 3], [1, 4, 5]]
@@ -102,14 +114,14 @@ def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
     return groups + oversize
 
 
-#: Largest round :func:`select_packs` refines with :func:`minimum_slack` (its cost grows
+#: Largest round :func:`refine` works on (:func:`minimum_slack`'s cost grows
 #: with the square of the round; Energon rounds are the packing buffer, 16-1024 samples).
 REFINE_MAX_ITEMS = 4096
 #: Subsets :func:`minimum_slack` tries per group before it takes the best one seen.
 SLACK_SEARCH_NODES = 2000
 #: Work (items through a subset sum) one :func:`fewer_groups` attempt may spend.
 ATTEMPT_WORK = 2000
-#: Work :func:`select_packs` may spend on such attempts per item of the round ...
+#: Work :func:`refine` may spend on such attempts per item of the round ...
 SEARCH_WORK_PER_ITEM = 24
 #: ... and per round, at most (about 1 µs a unit on one core: a few ms a round).
 SEARCH_WORK_MAX = 24_000
@@ -319,12 +331,18 @@ def pack_fill(lengths: list[int], groups: list[list[int]], capacity: int) -> flo
     return sum(lengths[i] for g in groups for i in g) / (len(groups) * capacity)
 
 
-def _refined(aligned: list[int], groups: list[list[int]], capacity: int) -> list[list[int]]:
-    """``groups``, or a packing of the same fitting items in fewer groups: the
-    :func:`minimum_slack` packing when it needs fewer, then :func:`fewer_groups` attempts
-    (from each packing with the fewest groups in turn, ``ATTEMPT_WORK`` each,
-    ``SEARCH_WORK_PER_ITEM`` per item and ``SEARCH_WORK_MAX`` in all) until one reaches
-    :func:`lower_bound`. Oversize singletons stay last, as FFD/BFD put them."""
+#: The names ``packing.algorithm`` takes (see the module docstring).
+ALGORITHMS = ("ffd", "bfd", "refined")
+
+
+def refine(aligned: list[int], groups: list[list[int]], capacity: int) -> list[list[int]]:
+    """``groups`` (a packing of ``aligned``), or a packing of the same fitting items in
+    fewer groups: the :func:`minimum_slack` packing when it needs fewer, then
+    :func:`fewer_groups` attempts (from each packing with the fewest groups in turn,
+    ``ATTEMPT_WORK`` each, ``SEARCH_WORK_PER_ITEM`` per item and ``SEARCH_WORK_MAX`` in all)
+    until one reaches :func:`lower_bound`. ``groups`` unchanged when it already has the
+    fewest possible groups, when nothing better is found, or when more than
+    ``REFINE_MAX_ITEMS`` items fit. Oversize singletons stay last, as FFD/BFD put them."""
     fits = [i for i, n in enumerate(aligned) if n <= capacity]
     if not fits or len(fits) > REFINE_MAX_ITEMS:
         return groups
@@ -360,36 +378,39 @@ def select_packs(
     *,
     capacity: int,
     alignment: int = 1,
-    algorithm: str = "ffd",
+    algorithm: str,
     seed: int | None = 0,
-    refine: bool = True,
 ) -> list[list[int]]:
     """Groups of indices for one buffer round: lengths aligned up to ``alignment``, packed
-    into ``capacity`` by ``algorithm`` (``ffd`` or ``bfd``); when that needs more groups than
-    :func:`lower_bound` and ``refine`` is on (rounds up to ``REFINE_MAX_ITEMS``), the
-    :func:`minimum_slack` packing replaces it if it needs fewer, and :func:`fewer_groups`
-    searches, on a fixed work budget, for fewer still. The groups are then
-    shuffled with ``seed`` so the longest conversations are not always emitted first
-    (``seed=None`` keeps the algorithm's order). Every index is in exactly one group; an item
-    whose aligned length exceeds ``capacity`` gets a group of its own (the caller drops or
-    rejects it).
+    into ``capacity`` by ``algorithm`` — ``ffd`` or ``bfd`` (the plain greedy packings) or
+    ``refined`` (``ffd`` then :func:`refine`). The groups are then shuffled with ``seed`` so
+    the longest conversations are not always emitted first (``seed=None`` keeps the
+    algorithm's order). Every index is in exactly one group; an item whose aligned length
+    exceeds ``capacity`` gets a group of its own (the caller drops or rejects it).
 
     Worked example, capacity 8, alignment 4 (lengths 5, 3, 2 align to 8, 4, 4)::
 
-        >>> select_packs([5, 3, 2], capacity=8, alignment=4, seed=None)
+        >>> select_packs([5, 3, 2], capacity=8, alignment=4, algorithm="ffd", seed=None)
         [[0], [1, 2]]
-        >>> select_packs([], capacity=8)
+        >>> select_packs([], capacity=8, algorithm="ffd")
         []
-        >>> select_packs([8, 8], capacity=8, seed=None)  # exact fits
+        >>> select_packs([8, 8], capacity=8, algorithm="ffd", seed=None)  # exact fits
         [[0], [1]]
-        >>> select_packs([3, 9, 2], capacity=8, seed=None)  # one oversize
+        >>> select_packs([3, 9, 2], capacity=8, algorithm="ffd", seed=None)  # one oversize
         [[0, 2], [1]]
-        >>> select_packs([4, 4, 3, 3, 3, 3], capacity=10, algorithm="bfd", seed=None)
-        [[0, 2, 3], [1, 4, 5]]
-        >>> select_packs([4, 4, 3, 3, 3, 3], capacity=10, algorithm="bfd", seed=None,
-        ...              refine=False)
+
+    Where a greedy packing leaves a group too many, ``refined`` closes it::
+
+        >>> select_packs([4, 4, 3, 3, 3, 3], capacity=10, algorithm="ffd", seed=None)
         [[0, 1], [2, 3, 4], [5]]
-        >>> select_packs([8, 5, 6, 8, 7, 9, 6, 9], capacity=20, seed=None)  # 3, not 4
+        >>> select_packs([4, 4, 3, 3, 3, 3], capacity=10, algorithm="bfd", seed=None)
+        [[0, 1], [2, 3, 4], [5]]
+        >>> select_packs([4, 4, 3, 3, 3, 3], capacity=10, algorithm="refined", seed=None)
+        [[0, 2, 3], [1, 4, 5]]
+        >>> lengths = [8, 5, 6, 8, 7, 9, 6, 9]  # minimum slack needs 4 groups too
+        >>> select_packs(lengths, capacity=20, algorithm="ffd", seed=None)
+        [[5, 7], [0, 3], [4, 2, 6], [1]]
+        >>> select_packs(lengths, capacity=20, algorithm="refined", seed=None)  # 3, not 4
         [[4, 1, 0], [5, 7], [2, 6, 3]]
     """
     if alignment < 1:
@@ -399,10 +420,11 @@ def select_packs(
         groups = first_fit_decreasing(aligned, capacity)
     elif algorithm == "bfd":
         groups = best_fit_decreasing(aligned, capacity)
+    elif algorithm == "refined":
+        groups = refine(aligned, first_fit_decreasing(aligned, capacity), capacity)
     else:
-        raise ValueError(f"unknown packing algorithm {algorithm!r}: use 'ffd' or 'bfd'")
-    if refine:
-        groups = _refined(aligned, groups, capacity)
+        names = ", ".join(repr(a) for a in ALGORITHMS)
+        raise ValueError(f"unknown packing algorithm {algorithm!r}: use one of {names}")
     if seed is not None:
         random.Random(seed).shuffle(groups)
     return groups

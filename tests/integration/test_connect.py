@@ -56,6 +56,11 @@ def test_connect_forecast_is_monotone_and_bounded(default_set):
     assert forecast["lower_bound"]["fill"] > 0.95
     assert (out / "length_histogram.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert result.metrics["connect/forecast_fill_b64"] == pytest.approx(fills[2])
+    # The default config's packer: backend local, refined, one stream; the FLOPs forecast
+    # packs the same stream into the same rows at the configured buffer (64).
+    assert (forecast["backend"], forecast["algorithm"]) == ("local", "refined")
+    assert (forecast["num_ranks"], forecast["num_workers"]) == (1, 0)
+    assert result.metrics["flops/rows_packed"] == forecast["buffers"]["64"]["packs"]
 
 
 def test_connect_catches_a_wrong_cheap_rule(tmp_path: Path):
@@ -79,21 +84,38 @@ def test_forecast_fill_worked_example():
     assert out["buffers"]["1"] == {"packs": 4, "fill": 18 / 40}
     assert out["buffers"]["4"] == {"packs": 2, "fill": 18 / 20}
     assert out["lower_bound"] == {"packs": 2, "fill": 18 / 20}
+    assert (out["samples"], out["tokens"], out["backend"], out["algorithm"]) == (
+        4,
+        18,
+        "local",
+        "ffd",
+    )
+    # Seed 0 streams the table positions [2, 0, 1, 3]. Two ranks split that stream 2 + 2:
+    # [6, 6] and [4, 4] take 3 rows where one stream's buffer of 4 takes 2.
+    one = forecast_fill([6, 4, 6, 4], 10, [4], "ffd", seed=0)
+    two = forecast_fill([6, 4, 6, 4], 10, [4], "ffd", seed=0, num_ranks=2)
+    assert one["buffers"]["4"]["packs"] == 2 and two["buffers"]["4"]["packs"] == 3
+    assert two["num_ranks"] == 2
+    # The stream [4, 12, 6, 5] at B=2: locally the 12 takes a slot ([4, 12] → [4]; [6, 5] →
+    # 2 rows), Bridge skips it before its buffer ([4, 6] → 1 row; [5] → 1).
+    local = forecast_fill([12, 6, 4, 5], 10, [2], "ffd", seed=0)
+    bridge = forecast_fill([12, 6, 4, 5], 10, [2], "ffd", seed=0, backend="megatron")
+    assert local["samples"] == bridge["samples"] == 3 and local["tokens"] == 15
+    assert local["buffers"]["2"] == {"packs": 3, "fill": 15 / 30}
+    assert bridge["buffers"]["2"] == {"packs": 2, "fill": 15 / 20}
 
 
 def _hf_style_processor_dir(root: Path) -> Path:
     """A processor dir laid out like a downloaded Qwen3-VL one: preprocessor_config.json
-    naming the torchvision image processor with Qwen3-VL's real pixel bounds, and a
-    chat_template.json without {% generation %} markers."""
+    naming the torchvision image processor by its legacy name with Qwen3-VL's real pixel
+    bounds, the video config, and a chat_template.json without {% generation %} markers."""
     from packline.qwen.processor import build_tiny_processor
 
     d = build_tiny_processor(root / "hf")
-    proc_cfg = json.loads((d / "processor_config.json").read_text())
-    image_cfg = dict(proc_cfg.pop("image_processor"))
+    image_cfg = json.loads((d / "preprocessor_config.json").read_text())
     image_cfg["image_processor_type"] = "Qwen2VLImageProcessorFast"
     image_cfg["size"] = {"shortest_edge": 65536, "longest_edge": 16777216}
     (d / "preprocessor_config.json").write_text(json.dumps(image_cfg))
-    (d / "processor_config.json").unlink()
     template = (d / "chat_template.jinja").read_text()
     template = template.replace("{%- generation -%}", "").replace("{%- endgeneration -%}", "")
     (d / "chat_template.json").write_text(json.dumps({"chat_template": template}))

@@ -11,9 +11,10 @@ import pipelines.bench as bench
 from pipelines.bench import (
     VlmSftShape,
     WorkerRss,
-    count_packs,
     fill_by_method,
     lower_bound_fill,
+    packed_fill,
+    round_bound_fill,
     shuffled,
     unpacked_capacity,
     vlm_sft_lengths,
@@ -26,19 +27,29 @@ def test_docstring_worked_examples_hold():
     assert result.attempted > 0 and result.failed == 0
 
 
-@pytest.mark.parametrize("algorithm", ["ffd", "bfd"])
-def test_count_packs_buffers_cut_the_stream_and_drop_overlength(algorithm):
-    stream = [6, 5, 4, 3, 12, 2]  # capacity 10: the 12 takes a slot and no row
-    packs = {
-        b: count_packs(stream, capacity=10, buffer_size=b, algorithm=algorithm)
+@pytest.mark.parametrize("algorithm", ["ffd", "bfd", "refined"])
+def test_packed_fill_buffers_cut_the_stream_and_drop_overlength(algorithm):
+    stream = [6, 5, 4, 3, 12, 2]  # capacity 10: the 12 takes a slot and no row; 20 tokens
+    fill = {
+        b: packed_fill(stream, capacity=10, buffer_size=b, algorithm=algorithm)
         for b in (1, 2, 3, 6, None)
     }
     # 1: one row per fitting sample; 2: [6][5] [4,3] [2]; 3: [6,4][5] [3,2]; one buffer:
     # [6,4][5,3,2]
-    assert packs == {1: 5, 2: 4, 3: 3, 6: 2, None: 2}
-    assert count_packs([], capacity=10, buffer_size=4, algorithm=algorithm) == 0
+    assert fill == {1: 20 / 50, 2: 20 / 40, 3: 20 / 30, 6: 20 / 20, None: 20 / 20}
+    assert packed_fill([], capacity=10, buffer_size=4, algorithm=algorithm) == 0.0
     with pytest.raises(ValueError, match="buffer_size must be >= 1"):
-        count_packs(stream, capacity=10, buffer_size=0, algorithm=algorithm)
+        packed_fill(stream, capacity=10, buffer_size=0, algorithm=algorithm)
+
+
+def test_packed_fill_plain_ffd_and_bfd_leave_the_row_refined_closes():
+    # One buffer of 6: 20 tokens; FFD and BFD need 3 rows of 10, refined 2.
+    stream = [4, 4, 3, 3, 3, 3]
+    assert packed_fill(stream, capacity=10, buffer_size=6, algorithm="ffd") == 20 / 30
+    assert packed_fill(stream, capacity=10, buffer_size=6, algorithm="bfd") == 20 / 30
+    assert packed_fill(stream, capacity=10, buffer_size=6, algorithm="refined") == 1.0
+    assert round_bound_fill(stream, capacity=10, buffer_size=6) == 1.0
+    assert round_bound_fill(stream, capacity=10, buffer_size=3) == 20 / 30  # 11 → 2, 9 → 1
 
 
 def test_unpacked_capacity_pads_each_batch_to_its_longest():
@@ -68,6 +79,10 @@ def test_fill_by_method_exact_on_equal_lengths():
         "lazy_bfd@64",
         "lazy_bfd@256",
         "lazy_bfd@1024",
+        "lazy_refined@16",
+        "lazy_refined@64",
+        "lazy_refined@256",
+        "lazy_refined@1024",
         "offline_bfd",
         "round_bound@16",
         "round_bound@64",
@@ -78,7 +93,8 @@ def test_fill_by_method_exact_on_equal_lengths():
     assert fill["none"] == 1.0  # every batch is padded to 3
     # B=16: 16 samples → 6 rows (5 of 3 samples, 1 of 1); the last 4 → 2 rows: 60 / 80
     assert fill["lazy_ffd@16"] == fill["lazy_bfd@16"] == fill["eager_ffd@16"] == 0.75
-    for name in ("lazy_ffd@64", "lazy_bfd@1024", "offline_bfd"):
+    assert fill["lazy_refined@16"] == 0.75  # already the fewest rows per round
+    for name in ("lazy_ffd@64", "lazy_bfd@1024", "lazy_refined@64", "offline_bfd"):
         assert fill[name] == 60 / 70  # one buffer: 7 rows
     assert fill["lower_bound"] == 1.0  # 60 tokens fit 6 rows exactly
     # B=16: 48 tokens need ≥ 5 rows, the last 12 tokens ≥ 2 rows
@@ -93,9 +109,9 @@ def test_fill_by_method_eager_equals_lazy_and_is_bounded():
     assert all(0 < v <= 1 for v in fill.values())
     assert all(fill[name] <= fill["lower_bound"] for name in fill)
     for b in (16, 64, 256, 1024):
-        assert fill[f"lazy_ffd@{b}"] <= fill[f"round_bound@{b}"]
+        assert fill[f"lazy_ffd@{b}"] <= fill[f"lazy_refined@{b}"] <= fill[f"round_bound@{b}"]
         assert fill[f"lazy_bfd@{b}"] <= fill[f"round_bound@{b}"]
-    assert fill["lazy_ffd@256"] > 0.99 * fill["round_bound@256"]
+    assert fill["lazy_refined@256"] > 0.99 * fill["round_bound@256"]
     assert fill["none"] < fill["lazy_ffd@16"] < fill["lazy_ffd@256"] <= fill["offline_bfd"]
     with pytest.raises(ValueError, match="no sample fits"):
         fill_by_method([4000], capacity=2048, seed=0)
@@ -151,6 +167,7 @@ def _result(*, fill256: float, offline: float, rss256: float, overhead: float, s
     fill = {
         "lazy_ffd@256": fill256,
         "lazy_bfd@256": fill256,
+        "lazy_refined@256": fill256,
         "offline_bfd": offline,
         "round_bound@256": fill256,
     }
@@ -168,7 +185,7 @@ def test_targets_hold_or_not():
         _result(fill256=0.99, offline=0.995, rss256=600.0, overhead=0.03, select=0.5)
     )
     assert all(t["held"] for t in good.values())
-    assert len(good) == 7
+    assert len(good) == 9  # 2 sets × 3 algorithms, worker RSS, overhead, selection time
     bad = bench._targets(
         _result(fill256=0.985, offline=0.9999, rss256=701.0, overhead=0.06, select=1.0)
     )

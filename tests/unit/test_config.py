@@ -80,8 +80,18 @@ def test_enum_override_lists_allowed_values():
     with pytest.raises(ConfigError) as info:
         load_config(None, ["packing.algorithm=greedy"])
     assert info.value.problems == [
-        "override: 'packing.algorithm' = 'greedy' is invalid: expected one of 'ffd', 'bfd'"
+        "override: 'packing.algorithm' = 'greedy' is invalid: expected one of 'ffd', 'bfd', "
+        "'refined'"
     ]
+
+
+def test_default_algorithm_is_refined_and_the_cluster_configs_run_bridges_ffd():
+    assert load_config(None, []).packing.algorithm is Algorithm.refined
+    assert PackingConfig().algorithm is Algorithm.refined
+    for path in SHIPPED:
+        raw = yaml.safe_load(path.read_text())
+        megatron = (raw.get("train") or {}).get("backend") == "megatron"
+        assert raw["packing"]["algorithm"] == ("ffd" if megatron else "refined"), path.name
 
 
 def test_overrides_apply_after_yaml():

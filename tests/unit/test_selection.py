@@ -51,16 +51,54 @@ def test_ffd_and_bfd_differ_where_best_fit_matters():
     assert best_fit_decreasing([7, 4, 4, 2], 10) == [[0], [1, 2, 3]]
 
 
-def test_select_packs_shuffles_groups_with_the_seed_only():
+@pytest.mark.parametrize("algorithm", ["ffd", "bfd", "refined"])
+def test_select_packs_shuffles_groups_with_the_seed_only(algorithm):
     lengths = list(range(1, 40))
-    a = select_packs(lengths, capacity=64, seed=1)
-    b = select_packs(lengths, capacity=64, seed=1)
-    c = select_packs(lengths, capacity=64, seed=2)
-    plain = select_packs(lengths, capacity=64, seed=None)
+    a = select_packs(lengths, capacity=64, algorithm=algorithm, seed=1)
+    b = select_packs(lengths, capacity=64, algorithm=algorithm, seed=1)
+    c = select_packs(lengths, capacity=64, algorithm=algorithm, seed=2)
+    plain = select_packs(lengths, capacity=64, algorithm=algorithm, seed=None)
     assert a == b and sorted(a) == sorted(c) == sorted(plain)
     assert a != plain  # the longest conversations are not always emitted first
-    with pytest.raises(ValueError, match="unknown packing algorithm"):
+
+
+def test_unknown_algorithm_is_refused_with_the_names():
+    with pytest.raises(ValueError) as info:
         select_packs([1], capacity=4, algorithm="greedy")
+    assert str(info.value) == (
+        "unknown packing algorithm 'greedy': use one of 'ffd', 'bfd', 'refined'"
+    )
+
+
+def test_plain_algorithms_are_exactly_ffd_and_bfd_without_refinement():
+    # Rounds where the greedy packings leave a group too many and refined closes it.
+    for lengths, capacity in (([4, 4, 3, 3, 3, 3], 10), ([8, 5, 6, 8, 7, 9, 6, 9], 20)):
+        ffd = select_packs(lengths, capacity=capacity, algorithm="ffd", seed=None)
+        bfd = select_packs(lengths, capacity=capacity, algorithm="bfd", seed=None)
+        assert ffd == first_fit_decreasing(lengths, capacity)
+        assert bfd == best_fit_decreasing(lengths, capacity)
+    assert select_packs([4, 4, 3, 3, 3, 3], capacity=10, algorithm="ffd", seed=None) == [
+        [0, 1],
+        [2, 3, 4],
+        [5],
+    ]
+    assert select_packs([4, 4, 3, 3, 3, 3], capacity=10, algorithm="refined", seed=None) == [
+        [0, 2, 3],
+        [1, 4, 5],
+    ]
+    # On random rounds plain FFD is first_fit_decreasing of the aligned lengths, group for
+    # group, and refined never needs more groups.
+    rng = random.Random(9)
+    for _ in range(30):
+        lengths = [rng.randint(1, 700) for _ in range(rng.randint(0, 120))]
+        aligned = [selection.align_up(n, 8) for n in lengths]
+        ffd = select_packs(lengths, capacity=1024, alignment=8, algorithm="ffd", seed=None)
+        assert ffd == first_fit_decreasing(aligned, 1024)
+        bfd = select_packs(lengths, capacity=1024, alignment=8, algorithm="bfd", seed=None)
+        assert bfd == best_fit_decreasing(aligned, 1024)
+        refined = select_packs(lengths, capacity=1024, alignment=8, algorithm="refined", seed=None)
+        assert len(refined) <= len(ffd)
+        assert sorted(i for g in refined for i in g) == list(range(len(lengths)))
 
 
 def _conv(key: str, n: int) -> EncodedConversation:
@@ -142,14 +180,11 @@ def test_minimum_slack_covers_every_index_once_and_never_adds_groups():
         groups = selection.minimum_slack(lengths, 128)
         assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
         assert all(sum(lengths[i] for i in g) <= 128 for g in groups)
-        for algorithm in ("ffd", "bfd"):
-            plain = select_packs(lengths, capacity=128, algorithm=algorithm, refine=False)
-            refined = select_packs(lengths, capacity=128, algorithm=algorithm, seed=None)
-            assert len(refined) <= len(plain)
-            with_oversize = select_packs(
-                lengths + [200], capacity=128, algorithm=algorithm, seed=None
-            )
-            assert with_oversize == refined + [[len(lengths)]]  # oversize: alone, last
+        plain = select_packs(lengths, capacity=128, algorithm="ffd", seed=None)
+        refined = select_packs(lengths, capacity=128, algorithm="refined", seed=None)
+        assert len(refined) <= len(plain)
+        with_oversize = select_packs(lengths + [200], capacity=128, algorithm="refined", seed=None)
+        assert with_oversize == refined + [[len(lengths)]]  # oversize: alone, last
     with pytest.raises(ValueError, match="every length <= capacity"):
         selection.minimum_slack([3, 11], 10)
 
@@ -218,25 +253,25 @@ def test_fewer_groups_covers_every_index_once_and_is_deterministic():
     assert found > 0
 
 
-def test_select_packs_search_beats_ffd_bfd_and_minimum_slack_and_is_deterministic():
+def test_refined_search_beats_ffd_bfd_and_minimum_slack_and_is_deterministic():
     lengths = [8, 5, 6, 8, 7, 9, 6, 9]  # FFD, BFD and minimum slack: 4 groups
-    for algorithm in ("ffd", "bfd"):
-        assert select_packs(lengths, capacity=20, algorithm=algorithm, seed=None) == [
-            [4, 1, 0],
-            [5, 7],
-            [2, 6, 3],
-        ]
+    assert len(select_packs(lengths, capacity=20, algorithm="ffd", seed=None)) == 4
+    assert len(select_packs(lengths, capacity=20, algorithm="bfd", seed=None)) == 4
+    assert select_packs(lengths, capacity=20, algorithm="refined", seed=None) == [
+        [4, 1, 0],
+        [5, 7],
+        [2, 6, 3],
+    ]
     # Rounds shaped like VLM SFT data at capacity 2048 (a third of the items over C/2):
     # never more groups than FFD/BFD or minimum slack, never fewer than the bound, and
     # the same groups every time.
     rng = random.Random(2)
     for _ in range(4):
         lengths = [min(2048, int(rng.lognormvariate(6.6, 0.7))) for _ in range(128)]
-        for algorithm in ("ffd", "bfd"):
-            plain = select_packs(lengths, capacity=2048, algorithm=algorithm, refine=False)
-            refined = select_packs(lengths, capacity=2048, algorithm=algorithm, seed=None)
-            assert refined == select_packs(lengths, capacity=2048, algorithm=algorithm, seed=None)
-            assert sorted(i for g in refined for i in g) == list(range(len(lengths)))
-            assert all(sum(lengths[i] for i in g) <= 2048 for g in refined)
-            assert selection.lower_bound(lengths, 2048) <= len(refined) <= len(plain)
-            assert len(refined) <= len(selection.minimum_slack(lengths, 2048))
+        plain = select_packs(lengths, capacity=2048, algorithm="ffd", seed=None)
+        refined = select_packs(lengths, capacity=2048, algorithm="refined", seed=None)
+        assert refined == select_packs(lengths, capacity=2048, algorithm="refined", seed=None)
+        assert sorted(i for g in refined for i in g) == list(range(len(lengths)))
+        assert all(sum(lengths[i] for i in g) <= 2048 for g in refined)
+        assert selection.lower_bound(lengths, 2048) <= len(refined) <= len(plain)
+        assert len(refined) <= len(selection.minimum_slack(lengths, 2048))

@@ -1,0 +1,240 @@
+"""The packing forecast: the packs a train backend's Energon loader will emit, simulated on
+lengths before training. connect (``forecast.json``, its FLOPs forecast), validate (the fill
+at the configured buffer) and ``packline bench packing`` all call :func:`simulate_packing`.
+
+What it simulates, per train backend (``backend``):
+
+- The loader reads with ``num_ranks`` data-parallel ranks × ``num_workers`` DataLoader
+  workers each (``0``: one stream per rank, in the training process). Energon splits the
+  samples into one contiguous range per global worker, rank-major, the sizes differing by
+  at most one (:func:`worker_ranges`, as ``Sharder.split_samples_to_workers``). Each worker
+  has its own packing buffer of ``buffer_size`` samples, filled in its stream order; each
+  round hands the whole buffer to selection and clears it; a worker's last round holds
+  what is left (one epoch, ``repeat=False``; a repeating loader runs on into the next
+  epoch instead).
+- ``local`` (packline's task encoder): the buffer is packed with ``algorithm``
+  (``select_packs``: ``ffd``, ``bfd`` or ``refined``). A sample whose aligned length is over
+  ``capacity`` takes its buffer slot and is dropped by selection (the ledger's
+  ``overlength``).
+- ``megatron`` (Megatron-Bridge's ``QwenVLTaskEncoder``): plain first-fit decreasing over
+  the aligned lengths, so ``algorithm`` must be ``ffd``. A sample over ``capacity`` raises in
+  Bridge's ``encode_sample`` and never reaches the buffer (``Forecast.skipped``).
+
+Approximation: the stream order is the caller's. Energon gives each worker a contiguous
+range of the dataset and reads it in its own shuffled order; callers pass a seeded shuffle
+of the lengths (connect: ``train.seed``), so each worker gets a random share in a random
+order, as it does when the dataset order is not sorted by length.
+
+Worked example, capacity 10, buffers of 3, 2 ranks without workers: the 8 samples split
+4 + 4; rank 0's buffers are [6, 5, 4] → [6, 4], [5] and [3]; on rank 1 the local encoder's
+buffer [12, 2, 7] drops the 12 and packs [7, 2], then [1], while Bridge skips the 12 before
+its buffer and packs [2, 7, 1] into one row::
+
+    >>> stream = [6, 5, 4, 3, 12, 2, 7, 1]
+    >>> local = simulate_packing(stream, capacity=10, buffer_size=3, algorithm="ffd",
+    ...                          num_ranks=2)
+    >>> [(r.worker, r.items, r.groups) for r in local.rounds]
+    [(0, [0, 1, 2], [[0, 2], [1]]), (0, [3], [[3]]), (1, [4, 5, 6], [[6, 5]]), (1, [7], [[7]])]
+    >>> local.packs, local.dropped, local.tokens, local.fill, local.round_bound_packs
+    (5, [4], 28, 0.56, 5)
+    >>> bridge = simulate_packing(stream, capacity=10, buffer_size=3, algorithm="ffd",
+    ...                           backend="megatron", num_ranks=2)
+    >>> bridge.packs_per_round, bridge.skipped, bridge.fill
+    ([2, 1, 1], [4], 0.7)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from packline.packing.selection import ALGORITHMS, select_packs
+
+#: The train backends whose packer :func:`simulate_packing` simulates.
+BACKENDS = ("local", "megatron")
+
+
+@dataclass(kw_only=True)
+class Round:
+    """One buffer round of one loader worker."""
+
+    worker: int
+    """Global loader worker: rank × workers per rank + worker."""
+    items: list[int]
+    """Stream positions of the samples in the buffer, in arrival order."""
+    groups: list[list[int]] = field(default_factory=list)
+    """The packs selection emits, as stream positions (the algorithm's order)."""
+
+
+@dataclass(kw_only=True)
+class Forecast:
+    """The packs of one simulated epoch and the figures callers report."""
+
+    capacity: int
+    buffer_size: int
+    backend: str
+    algorithm: str
+    num_streams: int
+    """Loader streams with a buffer each: ranks × max(workers, 1)."""
+    lengths: list[int]
+    """The aligned lengths of the stream given."""
+    rounds: list[Round]
+    """Every buffer round, worker by worker, each worker's in order."""
+    skipped: list[int]
+    """Backend megatron: positions over capacity, skipped before the buffer."""
+    dropped: list[int]
+    """Backend local: positions over capacity, dropped from their buffer."""
+
+    @property
+    def packs(self) -> int:
+        """Rows emitted."""
+        return sum(len(r.groups) for r in self.rounds)
+
+    @property
+    def packs_per_round(self) -> list[int]:
+        return [len(r.groups) for r in self.rounds]
+
+    @property
+    def samples(self) -> int:
+        """Samples packed (every one that fits)."""
+        return sum(len(g) for r in self.rounds for g in r.groups)
+
+    @property
+    def tokens(self) -> int:
+        """Σ aligned lengths of the packed samples."""
+        return sum(self.lengths[i] for r in self.rounds for g in r.groups for i in g)
+
+    @property
+    def fill(self) -> float:
+        """Σ aligned packed lengths / (rows × capacity); 0.0 without rows."""
+        return self.tokens / (self.packs * self.capacity) if self.packs else 0.0
+
+    @property
+    def round_bound_packs(self) -> int:
+        """Σ over rounds of ⌈Σ fitting lengths of the round / capacity⌉: the fewest rows any
+        packer can emit with these rounds (Energon clears the buffer each round, so no
+        sample waits for a better one)."""
+        rows = 0
+        for r in self.rounds:
+            packed = sum(self.lengths[i] for g in r.groups for i in g)
+            rows += -(-packed // self.capacity)
+        return rows
+
+    @property
+    def round_bound_fill(self) -> float:
+        """:attr:`tokens` / (:attr:`round_bound_packs` × capacity): the best fill possible."""
+        rows = self.round_bound_packs
+        return self.tokens / (rows * self.capacity) if rows else 0.0
+
+
+def worker_ranges(num_samples: int, num_streams: int) -> list[tuple[int, int]]:
+    """``[start, end)`` of each global worker's share of ``num_samples``, as Energon's
+    ``Sharder.split_samples_to_workers`` computes it: ⌊n/W⌋ each, one more for the first
+    n mod W workers of a generalized bit-reversal order, contiguous in worker order.
+
+        >>> worker_ranges(10, 4)  # 2 extra samples: workers 0 and 2 (bit reversal 0, 2, 1, 3)
+        [(0, 3), (3, 5), (5, 8), (8, 10)]
+    """
+    if num_streams < 1:
+        raise ValueError(f"num_streams must be >= 1, got {num_streams}")
+    base, extra = divmod(num_samples, num_streams)
+    counts = [0] * num_streams
+    for order, worker in enumerate(_bit_reversal(list(range(num_streams)))):
+        counts[worker] = base + (order < extra)
+    out, start = [], 0
+    for n in counts:
+        out.append((start, start + n))
+        start += n
+    return out
+
+
+def _bit_reversal(indices: list[int]) -> list[int]:
+    """Energon's ``Sharder._generalized_bit_reversal``: halve, recurse, interleave."""
+    if len(indices) <= 2:
+        return indices
+    mid = len(indices) // 2
+    left, right = _bit_reversal(indices[:mid]), _bit_reversal(indices[mid:])
+    out = []
+    for j in range(max(len(left), len(right))):
+        out += left[j : j + 1] + right[j : j + 1]
+    return out
+
+
+def buffer_rounds(
+    lengths: list[int],
+    *,
+    capacity: int,
+    buffer_size: int,
+    backend: str = "local",
+    num_ranks: int = 1,
+    num_workers: int = 0,
+) -> tuple[list[Round], list[int]]:
+    """The rounds (without groups) each worker's buffer holds, and the positions skipped
+    before any buffer (backend megatron's overlength samples)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown train backend {backend!r}: use one of {BACKENDS}")
+    if buffer_size < 1:
+        raise ValueError(f"buffer_size must be >= 1, got {buffer_size}")
+    if num_ranks < 1 or num_workers < 0:
+        raise ValueError(
+            f"need num_ranks >= 1 and num_workers >= 0, got {num_ranks}, {num_workers}"
+        )
+    rounds: list[Round] = []
+    skipped: list[int] = []
+    for worker, (start, end) in enumerate(
+        worker_ranges(len(lengths), num_ranks * max(num_workers, 1))
+    ):
+        stream = list(range(start, end))
+        if backend == "megatron":
+            skipped += [i for i in stream if lengths[i] > capacity]
+            stream = [i for i in stream if lengths[i] <= capacity]
+        for at in range(0, len(stream), buffer_size):
+            rounds.append(Round(worker=worker, items=stream[at : at + buffer_size]))
+    return rounds, skipped
+
+
+def simulate_packing(
+    lengths: list[int],
+    *,
+    capacity: int,
+    buffer_size: int,
+    algorithm: str,
+    backend: str = "local",
+    num_ranks: int = 1,
+    num_workers: int = 0,
+) -> Forecast:
+    """Simulate one epoch of the ``backend``'s packer over ``lengths`` (aligned, in stream
+    order) — see the module docstring. ``num_workers`` is per rank, 0 meaning one stream."""
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"unknown packing algorithm {algorithm!r}: use one of {ALGORITHMS}")
+    if backend == "megatron" and algorithm != "ffd":
+        raise ValueError(
+            f"backend megatron selects with plain first-fit decreasing, not {algorithm!r}: "
+            "simulate it with algorithm='ffd'"
+        )
+    rounds, skipped = buffer_rounds(
+        lengths,
+        capacity=capacity,
+        buffer_size=buffer_size,
+        backend=backend,
+        num_ranks=num_ranks,
+        num_workers=num_workers,
+    )
+    dropped: list[int] = []
+    for r in rounds:
+        fits = [i for i in r.items if lengths[i] <= capacity]
+        dropped += [i for i in r.items if lengths[i] > capacity]
+        groups = select_packs(
+            [lengths[i] for i in fits], capacity=capacity, algorithm=algorithm, seed=None
+        )
+        r.groups = [[fits[j] for j in g] for g in groups]
+    return Forecast(
+        capacity=capacity,
+        buffer_size=buffer_size,
+        backend=backend,
+        algorithm=algorithm,
+        num_streams=num_ranks * max(num_workers, 1),
+        lengths=list(lengths),
+        rounds=rounds,
+        skipped=skipped,
+        dropped=dropped,
+    )
