@@ -16,7 +16,8 @@ from pathlib import Path
 
 import nemo_run as run
 
-from schemas.config import PROJECT_ROOT, ConfigError, ExecutorKind, PipelineConfig, TrainBackend
+from schemas.config import PROJECT_ROOT, ConfigError, ExecutorKind, PipelineConfig
+from schemas.guardrails import SLURM_RULES, train_nproc_per_node
 
 #: What a job needs of the project (the rest of the tree stays home).
 SHIPPED = ("packline", "stages", "schemas", "pipelines", "configs", "pyproject.toml")
@@ -40,27 +41,11 @@ def project_packager(root: Path = PROJECT_ROOT) -> run.PatternPackager:
     )
 
 
-def train_nproc_per_node(cfg: PipelineConfig) -> int:
-    """torchrun processes per node of the train job: ``nproc_per_node``, else one per GPU."""
-    s = cfg.executor.slurm
-    return s.nproc_per_node or max(s.gpus_per_node, 1)
-
-
 def slurm_problems(cfg: PipelineConfig) -> list[str]:
-    """What stops this config from running on SLURM (empty when it can). The local backend
-    trains data parallel over every process of the train job, so the job's processes must
-    divide ``train.global_batch_size``."""
-    s = cfg.executor.slurm
-    procs = s.nodes * train_nproc_per_node(cfg)
-    gbs = cfg.train.global_batch_size
-    if cfg.train.backend == TrainBackend.local and gbs % procs:
-        return [
-            f"train.global_batch_size {gbs} is not divisible by the train job's {procs} "
-            f"data-parallel processes (nodes {s.nodes} × nproc_per_node "
-            f"{train_nproc_per_node(cfg)}): change executor.slurm.nproc_per_node or "
-            "train.global_batch_size"
-        ]
-    return []
+    """What stops this config from running on SLURM (empty when it can): the errors of the
+    SLURM rules (``schemas/guardrails.py``), which the validate stage lists too."""
+    findings, _ = SLURM_RULES.run(cfg)
+    return [f"{f.message}: {f.fix}" for f in findings if f.severity == "error"]
 
 
 def slurm_tunnel(cfg: PipelineConfig, *, job_dir: Path) -> run.LocalTunnel | run.SSHTunnel:

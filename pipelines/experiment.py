@@ -154,11 +154,9 @@ def run_pipeline(
     Up-to-date stages are skipped here, in this process, from their completion records
     (logged to MLflow as skipped children); the rest run as dependent NeMo-Run tasks.
     """
-    problems = slurm_problems(cfg) if cfg.executor.kind == ExecutorKind.slurm else []
-    if cfg.train.backend == TrainBackend.megatron:
-        problems += megatron_problems(cfg)
-        if cfg.executor.kind != ExecutorKind.slurm:
-            problems.append("train.backend megatron runs only with --executor slurm (container)")
+    # The rules validate runs too (SLURM, Megatron), checked here before anything is
+    # submitted; the data and model rules run in the validate stage itself.
+    problems = slurm_problems(cfg) + megatron_problems(cfg)
     if problems:
         raise ConfigError(
             problems, f"cannot run this config with executor {cfg.executor.kind.value}"

@@ -1,11 +1,13 @@
-"""Cross-section rules of a resolved config: the packing guardrails.
+"""Cross-section rules of a resolved config: the packing guardrails, and the SLURM rules.
 
-Megatron-Bridge enforces these at start-up on the cluster, one at a time
+Megatron-Bridge enforces the guardrails at start-up on the cluster, one at a time
 (``ConfigContainer.validate()``, ``EnergonDatasetConfig.validate()``). Here each rule is a
 small function of the typed config that returns what it finds, so ``load_config`` refuses
 every broken one at once (errors only) and the validate stage lists them, warnings too, in
-its report. Rules that need the data or the model live in ``stages/validate.py`` and use the
-same types (:class:`Finding`, :class:`RuleBook`).
+its report. The SLURM rules (:data:`SLURM_RULES`) are what ``packline run --executor slurm``
+refuses; validate runs them too. Rules that need more than the config use the same types
+(:class:`Finding`, :class:`RuleBook`): the Megatron rules, on the overrides Bridge really
+gets, in ``stages/megatron_overrides.py``; the data and model rules in ``stages/validate.py``.
 
 Every finding names the setting to change, the rule it breaks, what is wrong (with the
 values) and the fix.
@@ -17,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, NamedTuple
 
-from schemas.config import CudaGraphImpl, PipelineConfig, TrainBackend, _Section
+from schemas.config import CudaGraphImpl, ExecutorKind, PipelineConfig, TrainBackend, _Section
 
 Severity = Literal["error", "warning"]
 Status = Literal["ok", "error", "warning", "not applicable"]
@@ -366,3 +368,37 @@ def _delay_wgrad(cfg: PipelineConfig) -> list[Issue] | None:
 def config_findings(cfg: PipelineConfig) -> list[Finding]:
     """What the cross-section guardrails find in ``cfg`` (errors and warnings)."""
     return CONFIG_RULES.run(cfg)[0]
+
+
+# --- SLURM (executor.kind: slurm) -----------------------------------------------------------
+
+SLURM_RULES = RuleBook()
+
+
+def train_nproc_per_node(cfg: PipelineConfig) -> int:
+    """torchrun processes per node of the train job: ``nproc_per_node``, else one per GPU."""
+    s = cfg.executor.slurm
+    return s.nproc_per_node or max(s.gpus_per_node, 1)
+
+
+@SLURM_RULES.rule(
+    "slurm.data_parallel",
+    "slurm",
+    "with train.backend local, the train job's processes divide train.global_batch_size",
+)
+def _slurm_data_parallel(cfg: PipelineConfig) -> list[Issue] | None:
+    if cfg.executor.kind is not ExecutorKind.slurm or cfg.train.backend is not TrainBackend.local:
+        return None  # the Megatron rules split Bridge's GPUs (stages/megatron_overrides.py)
+    s = cfg.executor.slurm
+    nproc = train_nproc_per_node(cfg)
+    procs, gbs = s.nodes * nproc, cfg.train.global_batch_size
+    if gbs % procs == 0:
+        return []
+    return [
+        error(
+            "executor.slurm.nproc_per_node",
+            f"train.global_batch_size {gbs} is not divisible by the train job's {procs} "
+            f"data-parallel processes (nodes {s.nodes} × nproc_per_node {nproc})",
+            "change executor.slurm.nproc_per_node or train.global_batch_size",
+        )
+    ]

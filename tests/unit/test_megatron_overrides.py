@@ -5,6 +5,11 @@ source; Bridge itself cannot be imported here)."""
 from __future__ import annotations
 
 import ast
+import json
+import os
+import subprocess
+import sys
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,17 +23,45 @@ from stages.megatron_overrides import (
     lora_target_modules,
     megatron_problems,
     section_classes,
+    unknown_field,
 )
-from tests.bridge_source import IndexUnreachable, SourceIndex, fetch_sources, unknown_keys
+from tests.bridge_source import (
+    CONTAINER,
+    PINNED,
+    ClassInfo,
+    IndexUnreachable,
+    SourceIndex,
+    fetch_sources,
+    unknown_keys,
+)
 
 DENSE = PROJECT_ROOT / "configs" / "qwen3_vl_8b_lora_1node.yaml"
 MOE = PROJECT_ROOT / "configs" / "qwen3_vl_30b_a3b_lora_ep8_slurm.yaml"
 
 
+#: Qwen3-VL's published image processor geometry (preprocessor_config.json).
+QWEN3_VL_GEOMETRY = {
+    "patch_size": 16,
+    "merge_size": 2,
+    "temporal_patch_size": 2,
+    "size": {"shortest_edge": 65536, "longest_edge": 16777216},
+}
+
+
+def processor_stand_in(tmp_path: Path) -> Path:
+    """A stand-in for the cluster's processor dir: its image processor config only (all the
+    overrides and the Megatron rules read of it)."""
+    out = tmp_path / "processor-stand-in"
+    out.mkdir(exist_ok=True)
+    (out / "preprocessor_config.json").write_text(json.dumps(QWEN3_VL_GEOMETRY))
+    return out
+
+
 def cluster_config(path: Path, tmp_path: Path, *overrides: str) -> PipelineConfig:
     """A shipped cluster config with a local work dir and processor stand-in."""
+    processor = processor_stand_in(tmp_path)
     return load_config(
-        path, [f"work_dir={tmp_path / 'work'}", f"processor.path={tmp_path}", *overrides]
+        path, [f"work_dir={tmp_path / 'work'}", f"processor.path={processor}", *overrides]
     )
 
 
@@ -189,6 +222,205 @@ def test_field_check_catches_a_misspelt_key(tmp_path: Path, bridge_index):
     cfg = cluster_config(MOE, tmp_path)
     bad = ["ddp.average_in_colective", "model.moe_token_dispatcher", "dataset.packing_buffer"]
     assert len(unknown_keys(bridge_index, bad, section_classes(cfg))) == 3
+
+
+# --- the shipped table of Bridge's config fields (stages/bridge_fields.py) -----------------
+
+FIELDS_MODULE = PROJECT_ROOT / "stages" / "bridge_fields.py"
+
+
+def run_sections() -> dict[str, list[str]]:
+    """Each ``section_classes`` prefix → the classes packline's runs put there (dense, MoE)."""
+    out: dict[str, list[str]] = {}
+    for moe in ("false", "true"):
+        for prefix, qualified in section_classes(load_config(None, [f"model.moe={moe}"])).items():
+            out.setdefault(prefix, [])
+            if qualified not in out[prefix]:
+                out[prefix].append(qualified)
+    return out
+
+
+def bridge_field_table(
+    index: SourceIndex, sections: dict[str, list[str]]
+) -> dict[str, tuple[tuple[str, ...], dict[str, str]]]:
+    """ConfigContainer and every config dataclass reachable from it, read from the pinned
+    source: qualified name → (its dataclass bases, {own field: the config dataclass it holds,
+    or ""}). A field ``sections`` names (a union on Bridge's side) is followed into the
+    classes listed there instead of its declared type; private fields are not followed;
+    classes with no field at all (in them or their bases) are left out."""
+    trees: dict[Path, ast.Module] = {}
+
+    def qualified(info: ClassInfo) -> str:
+        return f"{info.module}.{info.name}"
+
+    def decorated(info: ClassInfo) -> bool:
+        path = index._module_file(info.module)
+        assert path is not None
+        tree = trees.setdefault(path, ast.parse(path.read_text()))
+        return any(
+            "dataclass" in ast.unparse(d)
+            for node in tree.body
+            if isinstance(node, ast.ClassDef) and node.name == info.name
+            for d in node.decorator_list
+        )
+
+    def bases(info: ClassInfo) -> list[ClassInfo]:
+        found = (index.resolve(info, b) for b in info.bases)
+        return [b for b in found if b is not None and is_config(b)]
+
+    config_memo: dict[str, bool] = {}
+
+    def is_config(info: ClassInfo) -> bool:
+        key = qualified(info)
+        if key not in config_memo:
+            config_memo[key] = False  # a cycle is not a config
+            config_memo[key] = decorated(info) or bool(bases(info))
+        return config_memo[key]
+
+    unfollowed = set()
+    for prefix in sections:
+        parent, _, name = prefix.rpartition(".")
+        for owner in sections[parent] if parent else [CONTAINER]:
+            unfollowed.add((owner, name))
+    table: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {}
+    todo = [index.find(q) for q in [CONTAINER, *(c for cs in sections.values() for c in cs)]]
+    while todo:
+        info = todo.pop()
+        assert info is not None
+        if qualified(info) in table:
+            continue
+        own: dict[str, str] = {}
+        for name, annotation in info.fields.items() if decorated(info) else ():
+            nested = None
+            if annotation is not None and not name.startswith("_"):
+                if (qualified(info), name) not in unfollowed:
+                    nested = index.resolve(info, annotation)
+            if nested is not None and is_config(nested):
+                own[name] = qualified(nested)
+                todo.append(nested)
+            else:
+                own[name] = ""
+        table[qualified(info)] = (tuple(qualified(b) for b in bases(info)), own)
+        todo += bases(info)
+
+    def has_fields(name: str) -> bool:
+        base_names, own = table[name]
+        return bool(own) or any(has_fields(b) for b in base_names)
+
+    kept = {n for n in table if has_fields(n)}
+    return {
+        name: (
+            tuple(b for b in base_names if b in kept),
+            {f: (c if c in kept else "") for f, c in own.items()},
+        )
+        for name, (base_names, own) in sorted(table.items())
+        if name in kept
+    }
+
+
+def field_table_source(table: dict[str, tuple[tuple[str, ...], dict[str, str]]]) -> str:
+    """``stages/bridge_fields.py`` for ``table``: per class its bases, its plain fields as
+    one space-separated string, and its fields holding a nested config dataclass."""
+    lines = [
+        '"""Megatron-Bridge\'s config dataclasses, as far as overrides reach into them: for its',
+        "``ConfigContainer`` and every config dataclass reachable from it (with packline's",
+        "``section_classes`` in place of the unions Bridge declares), the dataclass bases, the",
+        "plain fields and the fields that hold a nested config dataclass. Only fields are listed,",
+        "no values: ``stages.megatron_overrides`` checks every ``megatron.extra_overrides`` key",
+        "against it without importing Bridge.",
+        "",
+        "Generated from the source of the pinned wheels",
+        f"({', '.join(PINNED)}) by tests/unit/test_megatron_overrides.py,",
+        "which regenerates it and asserts it is equal. Do not edit: rewrite it with",
+        "``PACKLINE_UPDATE_GOLDEN=1`` and",
+        "",
+        "    .venv/bin/python -m pytest tests/unit/test_megatron_overrides.py -k bridge_fields",
+        '"""',
+        "",
+        "# ruff: noqa: E501 (generated: a qualified class name per line)",
+        "",
+        f"PINNED = {PINNED!r}",
+        f"CONTAINER = {CONTAINER!r}",
+        "",
+        "#: qualified class name → (dataclass bases, its plain fields space-separated,",
+        "#: {field: the config dataclass it holds})",
+        "CLASSES: dict[str, tuple[tuple[str, ...], str, dict[str, str]]] = {",
+    ]
+    for name, (base_names, own) in table.items():
+        plain = " ".join(f for f, c in own.items() if not c)
+        nested = {f: c for f, c in own.items() if c}
+        lines.append(f"    {name!r}: (")
+        lines.append("        (" + "".join(f"{b!r}, " for b in base_names).rstrip() + "),")
+        chunks = textwrap.wrap(plain, 80, break_long_words=False) or [""]
+        if len(chunks) == 1:
+            lines.append(f"        {chunks[0]!r},")
+        else:
+            lines.append("        (")
+            lines += [f"            {(' ' if i else '') + c!r}" for i, c in enumerate(chunks)]
+            lines.append("        ),")
+        if nested:
+            lines.append("        {")
+            lines += [f"            {f!r}: {c!r}," for f, c in nested.items()]
+            lines.append("        },")
+        else:
+            lines.append("        {},")
+        lines.append("    ),")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def shipped_field_table() -> dict[str, tuple[tuple[str, ...], dict[str, str]]]:
+    from stages.bridge_fields import CLASSES
+
+    return {
+        name: (bases, {**dict.fromkeys(plain.split(), ""), **nested})
+        for name, (bases, plain, nested) in CLASSES.items()
+    }
+
+
+def test_bridge_fields_table_is_the_pinned_source_regenerated(bridge_index):
+    table = bridge_field_table(bridge_index, run_sections())
+    if os.environ.get("PACKLINE_UPDATE_GOLDEN") == "1":
+        FIELDS_MODULE.write_text(field_table_source(table))
+        ruff = Path(sys.executable).parent / "ruff"
+        subprocess.run([str(ruff), "format", "-q", str(FIELDS_MODULE)], check=True)
+        pytest.skip(f"rewrote {FIELDS_MODULE}: review its diff")
+    from stages import bridge_fields
+
+    assert bridge_fields.PINNED == PINNED and bridge_fields.CONTAINER == CONTAINER
+    got = shipped_field_table()
+    assert {n: (b, sorted(f.items())) for n, (b, f) in got.items()} == {
+        n: (b, sorted(f.items())) for n, (b, f) in table.items()
+    }, "regenerate with PACKLINE_UPDATE_GOLDEN=1"
+
+
+@pytest.mark.parametrize("path", [DENSE, MOE], ids=["8b", "30b-a3b-ep8"])
+def test_shipped_field_table_agrees_with_the_pinned_source(path: Path, tmp_path, bridge_index):
+    """What validate checks an extra override against (no Bridge import) says what the
+    source says: every override key packline sends, the keys the Bridge rules read, and
+    misspelt ones."""
+    cfg = cluster_config(path, tmp_path)
+    classes = section_classes(cfg)
+    good = [
+        *bridge_overrides(cfg, mlflow_tags={"packline.launch_id": "1"}),
+        "model.dist_train.use_dist_train",
+        "dist.eval_context_parallel_size",
+        "dataset.enable_in_batch_packing",
+        "dataset.defer_in_batch_packing_to_step",
+        "dataset.do_validation",
+        "comm_overlap.tp_comm_overlap_cfg.qkv_dgrad",
+    ]
+    assert unknown_keys(bridge_index, good, classes) == []
+    assert [k for k in good if unknown_field(k, classes) is not None] == []
+    bad = ["ddp.average_in_colective", "model.dist_train.use_dist", "dataset.task_encoder.x"]
+    assert len(unknown_keys(bridge_index, bad, classes)) == 3
+    assert [unknown_field(k, classes) for k in bad] == [
+        "DistributedDataParallelConfig at ddp has no field 'average_in_colective' (did you "
+        "mean 'average_in_collective'?)",
+        "DistTrainConfig at model.dist_train has no field 'use_dist' (did you mean "
+        "'use_dist_train'?)",
+        "QwenVLEnergonTaskEncoderConfig at dataset.task_encoder has no field 'x'",
+    ]
 
 
 def test_only_train_megatron_imports_bridge_and_only_inside_functions():

@@ -19,6 +19,7 @@ from pipelines.cli import main
 from pipelines.experiment import dryrun_text, write_resolved_config
 from schemas.config import PROJECT_ROOT, load_config
 from stages.train_megatron import PACKLINE_IMAGE
+from tests.unit.test_megatron_overrides import processor_stand_in
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 CONFIGS = ["qwen3_vl_8b_lora_1node", "qwen3_vl_30b_a3b_lora_ep8_slurm"]
@@ -41,7 +42,7 @@ def normalized(text: str, work: Path) -> str:
 def cluster_args(name: str, tmp_path: Path) -> tuple[Path, list[str]]:
     return PROJECT_ROOT / "configs" / f"{name}.yaml", [
         f"work_dir={tmp_path / 'work'}",
-        f"processor.path={tmp_path}",  # a stand-in for the cluster's processor dir
+        f"processor.path={processor_stand_in(tmp_path)}",  # for the cluster's processor dir
     ]
 
 

@@ -1,7 +1,9 @@
 """The config-only rules of the validate stage (schemas/guardrails.py): each broken rule is
 refused by ``load_config`` with its exact message and the CLI exits 2; all broken rules are
-listed at once. Also: the LoRA target matcher agrees with PEFT, the model is built on the meta
-device only, and the buffer memory estimate's worked example."""
+listed at once. The Megatron rules on the overrides Bridge gets (stages/megatron_overrides.py),
+each alone, and ``run --executor slurm`` refusing what validate lists. Also: the LoRA target
+matcher agrees with PEFT, the model is built on the meta device only, and the buffer memory
+estimate's worked example."""
 
 from __future__ import annotations
 
@@ -20,6 +22,14 @@ from packline.train.setup import lora_target_matches
 from pipelines.cli import main
 from schemas.config import PROJECT_ROOT, ConfigError, load_config
 from schemas.guardrails import CONFIG_RULES, config_findings
+from stages.megatron_overrides import (
+    MEGATRON_RULES,
+    bridge_alignment,
+    bridge_run,
+    megatron_findings,
+    megatron_problems,
+)
+from tests.unit.test_megatron_overrides import DENSE, MOE, cluster_config
 
 SHIPPED = sorted((PROJECT_ROOT / "configs").glob("*.yaml"))
 #: warnings a shipped config is documented to raise (configs/README.md); none so far
@@ -186,6 +196,146 @@ def test_shipped_config_breaks_no_guardrail(path: Path, tmp_path: Path):
     found = config_findings(cfg)
     assert [f.text for f in found if f.severity == "error"] == []
     assert [f.text for f in found] == EXPECTED_CONFIG_WARNINGS.get(path.name, [])
+
+
+# --- the Megatron rules, on the overrides Bridge really gets --------------------------------
+
+EXTRA = "megatron.extra_overrides"
+# (rule id, config, overrides, severity): one Bridge rule broken, on the config alone
+MEGATRON_BREAKS = [
+    ("megatron.executor", DENSE, ["executor.kind=local"], "error"),
+    ("megatron.paths", DENSE, ["model.path=null"], "error"),
+    ("megatron.algorithm", DENSE, ["packing.algorithm=bfd"], "error"),
+    (
+        "megatron.micro_batch_setting",
+        DENSE,
+        ["packing.enabled=false", "train.micro_batch_size=2"],
+        "error",
+    ),
+    (
+        "megatron.dense_experts",
+        DENSE,
+        ["megatron.expert_parallel=2", "packing.pad_to_max_length=true"],
+        "error",
+    ),
+    ("megatron.world", DENSE, ["train.global_batch_size=12"], "error"),
+    ("megatron.world", MOE, ["executor.slurm.gpus_per_node=4"], "error"),
+    ("megatron.lora_targets", DENSE, ["lora.target_modules=[q_proj,qkv]"], "error"),
+    ("megatron.extra_override_fields", DENSE, [f"{EXTRA}=[optimizer.weight_decy=0.1]"], "error"),
+    ("megatron.extra_override_fields", DENSE, [f"{EXTRA}=[model.vision_config.depth=2]"], "error"),
+    ("megatron.extra_override_guardrails", MOE, [f"{EXTRA}=[model.mtp_num_layers=1]"], "error"),
+    (
+        "megatron.extra_override_guardrails",
+        DENSE,
+        [f"{EXTRA}=[ddp.average_in_collective=true]"],
+        "error",
+    ),
+    (
+        "megatron.extra_override_guardrails",
+        MOE,
+        [f"{EXTRA}=[model.delay_wgrad_compute=true]"],
+        "warning",
+    ),
+    ("megatron.extra_override_measured", DENSE, [f"{EXTRA}=[dataset.seq_length=8192]"], "error"),
+    (
+        "megatron.micro_batch",
+        DENSE,
+        ["packing.enabled=false", f"{EXTRA}=[train.micro_batch_size=2]"],
+        "error",
+    ),
+    (
+        "megatron.eval_micro_batch",
+        DENSE,
+        [f"{EXTRA}=[validation.eval_micro_batch_size=4]"],
+        "error",
+    ),
+    ("megatron.dist_train", MOE, [f"{EXTRA}=[model.dist_train.use_dist_train=true]"], "error"),
+    (
+        "megatron.in_batch_packing",
+        DENSE,
+        [f"{EXTRA}=[dataset.enable_in_batch_packing=true]"],
+        "error",
+    ),
+    (
+        "megatron.in_batch_packing",
+        DENSE,
+        [f"{EXTRA}=[dataset.defer_in_batch_packing_to_step=true]"],
+        "error",
+    ),
+    ("megatron.alignment", DENSE, [f"{EXTRA}=[dist.eval_context_parallel_size=3]"], "error"),
+    ("megatron.alignment", MOE, ["packing.tensor_parallel=4", "packing.seq_length=4094"], "error"),
+    (
+        "megatron.alignment",
+        MOE,
+        ["packing.tensor_parallel=4", "packing.seq_length=4096"],
+        "warning",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("rule", "config", "overrides", "severity"),
+    MEGATRON_BREAKS,
+    ids=[f"{r[0]}-{'+'.join(r[2])}" for r in MEGATRON_BREAKS],
+)
+def test_megatron_rule_broken_alone_is_the_only_finding(
+    rule, config, overrides, severity, tmp_path
+):
+    cfg = cluster_config(config, tmp_path, *overrides)
+    found, checks, _ = megatron_findings(cfg)
+    assert [(f.rule, f.severity) for f in found] == [(rule, severity)], [f.text for f in found]
+    assert {c.rule: c.status for c in checks}[rule] == severity
+    assert megatron_problems(cfg) == ([found[0].text] if severity == "error" else [])
+
+
+@pytest.mark.parametrize("config", [DENSE, MOE], ids=["8b_1node", "30b_a3b_ep8"])
+def test_shipped_cluster_configs_break_no_megatron_rule(config, tmp_path):
+    found, checks, run = megatron_findings(cluster_config(config, tmp_path))
+    assert found == [] and {c.status for c in checks} <= {"ok", "not applicable"}
+    assert run is not None and bridge_alignment(run) == run.cfg.packing.alignment == 1
+
+
+def test_megatron_rules_are_inert_with_the_local_backend(tmp_path):
+    cfg = load_config(None, [f"work_dir={tmp_path}", f"{EXTRA}=[train.micro_batch_size=2]"])
+    found, checks, run = megatron_findings(cfg)
+    assert found == [] and run is None
+    assert {c.status for c in checks} == {"not applicable"}
+    assert len(checks) == len(MEGATRON_RULES.rules)
+
+
+def test_alignment_counts_the_eval_cp_size_and_the_sp_the_moe_provider_turns_on(tmp_path):
+    eval_cp = cluster_config(DENSE, tmp_path, f"{EXTRA}=[dist.eval_context_parallel_size=4]")
+    assert bridge_alignment(bridge_run(eval_cp)) == 8  # lcm(1, 2·4)
+    moe = cluster_config(MOE, tmp_path, "packing.tensor_parallel=2", "packing.context_parallel=2")
+    assert moe.packing.alignment == 4  # lcm(2·2), SP off in packline's config
+    assert bridge_alignment(bridge_run(moe)) == 4  # lcm(2·2, 2·2)
+    moe_tp4 = cluster_config(MOE, tmp_path, "packing.tensor_parallel=4")
+    assert bridge_alignment(bridge_run(moe_tp4)) == 4  # lcm(1, 1·4): SP on
+    dense_tp4 = cluster_config(DENSE, tmp_path, "packing.tensor_parallel=4")
+    assert bridge_alignment(bridge_run(dense_tp4)) == 1  # a dense model keeps SP off
+
+
+def test_an_extra_override_is_checked_as_the_value_bridge_gets(tmp_path):
+    """Extra overrides are applied last: the rules read them, not packline's values."""
+    ok = cluster_config(
+        DENSE, tmp_path, f"{EXTRA}=[train.micro_batch_size=1,logger.log_interval=5]"
+    )
+    assert megatron_problems(ok) == []
+    run = bridge_run(cluster_config(DENSE, tmp_path, f"{EXTRA}=[train.micro_batch_size=2]"))
+    assert run.base["train.micro_batch_size"] == 1 and run.get("train.micro_batch_size") == 2
+
+
+def test_run_on_slurm_refuses_what_validate_lists(tmp_path, capsys):
+    overrides = [
+        f"work_dir={tmp_path / 'work'}",
+        f"processor.path={cluster_config(DENSE, tmp_path).processor.path}",
+        f"{EXTRA}=[train.micro_batch_size=2,model.dist_train.use_dist_train=true]",
+    ]
+    expected = megatron_problems(load_config(DENSE, overrides))
+    assert len(expected) == 2
+    assert main(["run", str(DENSE), *overrides, "--dryrun"]) == 2
+    err = capsys.readouterr().err
+    assert "2 problem(s)" in err and all(f"  - {p}\n" in err for p in expected)
 
 
 # --- the model side: meta device, LoRA matching ---------------------------------------------
