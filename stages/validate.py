@@ -11,14 +11,24 @@ Outputs in ``<work>/validate/``::
                     its status, and the figures the rules computed
     pipeline.yaml   the resolved config that was validated
 
-Rule groups, in order:
+Rule groups, in order, all in one pass:
 
 - ``config``: each section's types, ranges and enums (``schemas/config.py``);
-- ``packing`` / ``megatron``: the cross-section guardrails (``schemas/guardrails.py``), which
-  ``load_config`` already enforces, so a config breaking one stops before any stage runs;
-- ``data``: connect's tables against the config — overlength samples and the overlength
-  policy, images per sample, forecast fill at the configured buffer, loader-worker memory of
-  the buffer, and the pandera cross-table checks of manifest and lengths;
+- ``packing`` / ``megatron``: the cross-section guardrails on packline's settings
+  (``schemas/guardrails.py``), which ``load_config`` already enforces, so a config breaking
+  one stops before any stage runs;
+- ``slurm``: what ``packline run --executor slurm`` refuses (``schemas/guardrails.py``);
+- ``megatron`` (``train.backend: megatron``): the Megatron rules on the overrides Bridge will
+  really get, packline's plus ``megatron.extra_overrides`` (applied last), the same rules
+  ``run --executor slurm`` refuses (``stages/megatron_overrides.py``): paths, executor, GPUs
+  into TP × CP, EP and data-parallel groups, LoRA names, every extra key a field of Bridge's
+  config (``stages/bridge_fields.py``), Bridge's packing guardrails on the extra values,
+  micro-batches (train, dataset, eval), DistTrain off, no legacy in-batch packing, and the
+  alignment with the eval CP size and the SP the MoE provider turns on;
+- ``data``: connect's tables against the config — overlength samples (aligned as the run
+  pads them) and the overlength policy, images per sample, forecast fill at the configured
+  buffer, loader-worker memory of the buffer, and the pandera cross-table checks of manifest
+  and lengths;
 - ``model``: the processor against the model config (special-token ids, vocabulary, vision
   geometry, vision → text width) and the LoRA targets against the model's modules and
   parameters. The model is built on the meta device from its config: no weight is read.
@@ -53,6 +63,7 @@ from packline.train.setup import lora_target_matches, model_config
 from schemas.config import OverlengthPolicy, PipelineConfig, TrainBackend
 from schemas.guardrails import (
     CONFIG_RULES,
+    SLURM_RULES,
     Check,
     Finding,
     Issue,
@@ -71,6 +82,7 @@ from stages.base import (
     require_record,
     write_record,
 )
+from stages.megatron_overrides import bridge_alignment, megatron_findings
 
 STAGE = "validate"
 GIB = 1024**3
@@ -84,10 +96,12 @@ def fingerprint_inputs(cfg: PipelineConfig) -> str:
     model's ``config.json`` (its bytes, not its weights)."""
     from stages import connect
 
-    settings = {
-        k: v
-        for k, v in cfg.to_dict().items()
-        if k not in ("name", "work_dir", "mlflow", "executor")
+    d = cfg.to_dict()
+    settings = {k: v for k, v in d.items() if k not in ("name", "work_dir", "mlflow", "executor")}
+    slurm = d["executor"]["slurm"]  # what the SLURM and Megatron rules read of the executor
+    settings["executor"] = {
+        "kind": d["executor"]["kind"],
+        **{k: slurm[k] for k in ("nodes", "gpus_per_node", "nproc_per_node")},
     }
     model_json = Path(cfg.model.path).expanduser() / "config.json" if cfg.model.path else None
     model_hash = (
@@ -107,6 +121,9 @@ class Inputs:
     lengths: pd.DataFrame
     processor: Any
     connect_current: bool
+    alignment: int
+    """The multiple each conversation is padded to, as the run pads it (for the Megatron
+    backend: Bridge's, with the eval CP size and the SP its MoE provider turns on)."""
     model_config: Any = None
     model_config_problem: str | None = None
     facts: dict[str, Any] = field(default_factory=dict)
@@ -124,8 +141,9 @@ class Inputs:
         return self.model_config is not None and self.model_config_problem is None
 
 
-def load_inputs(cfg: PipelineConfig) -> Inputs:
-    """Read prepare's manifest, connect's lengths and processor, and the model's config."""
+def load_inputs(cfg: PipelineConfig, alignment: int | None = None) -> Inputs:
+    """Read prepare's manifest, connect's lengths and processor, and the model's config.
+    ``alignment`` defaults to ``packing.alignment``."""
     from stages import connect
 
     connect_dir = cfg.work_path / "connect"
@@ -137,6 +155,7 @@ def load_inputs(cfg: PipelineConfig) -> Inputs:
         lengths=pd.read_parquet(connect_dir / "lengths.parquet"),
         processor=processor,
         connect_current=record.get("fingerprint") == connect.fingerprint_inputs(cfg),
+        alignment=cfg.packing.alignment if alignment is None else alignment,
     )
     model_dir = Path(cfg.model.path).expanduser() if cfg.model.path else None
     if model_dir is not None and not model_dir.is_dir():
@@ -196,7 +215,7 @@ def _tables(x: Inputs) -> list[Issue]:
 
 
 def _aligned(x: Inputs) -> pd.Series:
-    m = x.cfg.packing.alignment
+    m = x.alignment
     return x.lengths["total_tokens"].map(lambda n: align_up(int(n), m))
 
 
@@ -207,12 +226,12 @@ def _aligned(x: Inputs) -> pd.Series:
     "packing.overlength",
 )
 def _overlength(x: Inputs) -> list[Issue]:
-    p = x.cfg.packing
+    p, m = x.cfg.packing, x.alignment
     aligned = _aligned(x)
     over = aligned > p.seq_length
     n, total = int(over.sum()), len(aligned)
     longest = int(x.lengths["total_tokens"].max()) if total else 0
-    x.facts["alignment"] = p.alignment
+    x.facts["alignment"] = m
     x.facts["overlength"] = {
         "samples": n,
         "by_split": {s: int(over[x.lengths["split"] == s].sum()) for s in ("train", "val")},
@@ -224,9 +243,9 @@ def _overlength(x: Inputs) -> list[Issue]:
         return []
     what = (
         f"{n} of {total} samples are longer than packing.seq_length {p.seq_length} "
-        f"(aligned to m = {p.alignment}; the longest has {longest} tokens)"
+        f"(aligned to m = {m}; the longest has {longest} tokens)"
     )
-    keep = f"packing.seq_length={align_up(int(aligned.max()), p.alignment)}"
+    keep = f"packing.seq_length={align_up(int(aligned.max()), m)}"
     if p.overlength is OverlengthPolicy.fail:
         return [
             error(
@@ -637,13 +656,17 @@ def _wraps(module: torch.nn.Module) -> bool:
 # --- the stage ------------------------------------------------------------------------------
 
 
-def collect(cfg: PipelineConfig, inputs: Inputs) -> tuple[list[Finding], list[Check]]:
-    """Every rule, in order: config sections, guardrails, data, model."""
+def collect(
+    cfg: PipelineConfig, inputs: Inputs, megatron: tuple[list[Finding], list[Check]]
+) -> tuple[list[Finding], list[Check]]:
+    """Every rule, in order: config sections, guardrails, SLURM, Megatron, data, model."""
     findings: list[Finding] = []
     checks: list[Check] = []
     for found, ran in (
         section_findings(cfg),
         CONFIG_RULES.run(cfg),
+        SLURM_RULES.run(cfg),
+        megatron,
         DATA_RULES.run(inputs),
         MODEL_RULES.run(inputs),
     ):
@@ -677,8 +700,9 @@ def validate_config(cfg: PipelineConfig, fp: str | None = None) -> StageResult:
     t0 = time.perf_counter()
     fp = fp or fingerprint_inputs(cfg)
     require_record(cfg, "connect", by="validate")
-    inputs = load_inputs(cfg)
-    findings, checks = collect(cfg, inputs)
+    megatron_found, megatron_ran, run = megatron_findings(cfg)
+    inputs = load_inputs(cfg, bridge_alignment(run) if run is not None else None)
+    findings, checks = collect(cfg, inputs, (megatron_found, megatron_ran))
     errors = [f for f in findings if f.severity == "error"]
     warnings = [f for f in findings if f.severity == "warning"]
     # connect's FLOPs forecast of one epoch, packing on vs off: shown again here, the last

@@ -1,6 +1,9 @@
 """The validate stage on a real prepared + connected tiny dataset: one test per data and model
 rule (the exact message, exit 2 for errors, exit 0 for warnings), all errors listed at once,
-the report, and the train stage refusing to start without it."""
+the report, and the train stage refusing to start without it. The SLURM and Megatron rules run
+in the same pass: the shipped cluster configs, on the tiny set with tiny stand-ins for the
+cluster's model and processor dirs, pass; each Bridge rule broken alone, and three at once, is
+listed with exit 2."""
 
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from packline.qwen.model import tiny_config
 from packline.qwen.processor import load_processor, special_token_ids
 from packline.train.setup import build_model
 from pipelines.cli import main
+from schemas.config import PROJECT_ROOT
 from stages.base import InputError, invalidate_from, read_record
 from stages.connect import connect_processor
 from stages.prepare import prepare_dataset
@@ -27,6 +31,8 @@ from stages.train import train_lora
 from stages.validate import buffered_bytes, load_inputs, validate_config
 from tests.conftest import make_config
 
+DENSE = PROJECT_ROOT / "configs" / "qwen3_vl_8b_lora_1node.yaml"
+MOE = PROJECT_ROOT / "configs" / "qwen3_vl_30b_a3b_lora_ep8_slurm.yaml"
 BASE = ["data.num_train=60", "data.num_val=8", "prepare.num_workers=1", "mlflow.enabled=false"]
 SAME_CHECKPOINT = (
     "use the processor and the model of the same checkpoint (processor.path, model.path)"
@@ -48,11 +54,16 @@ def lengths(connected) -> pd.DataFrame:
     return pd.read_parquet(connected / "connect" / "lengths.parquet")
 
 
-def _validate(work: Path, capsys, *overrides: str) -> tuple[int, list[str], dict]:
-    """``packline stage validate`` in this process: exit code, the problems it listed on
-    stderr, and the report it wrote."""
+def _validate(
+    work: Path, capsys, *overrides: str, config: Path | None = None
+) -> tuple[int, list[str], dict]:
+    """``packline stage validate [config]`` in this process: exit code, the problems it
+    listed on stderr, and the report it wrote."""
     shutil.rmtree(work / "validate", ignore_errors=True)
-    code = main(["stage", "validate", f"work_dir={work}", *BASE, *overrides, "--force"])
+    config_arg = [str(config)] if config else []
+    code = main(
+        ["stage", "validate", *config_arg, f"work_dir={work}", *BASE, *overrides, "--force"]
+    )
     err = capsys.readouterr().err
     problems = [line[4:] for line in err.splitlines() if line.startswith("  - ")]
     assert "Traceback" not in err
@@ -199,17 +210,17 @@ def test_more_images_than_prepare_max_images_is_an_error(connected, lengths, cap
     ]
 
 
-def test_megatron_encoder_limits_are_warnings(connected, lengths, capsys):
-    code, problems, report = _validate(
-        connected,
-        capsys,
-        "train.backend=megatron",
-        "megatron.max_num_images=1",
-        "megatron.max_visual_tokens=100",
+def test_megatron_encoder_limits_are_warnings(megatron, lengths, capsys):
+    code, problems, report = _validate_megatron(
+        megatron, capsys, DENSE, "megatron.max_num_images=1", "megatron.max_visual_tokens=100"
     )
     images, visual = lengths["num_images"], lengths["image_tokens"]
     assert code == 0 and problems == []
-    assert _texts(report, "warning") == [
+    assert [
+        f"{f['message']}; fix: {f['fix']}"
+        for f in report["warnings"]
+        if f["rule"] == "megatron.encoder_limits"
+    ] == [
         f"{int((images > 1).sum())} samples have more than megatron.max_num_images 1 "
         f"images (up to {int(images.max())}): Megatron-Bridge's encoder skips them without "
         f"counting them; fix: set megatron.max_num_images={int(images.max())}",
@@ -543,3 +554,153 @@ def test_validate_shows_connects_flops_forecast(connected, capsys):
     for key in ("epoch_useful", "epoch_executed_packed", "epoch_executed_unpacked", "saving"):
         assert record["metrics"][f"flops/{key}"] == pytest.approx(forecast[key])
     assert forecast["epoch_executed_unpacked"] > forecast["epoch_executed_packed"]
+
+
+# --- the SLURM and Megatron rules, in the same pass --------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def megatron(connected, tmp_path_factory) -> dict[str, Path]:
+    """The connected tiny set in a work dir of its own, plus stand-ins for the cluster's dirs:
+    the tiny processor as ``processor.path`` and the tiny dense and MoE models' config.json as
+    ``model.path`` (validate reads no weights)."""
+    root = tmp_path_factory.mktemp("megatron")
+    work = root / "work"
+    for name in ("prepare", "connect"):
+        shutil.copytree(connected / name, work / name, symlinks=True)
+    processor = shutil.copytree(connected / "connect" / "processor", root / "processor")
+    dirs = {"work": work, "processor": processor}
+    for moe in (False, True):
+        dirs["moe" if moe else "dense"] = root / ("moe" if moe else "dense")
+        tiny_config(load_processor(processor), moe=moe).save_pretrained(
+            dirs["moe" if moe else "dense"]
+        )
+    return dirs
+
+
+def _validate_megatron(dirs: dict[str, Path], capsys, config: Path, *overrides: str):
+    """``packline stage validate`` on a shipped cluster config, with the stand-in dirs."""
+    model = dirs["moe"] if config == MOE else dirs["dense"]
+    return _validate(
+        dirs["work"],
+        capsys,
+        f"processor.path={dirs['processor']}",
+        f"model.path={model}",
+        *overrides,
+        config=config,
+    )
+
+
+@pytest.mark.parametrize("config", [DENSE, MOE], ids=["8b_1node", "30b_a3b_ep8"])
+def test_shipped_cluster_configs_pass_every_rule_in_one_pass(megatron, capsys, config):
+    code, problems, report = _validate_megatron(megatron, capsys, config)
+    assert code == 0 and problems == [] and report["ok"]
+    status = {c["rule"]: c["status"] for c in report["checks"]}
+    for rule in (
+        "megatron.executor",
+        "megatron.paths",
+        "megatron.world",
+        "megatron.extra_override_fields",
+        "megatron.micro_batch",
+        "megatron.eval_micro_batch",
+        "megatron.dist_train",
+        "megatron.in_batch_packing",
+        "megatron.alignment",
+        "model.config",
+        "lora.targets",
+    ):
+        assert status[rule] == "ok", rule
+    assert status["slurm.data_parallel"] == "not applicable"  # Bridge splits its GPUs itself
+    assert {f["rule"] for f in report["warnings"]} <= {"data.current", "packing.forecast_fill"}
+
+
+EXTRA = "megatron.extra_overrides"
+DIST_TRAIN = (
+    "model.dist_train.use_dist_train=true (from megatron.extra_overrides): Megatron-Bridge's "
+    "native packing does not support Qwen3-VL DistTrain (separate vision and language ranks); "
+    "fix: remove model.dist_train.use_dist_train from megatron.extra_overrides"
+)
+EVAL_MBS = (
+    "validation.eval_micro_batch_size=2 (from megatron.extra_overrides), but the Energon "
+    "dataset's micro-batch is 1: Megatron-Bridge requires them equal (the eval loader batches as "
+    "the dataset does); fix: remove validation.eval_micro_batch_size from "
+    "megatron.extra_overrides"
+)
+UNKNOWN_KEY = (
+    "megatron.extra_overrides key 'model.tensor_parallel_size' is not a Megatron-Bridge config "
+    "field: Qwen3VLModelProvider at model has no field 'tensor_parallel_size' (did you mean "
+    "'tensor_model_parallel_size'?); fix: correct or remove 'model.tensor_parallel_size' in "
+    "megatron.extra_overrides"
+)
+BRIDGE_RULES = [
+    ("megatron.dist_train", DENSE, [f"{EXTRA}=[model.dist_train.use_dist_train=true]"], DIST_TRAIN),
+    (
+        "megatron.eval_micro_batch",
+        DENSE,
+        [f"{EXTRA}=[validation.eval_micro_batch_size=2]"],
+        EVAL_MBS,
+    ),
+    (
+        "megatron.micro_batch",
+        DENSE,
+        [f"{EXTRA}=[train.micro_batch_size=2]"],
+        "train.micro_batch_size=2 (from megatron.extra_overrides): Energon native packing in "
+        "Megatron-Bridge needs one packed row per micro-batch; fix: remove "
+        "train.micro_batch_size from megatron.extra_overrides",
+    ),
+    (
+        "megatron.extra_override_fields",
+        DENSE,
+        [f"{EXTRA}=[model.tensor_parallel_size=2]"],
+        UNKNOWN_KEY,
+    ),
+    (
+        "megatron.alignment",
+        MOE,
+        ["packing.tensor_parallel=2", "packing.seq_length=4095"],
+        "packing.seq_length 4095 is not a multiple of the alignment the run pads each "
+        "conversation to, m = 2 (CP 1, TP 2, SP on: Megatron-Bridge's MoE provider turns "
+        "sequence parallelism on when TP > 1); fix: set packing.seq_length=4096 or 4094",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("rule", "config", "overrides", "problem"), BRIDGE_RULES, ids=[r[0] for r in BRIDGE_RULES]
+)
+def test_a_bridge_rule_broken_alone_is_listed_and_exits_2(
+    megatron, capsys, rule, config, overrides, problem
+):
+    code, problems, report = _validate_megatron(megatron, capsys, config, *overrides)
+    assert code == 2 and problems == [problem]
+    assert [f["rule"] for f in report["errors"]] == [rule]
+    assert read_record(make_config(megatron["work"]), "validate") is None
+
+
+def test_three_broken_bridge_rules_are_listed_together(megatron, capsys):
+    extra = "model.dist_train.use_dist_train=true,validation.eval_micro_batch_size=2," + (
+        "model.tensor_parallel_size=2"
+    )
+    code, problems, report = _validate_megatron(megatron, capsys, DENSE, f"{EXTRA}=[{extra}]")
+    assert code == 2 and problems == [UNKNOWN_KEY, EVAL_MBS, DIST_TRAIN]
+    assert [f["rule"] for f in report["errors"]] == [
+        "megatron.extra_override_fields",
+        "megatron.eval_micro_batch",
+        "megatron.dist_train",
+    ]
+
+
+def test_the_slurm_rule_run_refuses_is_listed_by_validate(connected, capsys):
+    # the local backend on SLURM: 8 GPUs per node -> 8 data-parallel ranks for a batch of 4
+    code, problems, report = _validate(connected, capsys, "executor.kind=slurm")
+    assert code == 2
+    assert problems == [
+        "train.global_batch_size 4 is not divisible by the train job's 8 data-parallel "
+        "processes (nodes 1 × nproc_per_node 8); fix: change executor.slurm.nproc_per_node or "
+        "train.global_batch_size"
+    ]
+    assert [f["rule"] for f in report["errors"]] == ["slurm.data_parallel"]
+    code, problems, _ = _validate(
+        connected, capsys, "executor.kind=slurm", "executor.slurm.nproc_per_node=2"
+    )
+    assert code == 0 and problems == []
