@@ -221,6 +221,27 @@ class ProcessorConfig(_Section):
     """A local HF Qwen3-VL processor dir; ``null`` builds the built-in tiny one
     (byte-level BPE, vocab 4,096, patch 16, merge 2) deterministically."""
 
+    # The visual geometry: what decides an image's token count. ``null`` keeps the processor
+    # dir's value. connect writes the resolved values into the processor dir it measures with
+    # (``<work>/connect/processor``), the local backend trains with that dir, and the megatron
+    # backend sends the same values to Bridge's task encoder (``dataset.task_encoder.*``),
+    # whose own defaults (min 200,704, max 1,003,520 pixels, patch 14) would otherwise apply.
+    min_pixels: int | None = None
+    """Images are upscaled to at least this many pixels (``size.shortest_edge``)."""
+    max_pixels: int | None = None
+    """Images are downscaled to at most this many pixels (``size.longest_edge``)."""
+    patch_size: int | None = None
+    """Side of one ViT patch in pixels (Qwen3-VL: 16)."""
+    temporal_patch_size: int | None = None
+    """Frames per temporal patch (Qwen3-VL: 2; a still image fills it with copies)."""
+    merge_size: int | None = None
+    """Patches merged per side into one LLM token (Qwen3-VL: 2)."""
+
+    def geometry_overrides(self) -> dict[str, int]:
+        """The geometry fields set in the config (the rest come from the processor dir)."""
+        names = ("min_pixels", "max_pixels", "patch_size", "temporal_patch_size", "merge_size")
+        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+
     def rules(self) -> list[str]:
         p: list[str] = []
         if self.path is not None:
@@ -228,6 +249,15 @@ class ProcessorConfig(_Section):
                 p,
                 Path(self.path).expanduser().is_dir(),
                 f"processor.path: {self.path!r} is not a directory",
+            )
+        for name, value in self.geometry_overrides().items():
+            _check(p, value > 0, f"processor.{name} must be > 0 (or null), got {value}")
+        if self.min_pixels is not None and self.max_pixels is not None:
+            _check(
+                p,
+                self.min_pixels <= self.max_pixels,
+                f"processor.min_pixels {self.min_pixels} exceeds processor.max_pixels "
+                f"{self.max_pixels}",
             )
         return p
 

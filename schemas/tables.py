@@ -77,6 +77,8 @@ class LengthsModel(pa.DataFrameModel):
     loss_tokens: Series[int] = pa.Field(ge=1)
     image_grids: Series[str] = pa.Field(str_startswith="[")
     """JSON list of each image's (t, h, w) patch grid, in order."""
+    images_moved: Series[bool]
+    """Megatron-Bridge's encoder moves some image of this sample before its turn's text."""
 
     class Config:
         strict = True

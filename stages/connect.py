@@ -46,6 +46,7 @@ from stages.base import (
     require_record,
     write_record,
 )
+from stages.prepare import image_geometry
 
 STAGE = "connect"
 LENGTH_COLUMNS = [
@@ -57,17 +58,28 @@ LENGTH_COLUMNS = [
     "total_tokens",
     "loss_tokens",
     "image_grids",
+    "images_moved",
 ]
 VisualRule = Callable[[int, int], int]
 
 
 class LengthReader(ConversationReader):
-    """Energon task encoder that measures each sample both ways (exact and cheap)."""
+    """Energon task encoder that measures each sample both ways (exact and cheap), rendered
+    as the train backend will render it.
 
-    def __init__(self, processor_dir: Path, visual_tokens: VisualRule | None = None):
+    ``bridge=False`` (the local backend): images stay where their markers stand and the
+    processor resizes them once. ``bridge=True`` (``train.backend: megatron``): each turn's
+    images move before its text and each image first goes through qwen-vl-utils'
+    ``fetch_image``, as Megatron-Bridge's Qwen-VL encoder does.
+    """
+
+    def __init__(
+        self, processor_dir: Path, visual_tokens: VisualRule | None = None, *, bridge: bool = False
+    ):
         super().__init__()
         self.processor_dir = Path(processor_dir)
         self.visual_tokens = visual_tokens
+        self.bridge = bridge
         self._processor = None
         self._geometry = None
 
@@ -77,19 +89,31 @@ class LengthReader(ConversationReader):
             from packline.qwen.processor import load_processor, processor_geometry
 
             self._processor = load_processor(self.processor_dir)
-            self._geometry = processor_geometry(self._processor)
+            geometry = processor_geometry(self._processor)
+            self._geometry = geometry.with_overrides(qwen_vl_utils_resize=self.bridge)
         return self._processor
 
     def encode_sample(self, sample: ConversationSample) -> dict[str, Any]:
         from PIL import Image
 
-        from packline.qwen.lengths import cheap_lengths, exact_lengths
+        from packline.qwen.lengths import cheap_lengths, exact_lengths, media_first
+        from packline.qwen.vision import bridge_fetch_image
 
+        processor = self.processor
         sizes = [read_image_size(b) for b in sample.images]
         images = [Image.open(io.BytesIO(b)) for b in sample.images]
-        exact = exact_lengths(self.processor, sample.conversation, images)
+        conversation = sample.conversation
+        moved = media_first(conversation) != conversation
+        if self.bridge:
+            conversation = media_first(conversation)
+            images = [bridge_fetch_image(image) for image in images]
+        exact = exact_lengths(processor, conversation, images, turn_newline=self.bridge)
         cheap = cheap_lengths(
-            self.processor, sample.conversation, sizes, visual_tokens=self.visual_tokens
+            processor,
+            conversation,
+            sizes,
+            visual_tokens=self.visual_tokens or self._geometry.visual_tokens,
+            turn_newline=self.bridge,
         )
         grids = [list(self._geometry.grid_thw(h, w)) for w, h in sizes]
         return {
@@ -97,7 +121,13 @@ class LengthReader(ConversationReader):
             "exact": asdict(exact),
             "cheap": asdict(cheap),
             "image_grids": json.dumps(grids),
+            "images_moved": moved,
         }
+
+
+def renders_for_bridge(cfg: PipelineConfig) -> bool:
+    """Whether connect measures as Megatron-Bridge renders (``train.backend: megatron``)."""
+    return cfg.train.backend == TrainBackend.megatron
 
 
 def processor_source(cfg: PipelineConfig) -> Path | None:
@@ -118,13 +148,17 @@ def fingerprint_inputs(cfg: PipelineConfig) -> str:
             "algorithm": cfg.packing.algorithm.value,
             "buffers": list(cfg.packing.forecast_buffer_sizes),
             "seed": cfg.train.seed,
+            "bridge": renders_for_bridge(cfg),
         },
     )
 
 
 def materialize_processor(cfg: PipelineConfig, out: Path) -> Path:
-    """Put the processor dir under ``out/processor``: a copy of the user's, or the tiny one."""
-    from packline.qwen.processor import build_tiny_processor, load_processor
+    """Put the processor dir under ``out/processor``: a copy of the user's, or the tiny one,
+    with the geometry the config sets (``processor.min_pixels`` ...) written into it, so that
+    every later reader of the dir (connect itself, the local trainer, Bridge) resizes alike."""
+    from packline.qwen.processor import build_tiny_processor, load_processor, processor_geometry
+    from packline.qwen.vision import set_processor_geometry
 
     dest = out / "processor"
     src = processor_source(cfg)
@@ -132,7 +166,15 @@ def materialize_processor(cfg: PipelineConfig, out: Path) -> Path:
         build_tiny_processor(dest)
     else:
         shutil.copytree(src, dest)
-    load_processor(dest)  # fail here, with the loader's message, if it is not usable
+    if overrides := cfg.processor.geometry_overrides():
+        set_processor_geometry(dest, **overrides)
+    loaded = processor_geometry(load_processor(dest))  # fails here, with the loader's message
+    wanted = image_geometry(cfg)
+    if loaded != wanted:
+        raise InputError(
+            [f"{dest} resizes with {loaded}, the config asks for {wanted}"],
+            "connect: the processor dir does not take the configured geometry",
+        )
     return dest
 
 
@@ -143,12 +185,14 @@ def measure_lengths(
     num_workers: int,
     visual_tokens: VisualRule | None = None,
     expected: int | None = None,
+    bridge: bool = False,
 ) -> list[tuple[str, dict[str, Any]]]:
-    """(split, record) for every sample of the prepared dataset, through Energon."""
+    """(split, record) for every sample of the prepared dataset, through Energon, rendered
+    as Megatron-Bridge renders it when ``bridge`` (see :class:`LengthReader`)."""
     # Energon's loader asks for pinned memory; on a CPU-only machine torch warns each time.
     warnings.filterwarnings("ignore", message=".*pin_memory.*no accelerator.*")
     records: list[tuple[str, dict[str, Any]]] = []
-    encoder = LengthReader(processor_dir, visual_tokens)
+    encoder = LengthReader(processor_dir, visual_tokens, bridge=bridge)
     common = dict(batch_size=1, task_encoder=encoder)
     with progress() as bar:
         task = bar.add_task("connect lengths", total=expected)
@@ -377,6 +421,7 @@ def connect_processor(
             num_workers=cfg.prepare.num_workers,
             visual_tokens=visual_tokens,
             expected=len(manifest),
+            bridge=renders_for_bridge(cfg),
         )
         mismatches = [
             f"{rec['key']}: the processor counts {rec['exact']['total_tokens']} tokens "
@@ -400,6 +445,7 @@ def connect_processor(
                     "split": split,
                     **rec["exact"],
                     "image_grids": rec["image_grids"],
+                    "images_moved": rec["images_moved"],
                 }
                 for split, rec in records
             ]

@@ -3,10 +3,13 @@ metadata + ``manifest.parquet`` + ``rejects.jsonl``.
 
 Outputs in ``<work>/prepare/``::
 
-    train-000000.tar ...  val-000000.tar ...   WebDataset shards (<key>.json, <key>.img<k>.<ext>)
-    .nv-meta/                                   Energon index, split.yaml, dataset.yaml
-    manifest.parquet                            one row per accepted sample
-    rejects.jsonl                               one row per rejected row, with its reason
+    train-000000.tar ... val-000000.tar ...  WebDataset shards (<key>.json, <key>.img<k>.<ext>)
+    .nv-meta/          Energon index, split.yaml, dataset.yaml (packline's CrudeWebdataset),
+                       bridge_dataset.yaml + bridge_sample_loader.py (Bridge's ChatMLWebdataset)
+    bridge.yaml        MetadatasetV2 over these shards through bridge_dataset.yaml: what
+                       Bridge's dataset.path names
+    manifest.parquet   one row per accepted sample
+    rejects.jsonl      one row per rejected row, with its reason
 
 Every bad row is rejected with a reason and counted; the stage fails (exit 2) only when the
 rejected share exceeds ``prepare.max_reject_fraction``.
@@ -41,13 +44,30 @@ from stages.base import (
 STAGE = "prepare"
 SOURCE_DONE = "_SOURCE_COMPLETE"
 DATASET_YAML = {"__module__": "megatron.energon", "__class__": "CrudeWebdataset"}
+#: Megatron-Bridge's view of the same shards: its ``ChatMLWebdataset`` sample type, fed by
+#: packline's sample loader (copied into ``.nv-meta/``), selected by ``bridge.yaml``.
+BRIDGE_DATASET_CONFIG = "bridge_dataset.yaml"
+BRIDGE_SAMPLE_LOADER = "bridge_sample_loader.py"
+BRIDGE_DATASET_YAML = {
+    "__module__": "megatron.bridge.data.energon.task_encoder_utils",
+    "__class__": "ChatMLWebdataset",
+    "sample_loader": f"{BRIDGE_SAMPLE_LOADER}:sample_loader",
+    "part_filter": f"{BRIDGE_SAMPLE_LOADER}:part_filter",
+}
+#: The file Megatron-Bridge's ``dataset.path`` names (a ``MetadatasetV2`` over the prepare dir).
+BRIDGE_METADATASET = "bridge.yaml"
+#: Bumped when the layout of prepare's outputs changes, so older outputs are rebuilt.
+LAYOUT_VERSION = 2
 
 
 def image_geometry(cfg: PipelineConfig) -> ImageGeometry:
-    """The resize rule of the configured processor (the built-in tiny one by default)."""
+    """The resize rule of the configured processor (the built-in tiny one by default), with
+    the geometry fields the config sets (``processor.min_pixels`` ...) in place of the dir's."""
     if cfg.processor.path:
-        return ImageGeometry.from_processor_dir(Path(cfg.processor.path).expanduser())
-    return ImageGeometry()
+        geometry = ImageGeometry.from_processor_dir(Path(cfg.processor.path).expanduser())
+    else:
+        geometry = ImageGeometry()
+    return geometry.with_overrides(**cfg.processor.geometry_overrides())
 
 
 def synthetic_source_dir(cfg: PipelineConfig) -> Path:
@@ -90,7 +110,7 @@ def fingerprint_inputs(cfg: PipelineConfig) -> str:
     if cfg.data.source != "synthetic":
         source = hash_tree(Path(cfg.data.source).expanduser().resolve())
     geometry = image_geometry(cfg)
-    return fingerprint(cfg.section_hash("data", "prepare"), geometry, source)
+    return fingerprint(cfg.section_hash("data", "prepare"), geometry, source, LAYOUT_VERSION)
 
 
 def _write_shards(rows: list[ConversationRow], out: Path, split: str, per_shard: int) -> list[str]:
@@ -122,7 +142,26 @@ def _energon_prepare(out: Path, shards: dict[str, list[str]], workers: int) -> N
         shuffle_seed=None,
         workers=max(1, min(workers, len(paths))),
     )
-    (out / ".nv-meta" / "dataset.yaml").write_text(yaml.safe_dump(DATASET_YAML, sort_keys=False))
+    meta = out / ".nv-meta"
+    (meta / "dataset.yaml").write_text(yaml.safe_dump(DATASET_YAML, sort_keys=False))
+    _write_bridge_view(out, sorted(split for split, names in shards.items() if names))
+
+
+def _write_bridge_view(out: Path, splits: list[str]) -> None:
+    """Megatron-Bridge's dataset config over the same shards, and the metadataset naming it."""
+    from packline.energon import bridge_sample_loader
+
+    meta = out / ".nv-meta"
+    shutil.copyfile(bridge_sample_loader.__file__, meta / BRIDGE_SAMPLE_LOADER)
+    (meta / BRIDGE_DATASET_CONFIG).write_text(yaml.safe_dump(BRIDGE_DATASET_YAML, sort_keys=False))
+    metadataset = {
+        "__module__": "megatron.energon",
+        "__class__": "MetadatasetV2",
+        "splits": {
+            split: {"path": ".", "dataset_config": BRIDGE_DATASET_CONFIG} for split in splits
+        },
+    }
+    (out / BRIDGE_METADATASET).write_text(yaml.safe_dump(metadataset, sort_keys=False))
 
 
 def prepare_dataset(cfg: PipelineConfig, fp: str | None = None) -> StageResult:

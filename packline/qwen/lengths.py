@@ -21,8 +21,9 @@ from dataclasses import dataclass
 
 import numpy as np
 from PIL import Image
+from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 
-from packline.qwen.processor import PacklineQwen3VLProcessor, processor_geometry
+from packline.qwen.processor import processor_geometry
 
 Conversation = list[dict]
 """HF chat messages, see the module docstring."""
@@ -45,11 +46,14 @@ class LengthRecord:
 
 
 def exact_lengths(
-    processor: PacklineQwen3VLProcessor,
+    processor: Qwen3VLProcessor,
     conversation: Conversation,
     images: Sequence[Image.Image],
+    *,
+    turn_newline: bool = False,
 ) -> LengthRecord:
     """Count by running the real processor (chat template, image processor, tokenizer).
+    ``turn_newline`` counts loss tokens as Megatron-Bridge does (see :func:`assistant_mask`).
 
     Raises ``ValueError`` if the number of image parts differs from ``len(images)``, if an
     assistant message holds an image, or if the chat template cannot mark assistant tokens.
@@ -77,15 +81,19 @@ def exact_lengths(
         image_tokens=image_tokens,
         num_images=len(images),
         total_tokens=text_tokens + image_tokens,
-        loss_tokens=int(assistant_mask(input_ids, processor.tokenizer).sum()),
+        loss_tokens=int(
+            assistant_mask(input_ids, processor.tokenizer, turn_newline=turn_newline).sum()
+        ),
     )
 
 
 def cheap_lengths(
-    processor: PacklineQwen3VLProcessor,
+    processor: Qwen3VLProcessor,
     conversation: Conversation,
     image_sizes: Sequence[tuple[int, int]],
     visual_tokens: Callable[[int, int], int] | None = None,
+    *,
+    turn_newline: bool = False,
 ) -> LengthRecord:
     """Count without pixels, from each image's ``(width, height)`` (its file header).
 
@@ -117,16 +125,22 @@ def cheap_lengths(
         image_tokens=image_tokens,
         num_images=len(image_sizes),
         total_tokens=text_tokens + image_tokens,
-        loss_tokens=int(assistant_mask(np.asarray(input_ids), processor.tokenizer).sum()),
+        loss_tokens=int(
+            assistant_mask(
+                np.asarray(input_ids), processor.tokenizer, turn_newline=turn_newline
+            ).sum()
+        ),
     )
 
 
-def assistant_mask(input_ids: np.ndarray, tokenizer) -> np.ndarray:
+def assistant_mask(input_ids: np.ndarray, tokenizer, *, turn_newline: bool = False) -> np.ndarray:
     """True on every token an assistant turn is trained on, from ChatML token ids.
 
     A turn starts with ``<|im_start|>`` and the tokens of ``assistant``; the newline token
     that ends the header is skipped; everything after it up to and including the turn's
-    ``<|im_end|>`` is marked. (A reply that starts with newlines may merge with the header's
+    ``<|im_end|>`` is marked. ``turn_newline`` also marks the newline token right after that
+    ``<|im_end|>``, as Megatron-Bridge's Qwen-VL loss mask does (its assistant end marker is
+    ``<|im_end|>\\n``). (A reply that starts with newlines may merge with the header's
     newline into one token; that token is marked.) Works for any ChatML chat template.
 
     Worked example (ids shown as text)::
@@ -150,6 +164,8 @@ def assistant_mask(input_ids: np.ndarray, tokenizer) -> np.ndarray:
             k = j
             while k < n and ids[k] != end:
                 k += 1
+            if turn_newline and len(newline) == 1 and k + 1 < n and ids[k + 1] == newline[0]:
+                k += 1
             mask[j : min(k + 1, n)] = True
             i = k + 1
         else:
@@ -158,7 +174,7 @@ def assistant_mask(input_ids: np.ndarray, tokenizer) -> np.ndarray:
 
 
 def _check_conversation(
-    processor: PacklineQwen3VLProcessor, conversation: Conversation, num_images: int
+    processor: Qwen3VLProcessor, conversation: Conversation, num_images: int
 ) -> None:
     num_parts = 0
     for message in conversation:
@@ -171,6 +187,31 @@ def _check_conversation(
         num_parts += parts
     if num_parts != num_images:
         raise ValueError(f"the conversation has {num_parts} image parts but {num_images} images")
+
+
+def media_first(conversation: Conversation) -> Conversation:
+    """A copy with each message's image (and video) parts moved before its other parts, in
+    their order: how Megatron-Bridge's Qwen-VL encoder renders a conversation
+    (``normalized_vlm_sample_to_hf_example(..., media_first=True)``). The i-th image part
+    still takes the i-th image.
+
+    Worked example::
+
+        >>> media_first([{"role": "user", "content": [
+        ...     {"type": "text", "text": "A: "}, {"type": "image"},
+        ...     {"type": "text", "text": " B: "}, {"type": "image"}]}])[0]["content"]
+        [{'type': 'image'}, {'type': 'image'}, {'type': 'text', 'text': 'A: '}, \
+{'type': 'text', 'text': ' B: '}]
+    """
+    out = []
+    for message in conversation:
+        content = message.get("content")
+        if isinstance(content, list):
+            media = [p for p in content if p.get("type") in ("image", "video")]
+            rest = [p for p in content if p.get("type") not in ("image", "video")]
+            content = media + rest
+        out.append({**message, "content": content})
+    return out
 
 
 def bind_images(conversation: Conversation, images: Sequence[Image.Image]) -> Conversation:

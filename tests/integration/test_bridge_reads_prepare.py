@@ -1,0 +1,213 @@
+"""Megatron-Bridge's own data code reads what prepare writes, and trains on connect's lengths.
+
+Bridge's data-path modules from the pinned wheel, unchanged (``tests/bridge_data.py``), run in a
+subprocess (``tests/integration/bridge_read.py``): its ``ChatMLWebdataset`` loads every sample
+of both splits through ``<work>/prepare/bridge.yaml``, its builder makes the Qwen-VL encoder
+from packline's overrides, and its encoder gives each sample's sequence. For
+``train.backend: megatron`` connect must have measured exactly that: the same length, loss
+tokens and image grids, for every sample — on the built-in set (text-only, one-, two- and
+three-image rows) and on a user folder whose ``<image>`` markers stand in mid-text, which
+Bridge's encoder moves before the text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from PIL import Image
+
+from packline.conversations import key_for_id
+from stages.connect import connect_processor
+from stages.megatron_overrides import bridge_overrides
+from stages.prepare import prepare_dataset, resolve_source
+from tests.bridge_data import PLACEHOLDERS, bridge_data_tree
+from tests.bridge_source import IndexUnreachable
+from tests.conftest import make_config
+
+ROOT = Path(__file__).resolve().parents[2]
+MEGATRON = (
+    "train.backend=megatron",
+    "packing.algorithm=ffd",
+    "mlflow.enabled=false",
+    "lora.target_modules=[q_proj,k_proj,v_proj,o_proj]",
+)
+
+pytestmark = pytest.mark.slow
+
+
+def _tree() -> Path:
+    try:
+        return bridge_data_tree()
+    except IndexUnreachable as exc:
+        pytest.skip(f"cannot download the pinned Megatron-Bridge wheels from the index: {exc}")
+
+
+def _bridge_read(cfg, tmp_path: Path) -> dict[str, dict]:
+    """Bridge's view of every sample (see bridge_read.py)."""
+    tree = _tree()
+    overrides = tmp_path / "overrides.json"
+    overrides.write_text(json.dumps(bridge_overrides(cfg)))
+    out = tmp_path / "bridge.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), str(ROOT)])}
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "tests/integration/bridge_read.py"), str(overrides), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads(out.read_text())["samples"]
+
+
+def _source_images(folder: Path) -> dict[str, list[list]]:
+    """key → [width, height, sha1 of the RGB pixels] of each image, in the row's order."""
+    out = {}
+    for line in (folder / "conversations.jsonl").read_text().splitlines():
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        images = []
+        for rel in row.get("images") or []:
+            with Image.open(folder / rel) as img:
+                rgb = img.convert("RGB")
+                images.append([*rgb.size, hashlib.sha1(rgb.tobytes()).hexdigest()])
+        out[key_for_id(str(row["id"]))] = images
+    return out
+
+
+def _check(cfg, tmp_path: Path, source: Path) -> tuple[pd.DataFrame, dict[str, dict]]:
+    seen = _bridge_read(cfg, tmp_path)
+    lengths = pd.read_parquet(cfg.work_path / "connect" / "lengths.parquet")
+    manifest = pd.read_parquet(cfg.work_path / "prepare" / "manifest.parquet")
+    assert set(seen) == set(manifest["key"]) == set(lengths["key"])
+    assert {s["sample_type"] for s in seen.values()} == {"ChatMLSample"}
+    expected_images = _source_images(source)
+    for row in lengths.itertuples():
+        bridge = seen[row.key]
+        assert bridge["split"] == row.split, row.key
+        # images arrive in order, as the source row lists them (exact pixels)
+        assert bridge["images"] == expected_images[row.key], row.key
+        assert bridge["length"] == row.total_tokens, row.key
+        assert bridge["loss_tokens"] == row.loss_tokens, row.key
+        assert bridge["image_grids"] == json.loads(row.image_grids), row.key
+    return lengths, seen
+
+
+def test_bridge_reads_the_built_in_set_at_connects_lengths(tmp_path: Path):
+    cfg = make_config(tmp_path / "work", *MEGATRON)
+    prepare_dataset(cfg)
+    connect_processor(cfg)
+    lengths, _ = _check(cfg, tmp_path, resolve_source(cfg))
+    assert set(lengths["num_images"]) >= {0, 1, 2}  # text-only, single- and multi-image rows
+
+
+def _picture(path: Path, size: tuple[int, int], colour: str) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    img = Image.new("RGB", size, colour)
+    img.paste("white", (size[0] // 4, size[1] // 4, size[0] // 2, size[1] // 2))
+    img.save(path)
+    return f"img/{path.name}"
+
+
+def _user_folder(root: Path) -> Path:
+    """Rows whose markers stand in mid-text, a LLaVA row, a text-only row; image sizes whose
+    token counts differ between one resize and Bridge's two (149×234 among them)."""
+    folder = root / "data"
+    img = folder / "img"
+    a = _picture(img / "a.png", (149, 234), "red")
+    b = _picture(img / "b.jpg", (640, 480), "blue")
+    c = _picture(img / "c.png", (1000, 750), "green")
+    d = _picture(img / "d.png", (37, 301), "purple")
+
+    def user(text):
+        return {"role": "user", "content": text}
+
+    def reply(text):
+        return {"role": "assistant", "content": text}
+
+    rows = [
+        {
+            "id": "mid-text",
+            "images": [a, b],
+            "conversations": [
+                user("Image 1: <image> Image 2: <image> Which one is bigger?"),
+                reply("Image 2."),
+            ],
+        },
+        {
+            "id": "two-turns",
+            "images": [c, d],
+            "conversations": [
+                user("Look at <image> first."),
+                reply("I see a green picture."),
+                user("And now <image>: what colour is it?"),
+                reply("Purple."),
+            ],
+        },
+        {
+            "id": "end-marker",
+            "images": [d],
+            "conversations": [user("What colour is this? <image>"), reply("Purple.")],
+        },
+        {
+            "id": "llava",
+            "images": [b],
+            "conversations": [
+                {"from": "human", "value": "Describe the picture."},
+                {"from": "gpt", "value": "A blue picture with a white square."},
+            ],
+        },
+        {
+            "id": "text-only",
+            "conversations": [
+                {"role": "system", "content": "Be brief."},
+                user("How many sides has a square?"),
+                reply("4"),
+            ],
+        },
+    ]
+    for i, row in enumerate(rows):
+        row["split"] = "val" if i == 2 else "train"
+    (folder / "conversations.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return folder
+
+
+def test_bridge_reads_a_user_folder_with_mid_text_markers_at_connects_lengths(tmp_path: Path):
+    folder = _user_folder(tmp_path)
+    cfg = make_config(tmp_path / "work", *MEGATRON, f"data.source={folder}")
+    prepare_dataset(cfg)
+    connect_processor(cfg)
+    lengths, seen = _check(cfg, tmp_path, folder)
+    moved = dict(zip(lengths["key"], lengths["images_moved"], strict=True))
+    # Bridge moves the images of the rows whose markers are not already first in their turn
+    assert moved == {
+        "mid-text": True,
+        "two-turns": True,
+        "end-marker": True,
+        "llava": False,
+        "text-only": False,
+    }
+    assert seen["text-only"]["images"] == [] and seen["text-only"]["image_grids"] == []
+
+
+def test_the_placeholders_are_only_the_listed_names():
+    """Nothing of Bridge's data path is replaced: the tree holds its files byte for byte and
+    the few placeholder modules listed in tests/bridge_data.py."""
+    tree = _tree()
+    from tests.bridge_data import MODULES
+    from tests.bridge_source import fetch_sources
+
+    src = fetch_sources()
+    for rel in MODULES:
+        assert (tree / rel).read_bytes() == (src / rel).read_bytes(), rel
+    written = {str(p.relative_to(tree)) for p in tree.rglob("*.py") if p.name != "__init__.py"}
+    assert written == set(MODULES) | set(PLACEHOLDERS)
+    assert all((p.stat().st_size == 0) for p in tree.rglob("__init__.py"))
