@@ -703,6 +703,12 @@ MEASURED = {
     "dataset.pad_to_max_length": "packing.pad_to_max_length",
     "dataset.task_encoder.hf_processor_path": "connect's processor (processor.path)",
     "dataset.task_encoder.max_num_images": "megatron.max_num_images",
+    "dataset.task_encoder.max_visual_tokens": "megatron.max_visual_tokens",
+    "dataset.task_encoder.min_pixels": "processor.min_pixels",
+    "dataset.task_encoder.max_pixels": "processor.max_pixels",
+    "dataset.task_encoder.patch_size": "processor.patch_size",
+    "dataset.task_encoder.temporal_patch_size": "processor.temporal_patch_size",
+    "dataset.task_encoder.spatial_merge_size": "processor.merge_size",
     "model.tensor_model_parallel_size": "packing.tensor_parallel",
     "model.context_parallel_size": "packing.context_parallel",
     "model.sequence_parallel": "packing.sequence_parallel",
@@ -714,7 +720,7 @@ MEASURED = {
     "megatron.extra_override_measured",
     "megatron",
     "megatron.extra_overrides do not change what connect measured and validate checked "
-    "(sequence length, buffer, parallelism, dataset, processor)",
+    "(sequence length, buffer, parallelism, dataset, processor and its visual geometry)",
 )
 def _extra_override_measured(run: BridgeRun) -> list[Issue] | None:
     if not _megatron(run):

@@ -332,21 +332,51 @@ def _encoder_limits(x: Inputs) -> list[Issue] | None:
 
 
 @DATA_RULES.rule(
+    "megatron.media_first",
+    "megatron",
+    "the samples whose images Megatron-Bridge's encoder moves before their turn's text are "
+    "counted (it renders every turn media first; connect measured them that way)",
+)
+def _media_first(x: Inputs) -> list[Issue] | None:
+    if x.cfg.train.backend is not TrainBackend.megatron:
+        return None
+    moved = x.lengths[x.lengths["images_moved"]]
+    x.facts["images_moved"] = len(moved)
+    if moved.empty:
+        return []
+    return [
+        warning(
+            "train.backend",
+            f"Megatron-Bridge's encoder puts each turn's images before its text: {len(moved)} "
+            f"of {len(x.lengths)} samples have an image after text in their turn (e.g. "
+            f"{', '.join(moved['key'].head(3))}), so text such as 'Image 1: <image> Image 2: "
+            "<image>' loses its sense there; connect measured them as Bridge renders them",
+            "place the images before the text in those turns, or train with train.backend "
+            "local, which keeps images where the markers stand",
+        )
+    ]
+
+
+@DATA_RULES.rule(
     "packing.forecast_fill",
     "packing",
     "the forecast fill at packing.packing_buffer_size reaches validate.min_forecast_fill",
 )
 def _forecast_fill(x: Inputs) -> list[Issue] | None:
-    from stages.connect import forecast_fill
+    from stages.connect import forecast_fill, forecast_settings
 
     cfg = x.cfg
     if not cfg.trains_packed:
         return None
     p = cfg.packing
     buffer = p.packing_buffer_size
-    fits = [int(a) for a in _aligned(x)[x.lengths["split"] == "train"] if a <= p.seq_length]
+    aligned = [int(a) for a in _aligned(x)[x.lengths["split"] == "train"]]
     larger = sorted(b for b in p.forecast_buffer_sizes if b > buffer)
-    forecast = forecast_fill(fits, p.seq_length, [buffer, *larger], p.algorithm, cfg.train.seed)
+    settings = forecast_settings(cfg)
+    algorithm = settings.pop("algorithm")
+    forecast = forecast_fill(
+        aligned, p.seq_length, [buffer, *larger], algorithm, cfg.train.seed, **settings
+    )
     fills = {int(b): v["fill"] for b, v in forecast["buffers"].items()}
     fill, bound = fills[buffer], forecast["lower_bound"]["fill"]
     x.facts["forecast_fill"] = {

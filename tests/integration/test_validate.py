@@ -611,7 +611,15 @@ def test_shipped_cluster_configs_pass_every_rule_in_one_pass(megatron, capsys, c
     ):
         assert status[rule] == "ok", rule
     assert status["slurm.data_parallel"] == "not applicable"  # Bridge splits its GPUs itself
-    assert {f["rule"] for f in report["warnings"]} <= {"data.current", "packing.forecast_fill"}
+    allowed = {"data.current", "packing.forecast_fill", "megatron.media_first"}
+    assert {f["rule"] for f in report["warnings"]} <= allowed
+    # the samples whose images Bridge moves before their turn's text are counted
+    moved = int(
+        pd.read_parquet(megatron["work"] / "connect" / "lengths.parquet")["images_moved"].sum()
+    )
+    assert moved > 0 and report["facts"]["images_moved"] == moved
+    (media_first,) = [f for f in report["warnings"] if f["rule"] == "megatron.media_first"]
+    assert f"{moved} of " in media_first["message"]
 
 
 EXTRA = "megatron.extra_overrides"

@@ -15,15 +15,17 @@ from schemas.config import (
     load_config,
 )
 from stages.megatron_overrides import megatron_problems
+from tests.unit.test_megatron_overrides import processor_stand_in
 
 SHIPPED = sorted((PROJECT_ROOT / "configs").glob("*.yaml"))
 
 
 def cluster_stand_ins(path: Path, tmp_path: Path) -> list[str]:
-    """Cluster configs name a processor dir on the cluster's filesystem: a local stand-in."""
+    """Cluster configs name a processor dir on the cluster's filesystem: a local stand-in
+    holding the image processor config the overrides read the geometry from."""
     raw = yaml.safe_load(path.read_text())
     if (raw.get("processor") or {}).get("path"):
-        return [f"processor.path={tmp_path}"]
+        return [f"processor.path={processor_stand_in(tmp_path)}"]
     return []
 
 

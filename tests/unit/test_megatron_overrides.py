@@ -96,13 +96,37 @@ def test_native_packing_overrides_buffer_mbs1_per_token_loss_sum_reduction(tmp_p
     assert o["model.calculate_per_token_loss"] is True
     assert o["ddp.average_in_collective"] is False
     assert o["dataset.seq_length"] == o["model.seq_length"] == 4096
-    assert o["dataset.path"] == str(tmp_path / "work" / "prepare")
+    # Bridge's ChatMLWebdataset view of prepare's shards
+    assert o["dataset.path"] == str(tmp_path / "work" / "prepare" / "bridge.yaml")
     assert o["dataset.task_encoder.hf_processor_path"] == str(
         tmp_path / "work" / "connect" / "processor"
     )
     assert "model.expert_model_parallel_size" not in o  # dense: no MoE overrides
     unpacked = bridge_overrides(cluster_config(DENSE, tmp_path, "packing.enabled=false"))
     assert unpacked["dataset.packing_buffer_size"] is None
+
+
+def test_the_geometry_connect_measured_with_reaches_the_task_encoder(tmp_path: Path):
+    """The processor dir's geometry, or the config's processor.* in its place: never Bridge's
+    own defaults (min 200,704 / max 1,003,520 pixels, patch 14)."""
+    o = bridge_overrides(cluster_config(DENSE, tmp_path))
+    encoder = {k: v for k, v in o.items() if k.startswith("dataset.task_encoder.")}
+    assert encoder == {
+        "dataset.task_encoder.hf_processor_path": str(tmp_path / "work/connect/processor"),
+        "dataset.task_encoder.max_num_images": 10,
+        "dataset.task_encoder.max_visual_tokens": 16384,
+        "dataset.task_encoder.min_pixels": 65536,
+        "dataset.task_encoder.max_pixels": 16777216,
+        "dataset.task_encoder.patch_size": 16,
+        "dataset.task_encoder.temporal_patch_size": 2,
+        "dataset.task_encoder.spatial_merge_size": 2,
+    }
+    set_in_config = bridge_overrides(
+        cluster_config(DENSE, tmp_path, "processor.min_pixels=200704", "processor.patch_size=14")
+    )
+    assert set_in_config["dataset.task_encoder.min_pixels"] == 200704
+    assert set_in_config["dataset.task_encoder.patch_size"] == 14
+    assert set_in_config["dataset.task_encoder.max_pixels"] == 16777216
 
 
 def test_weight_decay_reaches_the_optimizer_and_both_scheduler_fields(tmp_path: Path):
@@ -180,6 +204,16 @@ def test_megatron_problems_listed_together(tmp_path: Path):
     assert megatron_problems(cluster_config(MOE, tmp_path)) == []
     moe_on_6 = megatron_problems(cluster_config(MOE, tmp_path), world_size=6)
     assert any("expert_parallel 8 does not divide" in p for p in moe_on_6)
+
+
+def test_an_extra_override_may_not_change_the_geometry_connect_measured_with(tmp_path: Path):
+    extra = "megatron.extra_overrides=[dataset.task_encoder.min_pixels=200704]"
+    problems = megatron_problems(cluster_config(DENSE, tmp_path, extra))
+    assert len(problems) == 1
+    assert "dataset.task_encoder.min_pixels=200704" in problems[0]
+    assert "processor.min_pixels" in problems[0]
+    same = "megatron.extra_overrides=[dataset.task_encoder.min_pixels=65536]"
+    assert megatron_problems(cluster_config(DENSE, tmp_path, same)) == []
 
 
 @dataclass
