@@ -1,11 +1,18 @@
 """The Qwen3-VL processor: the built-in tiny one, and loading any Qwen-VL processor dir.
 
-Everything here works offline and without torchvision. The tiny processor is a real
-``Qwen3VLProcessor`` (subclassed so it needs no video processor) around a byte-level BPE
-tokenizer trained on a small corpus generated in this module, Qwen's special tokens at the
-top ids, a Qwen-VL ChatML chat template and the PIL ``Qwen2VLImageProcessorPil`` with
-:class:`~packline.qwen.vision.ImageGeometry`'s default geometry. Built twice, it is
-byte-identical.
+Everything here works offline. The tiny processor is the stock ``transformers``
+``Qwen3VLProcessor``: a byte-level BPE tokenizer trained on a small corpus generated in this
+module, with Qwen's special tokens at the top ids; a Qwen-VL ChatML chat template; the
+torchvision image processor ``Qwen2VLImageProcessor`` (transformers 5's name for what real
+checkpoints call ``Qwen2VLImageProcessorFast``) with
+:class:`~packline.qwen.vision.ImageGeometry`'s default geometry; and a
+``Qwen3VLVideoProcessor`` with the same patch, merge and temporal patch sizes. Its dir is
+laid out as a downloaded Qwen3-VL checkpoint's processor files are
+(``preprocessor_config.json``, ``video_preprocessor_config.json``, ``tokenizer.json``,
+``tokenizer_config.json``, plus ``chat_template.jinja``, where older downloads have
+``chat_template.json``), so ``AutoProcessor.from_pretrained`` and Megatron-Bridge's
+``Qwen3VLProcessor.from_pretrained`` load it as they load a real one. Built twice, every
+file is byte-identical.
 
 The model config must take its token ids from :func:`special_token_ids`: the tiny vocab has
 4,096 ids, so the HF config defaults (``image_token_id=151655``, ...) would be wrong.
@@ -23,7 +30,9 @@ from tokenizers.trainers import BpeTrainer
 from transformers import AutoTokenizer
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX, Qwen2Tokenizer
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
 from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
 from packline.qwen.vision import ImageGeometry
 
@@ -86,23 +95,6 @@ CHAT_TEMPLATE = """\
 {{- '<|im_start|>assistant\\n' -}}
 {%- endif -%}
 """
-
-
-class PacklineQwen3VLProcessor(Qwen3VLProcessor):
-    """``Qwen3VLProcessor`` for images and text only, so it builds without torchvision.
-
-    The stock class always wants a video processor, and building one without torchvision
-    fails (``VIDEO_PROCESSOR_MAPPING has no attribute _extra_content``). Here the video
-    processor is ``None``; passing ``videos=`` is not supported.
-    """
-
-    @classmethod
-    def get_attributes(cls) -> list[str]:
-        return ["image_processor", "tokenizer"]
-
-    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-        super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
-        self.video_processor = None
 
 
 # --- the built-in tiny processor -------------------------------------------------------
@@ -269,26 +261,40 @@ def _build_tiny_tokenizer() -> Qwen2Tokenizer:
 def build_tiny_processor(out_dir: Path) -> Path:
     """Build the built-in tiny processor into ``out_dir`` (created) and return it.
 
-    Offline and deterministic: the same inputs give a byte-identical ``tokenizer.json``.
-    Load it back with :func:`load_processor`.
+    Offline and deterministic: the same inputs give byte-identical files. Load it back with
+    :func:`load_processor` (or ``AutoProcessor`` / ``Qwen3VLProcessor.from_pretrained``).
     """
     geometry = ImageGeometry()
-    image_processor = Qwen2VLImageProcessorPil(
-        patch_size=geometry.patch_size,
-        temporal_patch_size=geometry.temporal_patch_size,
-        merge_size=geometry.merge_size,
-        image_mean=[0.5, 0.5, 0.5],
-        image_std=[0.5, 0.5, 0.5],
-        size={"shortest_edge": geometry.min_pixels, "longest_edge": geometry.max_pixels},
-    )
-    processor = PacklineQwen3VLProcessor(
-        image_processor=image_processor,
+    shared = {
+        "patch_size": geometry.patch_size,
+        "temporal_patch_size": geometry.temporal_patch_size,
+        "merge_size": geometry.merge_size,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        # Images: each within [min_pixels, max_pixels]. Videos: a clip's sampled frames
+        # together within the same bounds, so about 512 visual tokens at most.
+        "size": {"shortest_edge": geometry.min_pixels, "longest_edge": geometry.max_pixels},
+    }
+    processor = Qwen3VLProcessor(
+        image_processor=Qwen2VLImageProcessor(**shared),
         tokenizer=_build_tiny_tokenizer(),
+        video_processor=Qwen3VLVideoProcessor(**shared),
         chat_template=CHAT_TEMPLATE,
     )
-    out_dir = Path(out_dir)
+    return _save_like_a_checkpoint(processor, Path(out_dir))
+
+
+def _save_like_a_checkpoint(processor: Qwen3VLProcessor, out_dir: Path) -> Path:
+    """Save each part with its own ``save_pretrained``: the files a downloaded Qwen3-VL
+    checkpoint has. (``Qwen3VLProcessor.save_pretrained`` in transformers 5 would nest the
+    image and video configs in one ``processor_config.json`` instead.)"""
     out_dir.mkdir(parents=True, exist_ok=True)
-    processor.save_pretrained(out_dir)
+    processor.image_processor.save_pretrained(out_dir)  # preprocessor_config.json
+    processor.video_processor.save_pretrained(out_dir)  # video_preprocessor_config.json
+    # tokenizer_config.json's processor_class is what AutoProcessor resolves the dir by.
+    processor.tokenizer._set_processor_class(type(processor).__name__)
+    processor.tokenizer.save_pretrained(out_dir)  # tokenizer.json, tokenizer_config.json
+    (out_dir / "chat_template.jinja").write_text(processor.chat_template, encoding="utf-8")
     return out_dir
 
 
@@ -297,15 +303,9 @@ def build_tiny_processor(out_dir: Path) -> Path:
 _VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 
 
-def _read_chat_template(path: Path, tokenizer) -> str:
-    """The processor's chat template: ``chat_template.jinja``, else ``chat_template.json``
-    (older HF dirs), else the tokenizer's own."""
-    if (jinja := path / "chat_template.jinja").is_file():
-        return jinja.read_text()
-    if (legacy := path / "chat_template.json").is_file():
-        template = json.loads(legacy.read_text()).get("chat_template")
-        if template:
-            return template
+def _tokenizer_chat_template(path: Path, tokenizer) -> str:
+    """The tokenizer's own chat template, for dirs with no ``chat_template.jinja`` or
+    ``chat_template.json`` (which the processor reads itself)."""
     if isinstance(tokenizer.chat_template, str) and tokenizer.chat_template:
         return tokenizer.chat_template
     raise ValueError(
@@ -314,13 +314,17 @@ def _read_chat_template(path: Path, tokenizer) -> str:
     )
 
 
-def load_processor(path: str | Path) -> PacklineQwen3VLProcessor:
-    """Load a Qwen-VL processor dir: the built-in tiny one or a real Qwen3-VL HF dir.
+def load_processor(path: str | Path) -> Qwen3VLProcessor:
+    """Load a Qwen-VL processor dir as a ``Qwen3VLProcessor``: the built-in tiny one, a
+    downloaded Qwen3-VL checkpoint, or one saved by ``save_pretrained``.
 
-    Always builds the PIL image processor (``Qwen2VLImageProcessorPil``), whatever image
-    processor the dir names (real Qwen3-VL dirs name the torchvision-backed one), plus the
-    tokenizer and the chat template, so no torchvision is needed. Raises ``ValueError`` if
-    the dir is missing or does not hold a Qwen-VL processor.
+    Loads it as Megatron-Bridge does (``Qwen3VLProcessor.from_pretrained``): the image
+    processor the dir names (``Qwen2VLImageProcessor`` or the legacy name
+    ``Qwen2VLImageProcessorFast``, as real checkpoints say: the torchvision one), its video
+    processor, tokenizer and chat template. A dir naming ``Qwen2VLImageProcessorPil`` gets
+    the PIL one (transformers' ``AutoImageProcessor`` would load the torchvision one
+    regardless); both give the same grids and token counts. Raises ``ValueError`` if the dir
+    is missing, does not hold a Qwen-VL processor, or has no loadable video processor.
     """
     path = Path(path)
     if not path.is_dir():
@@ -341,12 +345,22 @@ def load_processor(path: str | Path) -> PacklineQwen3VLProcessor:
         raise ValueError(
             f"{path} is not a Qwen-VL processor: its tokenizer lacks {', '.join(missing)}"
         )
-    image_processor = Qwen2VLImageProcessorPil.from_pretrained(path, local_files_only=True)
-    return PacklineQwen3VLProcessor(
-        image_processor=image_processor,
-        tokenizer=tokenizer,
-        chat_template=_read_chat_template(path, tokenizer),
-    )
+    try:
+        processor = Qwen3VLProcessor.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ValueError(
+            f"{path} does not load as a Qwen3VLProcessor, the way Megatron-Bridge loads it: "
+            f"{exc} A Qwen3-VL processor dir holds preprocessor_config.json, "
+            "video_preprocessor_config.json and the tokenizer files; a built-in one from an "
+            "older packline is rebuilt by rerunning connect (--from connect)."
+        ) from exc
+    if config_type == "Qwen2VLImageProcessorPil":
+        processor.image_processor = Qwen2VLImageProcessorPil.from_pretrained(
+            path, local_files_only=True
+        )
+    if not processor.chat_template:
+        processor.chat_template = _tokenizer_chat_template(path, processor.tokenizer)
+    return processor
 
 
 def _image_processor_type(path: Path) -> str | None:
@@ -363,7 +377,7 @@ def _image_processor_type(path: Path) -> str | None:
     return None
 
 
-def special_token_ids(processor: PacklineQwen3VLProcessor) -> dict[str, int]:
+def special_token_ids(processor: Qwen3VLProcessor) -> dict[str, int]:
     """The token ids the model config must take (``Qwen3VLConfig(**special_token_ids(p))``)."""
     tokenizer = processor.tokenizer
     ids = {
@@ -379,8 +393,9 @@ def special_token_ids(processor: PacklineQwen3VLProcessor) -> dict[str, int]:
     return ids
 
 
-def processor_geometry(processor: PacklineQwen3VLProcessor) -> ImageGeometry:
-    """The image geometry (patch, merge, min/max pixels) of a loaded processor."""
+def processor_geometry(processor: Qwen3VLProcessor) -> ImageGeometry:
+    """The image geometry (patch, merge, min/max pixels) of a loaded processor's image
+    processor (torchvision or PIL: both keep ``size`` as ``shortest_edge``/``longest_edge``)."""
     image_processor = processor.image_processor
     size = image_processor.size
     return ImageGeometry(

@@ -1,25 +1,26 @@
-"""The built-in tiny Qwen3-VL processor and ``load_processor``: offline, no torchvision."""
+"""The built-in tiny Qwen3-VL processor and ``load_processor``: offline, standard HF dirs."""
 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
+from transformers import AutoProcessor, AutoTokenizer
 from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
+from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
 from packline.qwen.processor import (
     CHAT_TEMPLATE,
     SPECIAL_TOKENS,
     TAG_TOKENS,
-    PacklineQwen3VLProcessor,
     build_tiny_processor,
     load_processor,
     processor_geometry,
@@ -27,8 +28,12 @@ from packline.qwen.processor import (
 )
 from packline.qwen.vision import ImageGeometry
 
+# sha256 of the tiny tokenizer.json as built before the processor became a standard
+# Qwen3VLProcessor dir: the tokenizer (so every token id) must not change with the layout.
+TINY_TOKENIZER_SHA256 = "62ac732c0cd1bfc8fe41b4cf685aae2a13148f6707bf05619e7f4ce852e6b9fe"
+
 # What a real Qwen3-VL HF dir holds in preprocessor_config.json (Qwen/Qwen3-VL-8B-Instruct):
-# it names the torchvision-backed image processor.
+# it names the torchvision image processor by its legacy name.
 REAL_PREPROCESSOR_CONFIG = {
     "size": {"longest_edge": 16777216, "shortest_edge": 65536},
     "patch_size": 16,
@@ -40,6 +45,27 @@ REAL_PREPROCESSOR_CONFIG = {
     "image_processor_type": "Qwen2VLImageProcessorFast",
 }
 
+# ... and in video_preprocessor_config.json. Its pixel bounds are the checkpoint's, not the
+# Qwen3VLVideoProcessor class defaults (shortest_edge 131072, longest_edge 786432).
+REAL_VIDEO_PREPROCESSOR_CONFIG = {
+    "size": {"longest_edge": 25165824, "shortest_edge": 4096},
+    "patch_size": 16,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "processor_class": "Qwen3VLProcessor",
+    "video_processor_type": "Qwen3VLVideoProcessor",
+}
+
+TINY_DIR_FILES = [
+    "chat_template.jinja",
+    "preprocessor_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "video_preprocessor_config.json",
+]
+
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory) -> Path:
@@ -47,8 +73,22 @@ def tiny_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def processor(tiny_dir) -> PacklineQwen3VLProcessor:
+def processor(tiny_dir) -> Qwen3VLProcessor:
     return load_processor(tiny_dir)
+
+
+def _checkpoint_like_dir(tiny_dir: Path, out: Path, *, video: bool = True) -> Path:
+    """A dir laid out like a downloaded Qwen3-VL checkpoint's processor files (with the tiny
+    tokenizer): real image (and video) configs, the legacy chat_template.json."""
+    out.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_dir / name, out / name)
+    (out / "preprocessor_config.json").write_text(json.dumps(REAL_PREPROCESSOR_CONFIG))
+    if video:
+        config = json.dumps(REAL_VIDEO_PREPROCESSOR_CONFIG)
+        (out / "video_preprocessor_config.json").write_text(config)
+    (out / "chat_template.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
+    return out
 
 
 def _sha256(path: Path) -> str:
@@ -57,17 +97,53 @@ def _sha256(path: Path) -> str:
 
 def test_build_is_byte_identical_when_built_twice(tiny_dir, tmp_path):
     again = build_tiny_processor(tmp_path / "again")
-    names = sorted(path.name for path in tiny_dir.iterdir())
-    assert names == [
-        "chat_template.jinja",
-        "processor_config.json",
-        "tokenizer.json",
-        "tokenizer_config.json",
-    ]
-    assert sorted(path.name for path in again.iterdir()) == names
-    assert _sha256(again / "tokenizer.json") == _sha256(tiny_dir / "tokenizer.json")
-    for name in names:
+    assert sorted(path.name for path in tiny_dir.iterdir()) == TINY_DIR_FILES
+    assert sorted(path.name for path in again.iterdir()) == TINY_DIR_FILES
+    for name in TINY_DIR_FILES:
         assert (again / name).read_bytes() == (tiny_dir / name).read_bytes(), name
+    assert _sha256(tiny_dir / "tokenizer.json") == TINY_TOKENIZER_SHA256
+
+
+def test_tiny_dir_is_laid_out_like_a_qwen3_vl_checkpoint(tiny_dir):
+    image = json.loads((tiny_dir / "preprocessor_config.json").read_text())
+    video = json.loads((tiny_dir / "video_preprocessor_config.json").read_text())
+    tokenizer = json.loads((tiny_dir / "tokenizer_config.json").read_text())
+    assert image["image_processor_type"] == "Qwen2VLImageProcessor"  # the torchvision one
+    assert video["video_processor_type"] == "Qwen3VLVideoProcessor"
+    assert tokenizer["processor_class"] == "Qwen3VLProcessor"
+    for config in (image, video):
+        sizes = [config[key] for key in ("patch_size", "merge_size", "temporal_patch_size")]
+        assert sizes == [16, 2, 2]
+        assert config["size"] == {"shortest_edge": 4096, "longest_edge": 1048576}
+        assert config["image_mean"] == config["image_std"] == [0.5, 0.5, 0.5]
+    assert (tiny_dir / "chat_template.jinja").read_text() == CHAT_TEMPLATE
+    assert ImageGeometry.from_processor_dir(tiny_dir) == ImageGeometry()
+
+
+def test_auto_processor_loads_the_tiny_dir_as_a_qwen3_vl_processor(tiny_dir):
+    processor = AutoProcessor.from_pretrained(tiny_dir, local_files_only=True)
+    assert type(processor) is Qwen3VLProcessor
+    assert type(processor.image_processor) is Qwen2VLImageProcessor
+    assert type(processor.video_processor) is Qwen3VLVideoProcessor
+    assert type(processor.tokenizer) is Qwen2Tokenizer
+    assert len(processor.tokenizer) == 4096
+    assert processor.chat_template == CHAT_TEMPLATE
+    assert processor_geometry(processor) == ImageGeometry()
+    video = processor.video_processor
+    assert (video.patch_size, video.merge_size, video.temporal_patch_size) == (16, 2, 2)
+    assert (video.size["shortest_edge"], video.size["longest_edge"]) == (4096, 1048576)
+
+
+def test_tiny_dir_loads_as_megatron_bridge_loads_it(tiny_dir, processor):
+    # Bridge's Qwen-VL task encoder builder: AutoTokenizer plus Qwen3VLProcessor.from_pretrained.
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+    bridge = Qwen3VLProcessor.from_pretrained(tiny_dir)
+    assert type(bridge.image_processor) is Qwen2VLImageProcessor
+    assert type(bridge.video_processor) is Qwen3VLVideoProcessor
+    assert tokenizer.get_vocab() == bridge.tokenizer.get_vocab() == processor.tokenizer.get_vocab()
+    assert bridge.image_token_id == tokenizer.convert_tokens_to_ids("<|image_pad|>") == 4090
+    assert bridge.video_token_id == 4091
+    assert processor_geometry(bridge) == processor_geometry(processor) == ImageGeometry()
 
 
 def test_tokenizer_has_4096_ids_with_qwen_specials_on_top(processor):
@@ -111,12 +187,14 @@ def test_decode_inverts_encode(processor, text):
     assert tokenizer.decode(tokenizer.encode(text)) == text
 
 
-def test_load_processor_round_trips_a_saved_processor(processor, tmp_path):
+def test_load_processor_round_trips_a_processor_saved_by_save_pretrained(processor, tmp_path):
+    # transformers 5's own layout: image and video configs nested in processor_config.json.
     processor.save_pretrained(tmp_path / "resaved")
+    assert not (tmp_path / "resaved" / "preprocessor_config.json").exists()
     again = load_processor(tmp_path / "resaved")
-    assert isinstance(again, PacklineQwen3VLProcessor)
-    assert isinstance(again.image_processor, Qwen2VLImageProcessorPil)
-    assert again.video_processor is None
+    assert type(again) is Qwen3VLProcessor
+    assert type(again.image_processor) is Qwen2VLImageProcessor
+    assert type(again.video_processor) is Qwen3VLVideoProcessor
     assert again.chat_template == CHAT_TEMPLATE
     assert again.tokenizer.get_vocab() == processor.tokenizer.get_vocab()
     assert processor_geometry(again) == ImageGeometry()
@@ -180,22 +258,98 @@ def test_tiny_and_huge_images_are_resized_into_the_pixel_bounds(processor):
     assert [geometry.visual_tokens(30, 40), geometry.visual_tokens(1000, 1400)] == [6, 999]
 
 
-def test_load_processor_reads_a_hf_dir_naming_the_torchvision_image_processor(tiny_dir, tmp_path):
-    hf_dir = tmp_path / "qwen3-vl-like"
-    hf_dir.mkdir()
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tiny_dir / name, hf_dir / name)
-    (hf_dir / "preprocessor_config.json").write_text(json.dumps(REAL_PREPROCESSOR_CONFIG))
-    (hf_dir / "chat_template.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
+def test_fast_and_pil_image_processors_give_the_same_grids_and_tokens(tiny_dir, processor):
+    pil = Qwen2VLImageProcessorPil.from_pretrained(tiny_dir, local_files_only=True)
+    rng = np.random.default_rng(0)
+    # Sides on the 32-px grid and in bounds (not resized), then rounded, up- and downscaled.
+    sizes = [(128, 128), (64, 320), (200, 300), (30, 40), (1000, 1400), (517, 233)]
+    for i, (h, w) in enumerate(sizes):
+        image = Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+        fast = processor.image_processor(images=[image], return_tensors="np")
+        slow = pil(images=[image], return_tensors="np")
+        assert fast["image_grid_thw"].tolist() == slow["image_grid_thw"].tolist(), (h, w)
+        # Pixel values differ only where the two backends' bicubic resizes differ: not at
+        # all without a resize, by about 0.005 of a 0-255 level on average with one.
+        levels = np.abs(fast["pixel_values"] - slow["pixel_values"]) * 127.5
+        assert levels.max() < (1e-3 if i < 2 else 3.0), (h, w)
+        assert levels.mean() < (1e-3 if i < 2 else 0.05), (h, w)
 
+
+def test_video_processor_gives_video_grids_and_timestamped_tokens(processor):
+    # 4 frames of 96 x 64 px, 2 fps: in bounds (4 * 64 * 96 = 24,576 px) -> t 4 / 2 = 2,
+    # 4 x 6 patches per frame -> 2 * 24 = 48 patches -> 2 groups of 24 / 4 = 6 tokens, each
+    # after the group's mean timestamp ((0 + 0.5) / 2, (1 + 1.5) / 2 seconds).
+    frames = np.stack([np.full((64, 96, 3), 40 * i, dtype=np.uint8) for i in range(4)])
+    conversation = [
+        {"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What moves?"}]}
+    ]
+    text = processor.apply_chat_template(conversation, add_generation_prompt=True)
+    metadata = {"total_num_frames": 4, "fps": 2.0, "frames_indices": [0, 1, 2, 3]}
+    out = processor(text=[text], videos=[frames], video_metadata=[metadata], return_tensors="np")
+    assert out["video_grid_thw"].tolist() == [[2, 4, 6]]
+    # each patch: 3 channels x 2 frames x 16 x 16 pixels
+    assert out["pixel_values_videos"].shape == (48, 1536)
+    ids = out["input_ids"][0]
+    assert int(np.count_nonzero(ids == special_token_ids(processor)["video_token_id"])) == 12
+    group = "<|vision_start|>" + "<|video_pad|>" * 6 + "<|vision_end|>"
+    assert processor.tokenizer.decode(ids) == (
+        f"<|im_start|>user\n<|vision_start|><0.2 seconds>{group}<1.2 seconds>{group}"
+        "<|vision_end|>What moves?<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+def test_load_processor_reads_a_downloaded_qwen3_vl_checkpoint_layout(tiny_dir, tmp_path):
+    hf_dir = _checkpoint_like_dir(tiny_dir, tmp_path / "qwen3-vl-like")
     processor = load_processor(hf_dir)
-    assert isinstance(processor.image_processor, Qwen2VLImageProcessorPil)
+    assert type(processor) is Qwen3VLProcessor
+    assert type(processor.image_processor) is Qwen2VLImageProcessor  # "...Fast" -> torchvision
+    assert type(processor.video_processor) is Qwen3VLVideoProcessor
     assert processor.chat_template == CHAT_TEMPLATE
     assert processor_geometry(processor) == ImageGeometry(min_pixels=65536, max_pixels=16777216)
+    assert ImageGeometry.from_processor_dir(hf_dir) == processor_geometry(processor)
+    video = processor.video_processor
+    assert (video.patch_size, video.merge_size, video.temporal_patch_size) == (16, 2, 2)
+    assert (video.size["shortest_edge"], video.size["longest_edge"]) == (4096, 25165824)
+    assert (video.fps, video.min_frames, video.max_frames) == (2, 4, 768)
     # 300 x 200 rounds to 55,296 px < 65,536 -> beta = sqrt(65536 / 60000) = 1.0451,
     # h ceil(200 * 1.0451 / 32) = 7 -> 224, w ceil(300 * 1.0451 / 32) = 10 -> 320.
     out = processor.image_processor([Image.new("RGB", (300, 200))], return_tensors="np")
     assert out["image_grid_thw"].tolist() == [[1, 14, 20]]
+    # ... and it loads as it would in Megatron-Bridge and through AutoProcessor.
+    for loaded in (Qwen3VLProcessor.from_pretrained(hf_dir), AutoProcessor.from_pretrained(hf_dir)):
+        assert type(loaded) is Qwen3VLProcessor
+        assert type(loaded.video_processor) is Qwen3VLVideoProcessor
+
+
+def test_load_processor_gives_the_pil_image_processor_where_the_dir_names_it(tiny_dir, tmp_path):
+    hf_dir = _checkpoint_like_dir(tiny_dir, tmp_path / "pil")
+    config = {**REAL_PREPROCESSOR_CONFIG, "image_processor_type": "Qwen2VLImageProcessorPil"}
+    (hf_dir / "preprocessor_config.json").write_text(json.dumps(config))
+    processor = load_processor(hf_dir)
+    assert type(processor.image_processor) is Qwen2VLImageProcessorPil
+    assert processor_geometry(processor) == ImageGeometry(min_pixels=65536, max_pixels=16777216)
+
+
+def test_load_processor_rejects_a_dir_without_a_video_processor_config(tiny_dir, tmp_path):
+    # As Bridge's Qwen3VLProcessor.from_pretrained would: the error is not deferred to it.
+    hf_dir = _checkpoint_like_dir(tiny_dir, tmp_path / "no-video", video=False)
+    with pytest.raises(ValueError, match="does not load as a Qwen3VLProcessor"):
+        load_processor(hf_dir)
+
+
+def test_load_processor_rejects_the_old_builtin_layout(tiny_dir, processor, tmp_path):
+    # packline's built-in dir before it was standard: a processor_config.json naming a
+    # subclass transformers does not know, without a video processor.
+    old = tmp_path / "old"
+    processor.tokenizer.save_pretrained(old)
+    image = {
+        **processor.image_processor.to_dict(),
+        "image_processor_type": "Qwen2VLImageProcessorPil",
+    }
+    config = {"image_processor": image, "processor_class": "PacklineQwen3VLProcessor"}
+    (old / "processor_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="rerunning connect"):
+        load_processor(old)
 
 
 def test_load_processor_rejects_a_missing_dir(tmp_path):
@@ -223,14 +377,3 @@ def test_load_processor_rejects_a_tokenizer_without_vision_tokens(tmp_path):
     (tmp_path / "preprocessor_config.json").write_text(json.dumps(REAL_PREPROCESSOR_CONFIG))
     with pytest.raises(ValueError, match="lacks <\\|vision_start\\|>"):
         load_processor(tmp_path)
-
-
-def test_processor_works_without_torchvision(processor):
-    assert importlib.util.find_spec("torchvision") is None
-    conversation = [
-        {"role": "user", "content": [{"type": "image", "image": Image.new("RGB", (64, 64))}]},
-        {"role": "assistant", "content": "A black square."},
-    ]
-    out = processor.apply_chat_template(conversation, tokenize=True, return_dict=True)
-    assert out["image_grid_thw"].tolist() == [[1, 4, 4]]
-    assert "torchvision" not in sys.modules
