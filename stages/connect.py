@@ -34,6 +34,7 @@ from packline.energon.sample import ConversationReader, ConversationSample
 from packline.packing.forecast import simulate_packing
 from packline.packing.selection import align_up
 from packline.progress import console, progress
+from packline.qwen.processor import TINY_LAYOUT_VERSION
 from packline.qwen.vision import read_image_size
 from schemas.config import Algorithm, ExecutorKind, PipelineConfig, TrainBackend
 from schemas.tables import LengthsModel, validate_table
@@ -141,7 +142,7 @@ def fingerprint_inputs(cfg: PipelineConfig) -> str:
     return fingerprint(
         prepare.fingerprint_inputs(cfg),
         cfg.section_hash("processor"),
-        hash_tree(src, content=True) if src else "tiny",
+        hash_tree(src, content=True) if src else f"tiny-{TINY_LAYOUT_VERSION}",
         {
             "seq_length": cfg.packing.seq_length,
             "alignment": cfg.packing.alignment,

@@ -39,6 +39,11 @@ from packline.qwen.vision import ImageGeometry
 TINY_VOCAB_SIZE = 4096
 """Ids in the tiny tokenizer, special tokens included."""
 
+TINY_LAYOUT_VERSION = 2
+"""Bumped when what :func:`build_tiny_processor` writes changes (2: a standard
+``Qwen3VLProcessor`` dir with image and video processors), so that stages fingerprinting the
+built-in processor rebuild it."""
+
 SPECIAL_TOKENS = (
     "<|endoftext|>",
     "<|im_start|>",
