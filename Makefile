@@ -7,7 +7,7 @@ CONFIG ?=
 ARGS ?=
 WHAT ?= packing
 
-.PHONY: run test bench lint format clean
+.PHONY: run test test-fast bench lint format clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,10 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(ARGS)
+
+# The inner loop: everything but the tests marked slow (whole pipelines, real subprocesses).
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" $(ARGS)
 
 bench: $(STAMP)
 	$(VENV)/bin/packline bench $(WHAT) $(ARGS)

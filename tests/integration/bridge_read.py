@@ -24,9 +24,12 @@ release; native packing is on Bridge main only):
   processor with ``text=""``, which transformers 5.24 refuses; main skips that call under
   native packing and counts from the prepared grid, which this output reports.
 
-Output: ``{"samples": {key: {...}}}`` with, per sample, its split, Bridge's
-sequence length, loss-token count, ``image_grid_thw`` rows, and each image as Bridge's encoder
-receives it (size and a digest of its RGB pixels) in order.
+Output: ``{"samples": {key: {...}}, "train_order", "buffer_size", "ffd_bins"}``: per sample,
+its split, Bridge's sequence length, loss-token count, ``image_grid_thw`` rows, and each image
+as Bridge's encoder receives it (size and a digest of its RGB pixels) in order; then Bridge's
+own ``first_fit_decreasing`` (``data/packing/algorithms.py``, what main's
+``select_samples_to_pack`` calls) over those lengths, one ``dataset.packing_buffer_size``
+buffer at a time in the order Energon streamed the train split, as bins of lengths.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from megatron.bridge.data.builders.energon import (
     build_energon_task_encoder,
 )
 from megatron.bridge.data.conversation_processing import normalize_energon_vlm_sample
+from megatron.bridge.data.packing.algorithms import first_fit_decreasing
 from megatron.energon import (
     DefaultTaskEncoder,
     WorkerConfig,
@@ -106,6 +110,7 @@ def main(overrides_path: str, out_path: str) -> None:
     )
     apply_overrides(root, dataset)
     config = root.dataset
+    buffer_size = config.packing_buffer_size
     # See the module docstring: per-sample rows from 0.6.2's collate.
     config.packing_buffer_size = None
     config.enable_in_batch_packing = True
@@ -134,7 +139,18 @@ def main(overrides_path: str, out_path: str) -> None:
                 loss_tokens=int(batch["loss_mask"].sum()),
                 image_grids=grid.tolist() if grid is not None else [],
             )
-    Path(out_path).write_text(json.dumps({"samples": samples}, indent=1))
+    # Bridge's own first-fit decreasing over its lengths, one packing buffer at a time, in the
+    # order Energon streamed the train split (one worker, as read above)
+    order = [k for k, v in samples.items() if v["split"] == "train"]
+    lengths = [samples[k]["length"] for k in order]
+    bins = []
+    if buffer_size:
+        for start in range(0, len(lengths), buffer_size):
+            bins.append(
+                first_fit_decreasing(lengths[start : start + buffer_size], config.seq_length)
+            )
+    out = {"samples": samples, "train_order": order, "buffer_size": buffer_size, "ffd_bins": bins}
+    Path(out_path).write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import pytest
 from PIL import Image
 
 from packline.conversations import key_for_id
+from packline.packing.forecast import simulate_packing
 from stages.connect import connect_processor
 from stages.megatron_overrides import bridge_overrides
 from stages.prepare import prepare_dataset, resolve_source
@@ -49,8 +50,8 @@ def _tree() -> Path:
         pytest.skip(f"cannot download the pinned Megatron-Bridge wheels from the index: {exc}")
 
 
-def _bridge_read(cfg, tmp_path: Path) -> dict[str, dict]:
-    """Bridge's view of every sample (see bridge_read.py)."""
+def _bridge_read(cfg, tmp_path: Path) -> dict:
+    """Bridge's view of every sample, and its FFD bins per buffer (see bridge_read.py)."""
     tree = _tree()
     overrides = tmp_path / "overrides.json"
     overrides.write_text(json.dumps(bridge_overrides(cfg)))
@@ -64,7 +65,7 @@ def _bridge_read(cfg, tmp_path: Path) -> dict[str, dict]:
         timeout=900,
     )
     assert result.returncode == 0, result.stderr[-4000:]
-    return json.loads(out.read_text())["samples"]
+    return json.loads(out.read_text())
 
 
 def _source_images(folder: Path) -> dict[str, list[list]]:
@@ -84,7 +85,8 @@ def _source_images(folder: Path) -> dict[str, list[list]]:
 
 
 def _check(cfg, tmp_path: Path, source: Path) -> tuple[pd.DataFrame, dict[str, dict]]:
-    seen = _bridge_read(cfg, tmp_path)
+    bridge_out = _bridge_read(cfg, tmp_path)
+    seen = bridge_out["samples"]
     lengths = pd.read_parquet(cfg.work_path / "connect" / "lengths.parquet")
     manifest = pd.read_parquet(cfg.work_path / "prepare" / "manifest.parquet")
     assert set(seen) == set(manifest["key"]) == set(lengths["key"])
@@ -98,11 +100,27 @@ def _check(cfg, tmp_path: Path, source: Path) -> tuple[pd.DataFrame, dict[str, d
         assert bridge["length"] == row.total_tokens, row.key
         assert bridge["loss_tokens"] == row.loss_tokens, row.key
         assert bridge["image_grids"] == json.loads(row.image_grids), row.key
+    # Bridge's first_fit_decreasing over those lengths and the forecast simulator, buffer by
+    # buffer in Energon's stream order: the same packs (alignment 1 here)
+    buffer_size = bridge_out["buffer_size"]
+    assert buffer_size == cfg.packing.packing_buffer_size
+    stream = [seen[k]["length"] for k in bridge_out["train_order"]]
+    forecast = simulate_packing(
+        stream,
+        capacity=cfg.packing.seq_length,
+        buffer_size=buffer_size,
+        algorithm="ffd",
+        backend="megatron",
+    )
+    bridge_bins = bridge_out["ffd_bins"]
+    assert forecast.packs_per_round == [len(b) for b in bridge_bins]
+    simulated = [sorted(sorted(stream[i] for i in g) for g in r.groups) for r in forecast.rounds]
+    assert simulated == [sorted(sorted(b) for b in bins) for bins in bridge_bins]
     return lengths, seen
 
 
 def test_bridge_reads_the_built_in_set_at_connects_lengths(tmp_path: Path):
-    cfg = make_config(tmp_path / "work", *MEGATRON)
+    cfg = make_config(tmp_path / "work", *MEGATRON, "packing.packing_buffer_size=16")
     prepare_dataset(cfg)
     connect_processor(cfg)
     lengths, _ = _check(cfg, tmp_path, resolve_source(cfg))
