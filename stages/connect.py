@@ -103,10 +103,11 @@ class LengthReader(ConversationReader):
         processor = self.processor
         sizes = [read_image_size(b) for b in sample.images]
         images = [Image.open(io.BytesIO(b)) for b in sample.images]
+        rendered = media_first(sample.conversation)
+        moved = rendered != sample.conversation
         conversation = sample.conversation
-        moved = media_first(conversation) != conversation
         if self.bridge:
-            conversation = media_first(conversation)
+            conversation = rendered
             images = [bridge_fetch_image(image) for image in images]
         exact = exact_lengths(processor, conversation, images, turn_newline=self.bridge)
         cheap = cheap_lengths(

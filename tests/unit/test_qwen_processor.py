@@ -377,3 +377,31 @@ def test_load_processor_rejects_a_tokenizer_without_vision_tokens(tmp_path):
     (tmp_path / "preprocessor_config.json").write_text(json.dumps(REAL_PREPROCESSOR_CONFIG))
     with pytest.raises(ValueError, match="lacks <\\|vision_start\\|>"):
         load_processor(tmp_path)
+
+
+def test_configured_geometry_is_written_into_connects_processor_dir(tmp_path):
+    """processor.* replaces the dir's geometry in connect's copy: the loaded processor (what
+    connect, the local trainer and Bridge all load) resizes by it, images and videos alike."""
+    from stages.connect import materialize_processor
+    from tests.conftest import make_config
+
+    cfg = make_config(tmp_path / "work", "processor.min_pixels=8192", "processor.max_pixels=65536")
+    dest = materialize_processor(cfg, tmp_path / "out")
+    loaded = load_processor(dest)
+    assert processor_geometry(loaded) == ImageGeometry(min_pixels=8192, max_pixels=65536)
+    image = loaded.image_processor
+    assert (image.size["shortest_edge"], image.size["longest_edge"]) == (8192, 65536)
+    # a 1024x768 image is capped at 65,536 pixels: 288x192 (55,296), 18x12 patches, where
+    # the built-in dir's bounds (up to 1,048,576 pixels) keep it at 1024x768, 64x48 patches
+    picture = [Image.new("RGB", (1024, 768))]
+    assert image(images=picture, return_tensors="np")["image_grid_thw"].tolist() == [[1, 12, 18]]
+    default = load_processor(materialize_processor(make_config(tmp_path / "w0"), tmp_path / "o0"))
+    grid = default.image_processor(images=picture, return_tensors="np")["image_grid_thw"]
+    assert grid.tolist() == [[1, 48, 64]]
+    # the video processor keeps its own (per clip) bounds; the patch sizes follow the config
+    patched = materialize_processor(
+        make_config(tmp_path / "work2", "processor.patch_size=14"), tmp_path / "out2"
+    )
+    again = load_processor(patched)
+    assert again.image_processor.patch_size == again.video_processor.patch_size == 14
+    assert again.video_processor.size == load_processor(dest).video_processor.size
