@@ -1,6 +1,11 @@
-"""rich progress bars and summary tables, shared by the stages."""
+"""rich progress bars, summary tables and output redirection, shared by the stages and
+the benchmarks."""
 
 from __future__ import annotations
+
+import contextlib
+import os
+import sys
 
 from rich.console import Console
 from rich.progress import (
@@ -50,3 +55,23 @@ def _fmt(v: object) -> str:
     if isinstance(v, float):
         return f"{v:.4g}"
     return str(v)
+
+
+@contextlib.contextmanager
+def stdout_to_stderr(enabled: bool = True):
+    """Send everything written to file descriptor 1 (Python prints, Energon's ``prepare``
+    messages, child processes) to stderr while active, so ``--json`` output stays one JSON
+    object on stdout."""
+    if not enabled:
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)

@@ -35,9 +35,7 @@ import contextlib
 import gc
 import json
 import math
-import os
 import random
-import sys
 import threading
 import time
 import warnings
@@ -47,7 +45,7 @@ from typing import Any
 
 from packline.packing.forecast import simulate_packing
 from packline.packing.selection import ALGORITHMS, select_packs
-from packline.progress import console, progress
+from packline.progress import console, progress, stdout_to_stderr
 
 SEQ_LENGTH = 2048
 #: Buffer sizes of the simulated packer.
@@ -399,26 +397,6 @@ def run_loader(
 
 
 # -- the benchmark ----------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def stdout_to_stderr(enabled: bool = True):
-    """Send everything written to file descriptor 1 (Python prints, Energon's ``prepare``
-    messages, child processes) to stderr while active, so ``--json`` output stays one JSON
-    object on stdout."""
-    if not enabled:
-        yield
-        return
-    sys.stdout.flush()
-    saved = os.dup(1)
-    try:
-        os.dup2(2, 1)
-        with contextlib.redirect_stdout(sys.stderr):
-            yield
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
 
 
 @contextlib.contextmanager

@@ -30,9 +30,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from packline.progress import console
+from packline.progress import console, stdout_to_stderr
 from packline.train.records import read_records
-from pipelines.bench import stdout_to_stderr
 
 SPEEDUP_TARGET = 2.0
 
