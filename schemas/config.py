@@ -23,23 +23,14 @@ from typing import Any
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from schemas.errors import UserError
+
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = PROJECT_ROOT / "configs" / "tiny_cpu.yaml"
 STAGES = ("prepare", "connect", "validate", "train")
 
 
-class ConfigError(ValueError):
-    """Invalid configuration or input; ``problems`` lists every one found."""
-
-    def __init__(self, problems: list[str], header: str = "invalid configuration"):
-        self.problems = list(problems)
-        self.header = header
-        super().__init__(self.render())
-
-    def render(self) -> str:
-        lines = [f"{self.header} ({len(self.problems)} problem(s)):"]
-        lines += [f"  - {p}" for p in self.problems]
-        return "\n".join(lines)
+ConfigError = UserError  # transitional name: issue 16 renames every use to UserError
 
 
 def _check(problems: list[str], ok: bool, message: str) -> None:

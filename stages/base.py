@@ -22,17 +22,12 @@ from typing import Any
 
 import packline
 from schemas.config import STAGES, PipelineConfig
+from schemas.errors import UserError
 
 RECORD_NAME = "_COMPLETE.json"
 
 
-class InputError(ValueError):
-    """The stage's input or settings are wrong (exit 2); ``problems`` lists each one."""
-
-    def __init__(self, problems: list[str], header: str):
-        self.problems = list(problems)
-        self.header = header
-        super().__init__(f"{header}:\n" + "\n".join(f"  - {p}" for p in self.problems))
+InputError = UserError  # transitional name: issue 16 renames every use to UserError
 
 
 @dataclass
