@@ -103,8 +103,18 @@ def dryrun_text(cfg: PipelineConfig, config_path: Path) -> str:
     stages = pipeline_stages()
     with new_experiment(cfg) as exp:
         add_stages(exp, cfg, config_path, None, stages)
-        exp.dryrun(log=False, delete_exp_dir=True)
-        scripts = {job.id: job._dryrun_info.request.materialize() for job in exp.jobs}
+        # NeMo-Run's SLURM dryrun writes each job's script, the file it would submit, to
+        # <experiment_dir>/<job_name>_sbatch.sh; read them, then remove the experiment dir.
+        exp.dryrun(log=False, delete_exp_dir=False)
+        executors = {job.id: job.executor for job in exp.jobs}
+        try:
+            scripts = {
+                id_: (Path(ex.experiment_dir) / f"{ex.job_name}_sbatch.sh").read_text()
+                for id_, ex in executors.items()
+            }
+        finally:
+            for exp_dir in {ex.experiment_dir for ex in executors.values()}:
+                shutil.rmtree(exp_dir, ignore_errors=True)
     out = [
         f"# packline run --dryrun · {cfg.name} · executor slurm · {len(stages)} job(s), each "
         "submitted with sbatch --dependency=afterok:<the previous job>",
