@@ -5,21 +5,56 @@ per step, LoRA on the attention and MLP linears and the LM head) on the built-in
 smaller train split (training cost is per step, not per sample): eval loss drops clearly,
 and packing on and off — which train the very same conversations per step — end with the
 same eval loss (to floating-point noise) and answer accuracy within sampling noise.
+
+The packed run's losses also guard refactors: ``tests/golden/default_packed_losses.json``
+holds every step's ``train/loss`` of this run, and they must come out bitwise equal on the
+machine kind that recorded them (same torch build, CPU instruction set and thread count;
+elsewhere floating-point kernels may sum in another order, so there they must agree to
+1e-5 relative, and the test says why it did not check bitwise).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from packline.synthetic import ANSWER_KINDS
+from packline.train.records import read_records
 from schemas.config import load_config
 from stages.runner import run_stage
 
 pytestmark = pytest.mark.slow
+
+GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "default_packed_losses.json"
+
+
+def _check_golden_losses(losses: list[float]) -> None:
+    """Bitwise where the golden file was recorded on this kind of machine, else to 1e-5."""
+    golden = json.loads(GOLDEN.read_text())
+    if os.environ.get("PACKLINE_UPDATE_GOLDEN"):
+        golden.update(
+            torch=torch.__version__,
+            cpu_capability=torch.backends.cpu.get_cpu_capability(),
+            threads=torch.get_num_threads(),
+            losses=losses,
+        )
+        GOLDEN.write_text(json.dumps(golden, indent=1) + "\n")
+    same_machine = (
+        golden["torch"] == torch.__version__
+        and golden["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+        and golden["threads"] == torch.get_num_threads()
+    )
+    assert len(losses) == len(golden["losses"])
+    if same_machine:
+        assert losses == golden["losses"]  # bitwise: floats read back from JSON exactly
+    else:
+        print(f"golden losses: another machine kind than {GOLDEN.name}'s, compared to 1e-5")
+        assert losses == pytest.approx(golden["losses"], rel=1e-5)
 
 
 def test_default_training_learns_with_packing_on_and_off(tmp_path: Path):
@@ -50,6 +85,8 @@ def test_default_training_learns_with_packing_on_and_off(tmp_path: Path):
         correct = sum(k["accuracy"] * k["questions"] for k in by_kind.values())
         assert correct / cfg.train.eval_samples == pytest.approx(r["eval_accuracy"])
         assert all(0 < k["chance"] <= 1 for k in by_kind.values())
+    packed_steps = read_records(cfg.work_path / "train" / "packed" / "metrics.jsonl")
+    _check_golden_losses([s["train/loss"] for s in packed_steps])
     on, off = runs["packed"], runs["unpacked"]
     assert on["real_tokens"] == off["real_tokens"]  # the same conversations
     assert abs(on["eval_loss"] - off["eval_loss"]) <= 1e-3
