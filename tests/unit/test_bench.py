@@ -1,29 +1,38 @@
+"""packline.bench as library code: the length generator, the simulated fills, the targets,
+the tables, and the RSS watcher and child-process checks of the loader measurement (the real
+loader runs in tests/integration/test_bench_loader.py)."""
+
 from __future__ import annotations
 
 import doctest
+import io
 import statistics
 import subprocess
 import sys
+import time
 
 import pytest
+from rich.console import Console
 
-import pipelines.bench as bench
-from pipelines.bench import (
-    VlmSftShape,
-    WorkerRss,
+from packline.bench import lengths, loader, simulation, targets
+from packline.bench.lengths import VlmSftShape, shuffled, vlm_sft_lengths, vlm_sft_samples
+from packline.bench.loader import LoaderRun, WorkerRss, child_pids, torch_threads, wait_for_exit
+from packline.bench.simulation import (
     fill_by_method,
+    fill_summary,
     lower_bound_fill,
     packed_fill,
     round_bound_fill,
-    shuffled,
+    time_selection,
     unpacked_capacity,
-    vlm_sft_lengths,
-    vlm_sft_samples,
 )
+from packline.bench.tables import print_loader_report, print_packing_tables
+from packline.bench.targets import loader_targets, packing_targets
 
 
-def test_docstring_worked_examples_hold():
-    result = doctest.testmod(bench)
+@pytest.mark.parametrize("module", [lengths, simulation, targets, loader])
+def test_docstring_worked_examples_hold(module):
+    result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0
 
 
@@ -181,18 +190,18 @@ def _result(*, fill256: float, offline: float, rss256: float, overhead: float, s
 
 
 def test_targets_hold_or_not():
-    good = bench._targets(
+    good = packing_targets(
         _result(fill256=0.99, offline=0.995, rss256=600.0, overhead=0.03, select=0.5)
     )
     assert all(t["held"] for t in good.values())
     assert len(good) == 9  # 2 sets × 3 algorithms, worker RSS, overhead, selection time
-    bad = bench._targets(
+    bad = packing_targets(
         _result(fill256=0.985, offline=0.9999, rss256=701.0, overhead=0.06, select=1.0)
     )
     assert not any(t["held"] for t in bad.values())
     assert bad["default.fill.lazy_ffd@256"]["vs_offline_bfd"] == pytest.approx(0.985 / 0.9999)
     assert bad["default.fill.lazy_ffd@256"]["vs_round_bound"] == 1.0
-    low = bench._targets(
+    low = packing_targets(
         _result(fill256=0.975, offline=0.976, rss256=600.0, overhead=0.0, select=0.1)
     )
     assert not low["vlm_sft.fill.lazy_bfd@256"]["held"]  # within 1% but under 0.98
@@ -202,6 +211,141 @@ def test_torch_threads_sets_and_restores():
     import torch
 
     before = torch.get_num_threads()
-    with bench.torch_threads(1):
+    with torch_threads(1):
         assert torch.get_num_threads() == 1
     assert torch.get_num_threads() == before
+
+
+def test_fill_summary_counts_overlength_beside_the_fills():
+    lengths = [3] * 20 + [11, 12]
+    summary = fill_summary(lengths, capacity=10, seed=0)
+    assert list(summary) == ["samples", "overlength", "fill"]
+    assert summary["samples"] == 22 and summary["overlength"] == 2
+    assert summary["fill"] == fill_by_method(lengths, capacity=10, seed=0)
+
+
+def test_time_selection_times_every_algorithm():
+    seconds = time_selection(vlm_sft_lengths(500, seed=0), capacity=2048, repeats=2)
+    assert list(seconds) == ["ffd", "bfd", "refined"]
+    assert all(0 < s < 5 for s in seconds.values())
+    with pytest.raises(ValueError, match="repeats must be >= 1"):
+        time_selection([1], capacity=10, repeats=0)
+
+
+def test_loader_targets_hold_at_their_bounds():
+    t = loader_targets(
+        {"worker_rss_mb": {"eager_ffd@16": 700.0, "lazy_ffd@256": 700.0}, "packing_overhead": 0.05}
+    )
+    assert list(t) == ["worker_rss_mb.lazy_ffd@256", "packing_overhead"]
+    assert t["worker_rss_mb.lazy_ffd@256"] == {
+        "held": True,
+        "value": 1.0,
+        "rule": "<= 1x eager_ffd@16",
+    }
+    assert t["packing_overhead"] == {"held": True, "value": 0.05, "rule": "<= 0.05"}
+
+
+def test_worker_rss_records_the_new_childs_pid():
+    with WorkerRss(interval_s=0.02) as rss:
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])
+        child.wait()
+    assert rss.pids == {child.pid}
+    assert rss.start_mb is not None and 0 < rss.start_mb <= rss.peak_mb
+
+
+def test_wait_for_exit_names_a_child_still_running_and_returns_once_it_ended():
+    before = child_pids()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(2)"])
+    assert child_pids() == before | {child.pid}
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=rf"processes \[{child.pid}\] still run 0.2 s"):
+        wait_for_exit(before, timeout_s=0.2)
+    assert time.monotonic() - t0 < 1.5
+    wait_for_exit(before, timeout_s=30)
+    assert child_pids() == before
+    wait_for_exit(before, timeout_s=0)  # nothing new: returns at once
+
+
+def _runs() -> tuple[dict, dict[str, LoaderRun], dict[str, list[LoaderRun]]]:
+    """Figures as measure_loader returns them, made up."""
+    loader_runs = {
+        "eager_ffd@16": LoaderRun(
+            num_items=12, num_samples=40, real_tokens=20000, seconds=3.0,
+            peak_rss_mb=700.0, first_rss_mb=650.0, start_rss_mb=600.0,
+        ),
+        "lazy_ffd@256": LoaderRun(
+            num_items=10, num_samples=40, real_tokens=20000, seconds=2.5,
+            peak_rss_mb=500.0, first_rss_mb=480.0, start_rss_mb=None,
+        ),
+    }  # fmt: skip
+    throughput = {
+        "encode_only": [LoaderRun(num_items=40, num_samples=40, real_tokens=1, seconds=4.0)],
+        "lazy_ffd@256": [LoaderRun(num_items=10, num_samples=40, real_tokens=1, seconds=5.0)],
+    }
+    result = {
+        "fill_measured": 0.95,
+        "worker_rss_mb": {"eager_ffd@16": 700.0, "lazy_ffd@256": 500.0},
+        "worker_rss_growth_mb": {"eager_ffd@16": 50.0, "lazy_ffd@256": 20.0},
+        "samples_per_s": {"encode_only": 10.0, "lazy_ffd@256": 8.0},
+        "packing_overhead": 0.2,
+    }
+    return result, loader_runs, throughput
+
+
+def _render(fn, *args) -> str:
+    out = Console(file=io.StringIO(), width=250, color_system=None)
+    fn(out, *args)
+    return out.file.getvalue()
+
+
+def _rows(text: str) -> dict[str, list[str]]:
+    """Every table row of ``text``: first cell → the other cells, stripped (a name that
+    starts rows in two tables keeps its first table's row)."""
+    rows: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        if line.startswith("│ "):
+            cells = [c.strip() for c in line.split("│")[1:-1]]
+            rows.setdefault(cells[0], cells[1:])
+    return rows
+
+
+def test_loader_report_prints_every_run_and_the_targets():
+    result, loader_runs, throughput = _runs()
+    result["targets"] = loader_targets(result)
+    text = _render(print_loader_report, result, loader_runs, throughput)
+    assert text.startswith("loader worker on the default set (num_workers=1, one epoch)")
+    rows = _rows(text)
+    assert rows["eager_ffd@16"] == ["12", "600", "650", "700", "50", "3.0"]
+    assert rows["lazy_ffd@256"] == ["10", "-", "480", "500", "20", "2.5"]
+    assert rows["samples/s encode_only"] == ["10.0 (best of 10.0; 40 each)"]
+    assert rows["samples/s lazy_ffd@256"] == ["8.0 (best of 8.0; 40 each)"]
+    assert rows["packing overhead"] == ["+20.0%"]
+    assert "fill of lazy_ffd@256 through the loader: 0.9500" in text
+    assert rows["packing_overhead"] == ["0.2000", "<= 0.05", "no"]
+    assert rows["worker_rss_mb.lazy_ffd@256"] == ["0.7143", "<= 1x eager_ffd@16", "yes"]
+
+
+def test_packing_tables_print_each_distributions_fills_and_the_selection_time():
+    result, loader_runs, throughput = _runs()
+    result["default"] = fill_summary([3] * 20 + [4000], capacity=2048, seed=0)
+    result["vlm_sft"] = fill_summary(vlm_sft_lengths(200, seed=0), capacity=2048, seed=0)
+    result["default"]["fill"]["lazy_ffd@256.measured"] = result.pop("fill_measured")
+    result["select_100k_s"] = 0.25
+    result["targets"] = packing_targets(result)
+    select_s = {"ffd": 0.125, "bfd": 0.25, "refined": 0.2}
+    text = _render(print_packing_tables, result, loader_runs, throughput, select_s, 500)
+    words = " ".join(text.split())  # titles and captions wrap to their table's width
+    assert "fill at seq_length 2048: default set — 21 samples, 1 overlength (dropped)" in words
+    assert "fill at seq_length 2048: synthetic VLM SFT — 200 samples, " in words
+    assert ".measured = the real Energon loader, one epoch (its own stream order)" in words
+    assert text.count("│ lower_bound ") == 2  # one fill table per distribution
+    rows = _rows(text)  # the default set's fills: its table comes first
+    # Twenty samples of 3 in one row of 2048: every packer and the bound fill 60 / 2048.
+    assert rows["lower_bound"] == [f"{60 / 2048:.4f}", "1.0000"]
+    assert rows["lazy_ffd@256.measured"] == ["0.9500", f"{0.95 / (60 / 2048):.4f}"]
+    assert rows["select_packs ffd, 500 lengths"] == ["0.125 s"]
+    assert rows["select_packs refined, 500 lengths"] == ["0.200 s"]
+    assert rows["select_100k_s"] == ["0.2500", "< 1 s, the slowest algorithm", "yes"]
+    assert rows["default.fill.lazy_ffd@256"][0].startswith(f"{60 / 2048:.4f} (1.0000x offline")
+    assert rows["default.fill.lazy_ffd@256"][-1] == "no"
+    assert rows["packing overhead"] == ["+20.0%"]

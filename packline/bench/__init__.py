@@ -1,0 +1,17 @@
+"""The packing benchmarks as library code (``packline bench packing`` and ``packline bench
+loader`` wire them up in ``pipelines/bench.py``):
+
+- :mod:`~packline.bench.lengths`: a seeded synthetic length distribution shaped like VLM
+  SFT data, and the seeded sample stream.
+- :mod:`~packline.bench.simulation`: the fill of every packing method on a list of lengths,
+  simulated (no loader), and the time of ``select_packs``.
+- :mod:`~packline.bench.loader`: the real Energon loader measured: worker RSS, throughput,
+  the measured fill; the workers are checked to have exited after each run.
+- :mod:`~packline.bench.targets`: the figures' targets, held or not.
+- :mod:`~packline.bench.tables`: the figures as rich tables.
+
+Every figure is taken at :data:`SEQ_LENGTH`.
+"""
+
+#: The sequence length (pack capacity) every benchmark figure is measured at.
+SEQ_LENGTH = 2048

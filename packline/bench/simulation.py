@@ -1,0 +1,159 @@
+"""The packer simulated on plain lengths (no loader): the fill of every packing method, and
+the time ``select_packs`` takes.
+
+Fill is real tokens / emitted capacity. The methods of :func:`fill_by_method`:
+
+- ``none``: no packing, batches of :data:`UNPACKED_BATCH` padded to their longest.
+- ``eager_ffd@16`` and ``lazy_{ffd,bfd,refined}@B``: packline's packer with that
+  ``packing.algorithm``, one buffer stream, simulated by
+  :func:`packline.packing.forecast.simulate_packing`. ``ffd`` and ``bfd`` are the plain
+  greedy packings, ``ffd`` the one Megatron-Bridge runs; ``refined`` is the local default.
+  Eager and lazy encoders select identically, so their simulated fills are equal by
+  construction.
+- ``offline_bfd``: plain BFD, the whole set in one buffer.
+- ``round_bound@B``: the most any packer can fill when, as in Energon, the stream is cut
+  into disjoint buffers of B (:func:`round_bound_fill`).
+- ``lower_bound``: Σlen / (⌈Σlen/C⌉·C) (:func:`lower_bound_fill`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+from packline.bench.lengths import shuffled
+from packline.packing.forecast import simulate_packing
+from packline.packing.selection import ALGORITHMS, select_packs
+
+#: Buffer sizes of the simulated packer.
+BUFFERS = (16, 64, 256, 1024)
+#: ``packing.algorithm`` values the simulated packer runs with.
+BENCH_ALGORITHMS = ("ffd", "bfd", "refined")
+#: Batch size of the no-packing baseline (each batch padded to its longest sample).
+UNPACKED_BATCH = 8
+
+
+def unpacked_capacity(stream: list[int], *, capacity: int, batch_size: int) -> int:
+    """Tokens emitted without packing: the samples that fit, in batches of ``batch_size``,
+    each batch padded to its longest (a short last batch counts its own size).
+
+        >>> unpacked_capacity([6, 5, 4, 3, 12, 2], capacity=10, batch_size=2)
+        22
+    """
+    fits = [n for n in stream if n <= capacity]
+    return sum(
+        len(fits[i : i + batch_size]) * max(fits[i : i + batch_size])
+        for i in range(0, len(fits), batch_size)
+    )
+
+
+def lower_bound_fill(lengths: list[int], capacity: int) -> float:
+    """Σlen / (⌈Σlen/C⌉·C) over the samples that fit: no packer does better.
+
+    >>> lower_bound_fill([6, 5, 4, 3, 12, 2], 10)
+    1.0
+    """
+    total = sum(n for n in lengths if n <= capacity)
+    return total / (-(-total // capacity) * capacity) if total else 0.0
+
+
+def packed_fill(
+    stream: list[int], *, capacity: int, buffer_size: int | None, algorithm: str
+) -> float:
+    """Fill of packline's packer (backend local, one stream) on ``stream``: consecutive
+    buffers of ``buffer_size`` samples (None: one buffer), an overlength sample taking its
+    buffer slot and no row. 0.0 when nothing fits.
+
+    Worked example, capacity 10, buffers of 3 (the 12 is dropped; 20 tokens)::
+
+        >>> packed_fill([6, 5, 4, 3, 12, 2], capacity=10, buffer_size=3, algorithm="ffd")
+        0.6666666666666666
+        >>> packed_fill([6, 5, 4, 3, 12, 2], capacity=10, buffer_size=None, algorithm="ffd")
+        1.0
+    """
+    if buffer_size is not None and buffer_size < 1:
+        raise ValueError(f"buffer_size must be >= 1 or None, got {buffer_size}")
+    return simulate_packing(
+        stream,
+        capacity=capacity,
+        buffer_size=buffer_size or max(len(stream), 1),
+        algorithm=algorithm,
+    ).fill
+
+
+def round_bound_fill(stream: list[int], *, capacity: int, buffer_size: int) -> float:
+    """Σlen / (Σ_rounds ⌈Σlen_round/C⌉·C): the best fill of any packer whose rounds are
+    consecutive buffers of ``buffer_size`` samples, as Energon's are (it clears the whole
+    buffer each round, so no sample waits for a better round).
+
+    >>> round_bound_fill([6, 5, 4, 3, 12, 2], capacity=10, buffer_size=3)  # 15 → 2, 5 → 1
+    0.6666666666666666
+    """
+    return simulate_packing(
+        stream, capacity=capacity, buffer_size=buffer_size, algorithm="ffd"
+    ).round_bound_fill
+
+
+def fill_by_method(lengths: list[int], *, capacity: int, seed: int) -> dict[str, float]:
+    """``fill.<name>`` for every method (see the module docstring) on ``lengths``, streamed
+    in :func:`~packline.bench.lengths.shuffled` order; ValueError when nothing fits.
+
+    >>> f = fill_by_method([6, 5, 4, 3, 12, 2], capacity=10, seed=0)
+    >>> f["offline_bfd"], f["lower_bound"]
+    (1.0, 1.0)
+    """
+    stream = shuffled(lengths, seed)
+    real = sum(n for n in stream if n <= capacity)
+    if real == 0:
+        raise ValueError(f"no sample fits capacity {capacity}: nothing to pack")
+
+    def packed(buffer_size: int | None, algorithm: str) -> float:
+        return packed_fill(stream, capacity=capacity, buffer_size=buffer_size, algorithm=algorithm)
+
+    fill = {"none": real / unpacked_capacity(stream, capacity=capacity, batch_size=UNPACKED_BATCH)}
+    # The eager encoder hands select_packs the same lengths as the lazy one.
+    fill["eager_ffd@16"] = packed(16, "ffd")
+    for algorithm in BENCH_ALGORITHMS:
+        for b in BUFFERS:
+            fill[f"lazy_{algorithm}@{b}"] = packed(b, algorithm)
+    fill["offline_bfd"] = packed(None, "bfd")
+    for b in BUFFERS:
+        fill[f"round_bound@{b}"] = round_bound_fill(stream, capacity=capacity, buffer_size=b)
+    fill["lower_bound"] = lower_bound_fill(stream, capacity)
+    return fill
+
+
+def fill_summary(lengths: list[int], *, capacity: int, seed: int) -> dict[str, Any]:
+    """One length distribution's entry of the benchmark: its number of samples, how many
+    are overlength (dropped), and :func:`fill_by_method`.
+
+    >>> s = fill_summary([6, 5, 4, 3, 12, 2], capacity=10, seed=0)
+    >>> s["samples"], s["overlength"], s["fill"]["lower_bound"]
+    (6, 1, 1.0)
+    """
+    return {
+        "samples": len(lengths),
+        "overlength": sum(n > capacity for n in lengths),
+        "fill": fill_by_method(lengths, capacity=capacity, seed=seed),
+    }
+
+
+def time_selection(lengths: list[int], *, capacity: int, repeats: int = 3) -> dict[str, float]:
+    """Best-of-``repeats`` seconds of ``select_packs`` on all ``lengths`` in one buffer,
+    per algorithm of :data:`packline.packing.selection.ALGORITHMS`.
+
+    >>> sorted(time_selection([6, 5, 4, 3, 2], capacity=10, repeats=1)) == sorted(ALGORITHMS)
+    True
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    out = {}
+    for algorithm in ALGORITHMS:
+        best = math.inf
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            select_packs(lengths, capacity=capacity, algorithm=algorithm)
+            best = min(best, time.perf_counter() - t0)
+        out[algorithm] = best
+    return out

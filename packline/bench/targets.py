@@ -1,0 +1,76 @@
+"""The benchmark's targets: each a ``{"held", "value", "rule", ...}`` entry computed from
+the figures of :func:`packline.bench.simulation.fill_summary` and
+:func:`packline.bench.loader.measure_loader`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from packline.bench.simulation import BENCH_ALGORITHMS
+
+FILL_TARGET = 0.98
+#: lazy@256 may lose at most this share of offline BFD's fill.
+OFFLINE_GAP_TARGET = 0.01
+#: The packed loader may be at most this much slower than the unpacked one.
+OVERHEAD_TARGET = 0.05
+#: The slowest ``select_packs`` algorithm on 100,000 lengths, in seconds.
+SELECT_TARGET_S = 1.0
+
+Target = dict[str, Any]
+
+
+def packing_targets(result: dict[str, Any]) -> dict[str, Target]:
+    """The targets of ``bench packing``: the fill of ``lazy_<algorithm>@256`` on both
+    distributions (``result["default"]``, ``result["vlm_sft"]``), then
+    :func:`loader_targets`, then the selection time ``result["select_100k_s"]``."""
+    targets: dict[str, Target] = {}
+    for dist in ("default", "vlm_sft"):
+        fill = result[dist]["fill"]
+        for algorithm in BENCH_ALGORITHMS:
+            name = f"lazy_{algorithm}@256"
+            value, offline = fill[name], fill["offline_bfd"]
+            ratio = value / offline
+            targets[f"{dist}.fill.{name}"] = {
+                "held": value >= FILL_TARGET and ratio >= 1 - OFFLINE_GAP_TARGET,
+                "value": value,
+                "vs_offline_bfd": ratio,
+                "vs_round_bound": value / fill["round_bound@256"],
+                "rule": f">= {FILL_TARGET}, >= {1 - OFFLINE_GAP_TARGET:g}x offline_bfd",
+            }
+    targets.update(loader_targets(result))
+    targets["select_100k_s"] = {
+        "held": result["select_100k_s"] < SELECT_TARGET_S,
+        "value": result["select_100k_s"],
+        "rule": f"< {SELECT_TARGET_S:g} s, the slowest algorithm",
+    }
+    return targets
+
+
+def loader_targets(result: dict[str, Any]) -> dict[str, Target]:
+    """The targets of ``bench loader``: lazy_ffd@256's worker RSS against eager_ffd@16's,
+    and the packing overhead.
+
+    >>> t = loader_targets(
+    ...     {"worker_rss_mb": {"eager_ffd@16": 700.0, "lazy_ffd@256": 350.0},
+    ...      "packing_overhead": 0.06}
+    ... )
+    >>> t["worker_rss_mb.lazy_ffd@256"]["value"], t["worker_rss_mb.lazy_ffd@256"]["held"]
+    (0.5, True)
+    >>> t["packing_overhead"]["held"], t["packing_overhead"]["rule"]
+    (False, '<= 0.05')
+    """
+    targets: dict[str, Target] = {}
+    rss = result["worker_rss_mb"]
+    ratio = rss["lazy_ffd@256"] / rss["eager_ffd@16"]
+    targets["worker_rss_mb.lazy_ffd@256"] = {
+        "held": ratio <= 1.0,
+        "value": ratio,
+        "rule": "<= 1x eager_ffd@16",
+    }
+    overhead = result["packing_overhead"]
+    targets["packing_overhead"] = {
+        "held": overhead <= OVERHEAD_TARGET,
+        "value": overhead,
+        "rule": f"<= {OVERHEAD_TARGET}",
+    }
+    return targets
