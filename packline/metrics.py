@@ -125,8 +125,6 @@ EVAL_ACCURACY = "eval/accuracy"
 EVAL_QUESTIONS = "eval/questions"
 EVAL_ACCURACY_CHANCE = "eval/accuracy_chance"
 """Accuracy of guessing among each question kind's answers (logged once per run)."""
-EVAL_BY_KIND = "by_kind"
-"""Key of an ``eval.jsonl`` record: per question kind ``{questions, accuracy}``."""
 KIND_FIGURES = ("questions", "accuracy", "chance")
 """What :func:`eval_kind` names per question kind."""
 
@@ -192,6 +190,43 @@ def compare(run: str, figure: str) -> str:
     if run not in ("packed", "unpacked"):
         raise ValueError(f"run {run!r} must be 'packed' or 'unpacked'")
     return f"compare/{run}_{figure}"
+
+
+# -- fields of the records that are not metrics ---------------------------------------------
+
+RECORD_ROW_REAL_TOKENS = "row_real_tokens"
+"""Of a ``metrics.jsonl`` record: the real tokens of each row as laid out."""
+EVAL_BY_KIND = "by_kind"
+"""Of an ``eval.jsonl`` record: per question kind ``{questions, accuracy}``."""
+
+# -- MLflow tags of the train stage's runs ------------------------------------------------
+
+TAG_STAGE = "packline.stage"
+"""The stage a run belongs to (``train`` on the stage run and on its training runs)."""
+TAG_PACKING = "packline.packing"
+"""``true`` / ``false`` on a training run (the stage run has none)."""
+TAG_PRECISION = "packline.precision"
+"""On a training run: what ``train.precision`` resolved to (``bf16`` / ``fp32``)."""
+TAG_RANKS = "packline.ranks"
+"""On a training run: the data-parallel ranks it trained on."""
+
+
+def defines(name: str) -> bool:
+    """Whether ``name`` is a metric of this module: a constant, or built by a helper.
+
+    >>> defines(TRAIN_LOSS), defines("train/cum_loss_tokens"), defines("train/step_secs")
+    (True, True, False)
+    """
+    constants = {v for k, v in globals().items() if k.isupper() and isinstance(v, str) and "/" in v}
+    group, _, rest = name.partition("/")
+    parts = name.split("/")
+    return (
+        name in constants
+        or name in {cumulative(n) for n in TRAIN_COUNTERS}
+        or (group == "data" and rest.startswith("dropped_") and len(rest) > len("dropped_"))
+        or (len(parts) == 4 and parts[:2] == ["eval", "by_kind"] and parts[3] in KIND_FIGURES)
+        or name in {compare(run, f) for run in ("packed", "unpacked") for f in COMPARE_FIGURES}
+    )
 
 
 STEP_METRICS = (

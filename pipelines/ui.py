@@ -18,8 +18,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from packline.report.mlflow_store import compare_url, find_training_pair, open_store, sqlite_path
 from packline.tracking import experiment_name, tracking_uri
-from pipelines.compare import compare_url, find_training_pair, open_store, sqlite_path
 from schemas.config import PipelineConfig
 from stages.base import InputError
 

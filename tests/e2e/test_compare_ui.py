@@ -14,14 +14,19 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
 from PIL import Image
 
+from packline import metrics as M
+from packline.report.mlflow_store import READS, read_training_run
+from packline.report.plots import PLOTS
+from packline.report.summary import EVAL_INPUTS, STEP_INPUTS, summarize_run
 from packline.tracking import Tracker
-from pipelines.compare import PLOTS
+from packline.train.records import read_records
 from pipelines.experiment import pipeline_stages
 from schemas.config import PipelineConfig
 from stages.runner import run_stage
@@ -90,24 +95,86 @@ def test_compare_on_a_quick_real_run_agrees_with_the_store(trained):
     assert f"train-unpacked {off.info.run_id[:8]}" in result.stdout
 
     def rate(run) -> float:
-        tokens = client.get_metric_history(run.info.run_id, "train/tokens_real")
-        seconds = client.get_metric_history(run.info.run_id, "train/step_seconds")
+        tokens = client.get_metric_history(run.info.run_id, M.TRAIN_TOKENS_REAL)
+        seconds = client.get_metric_history(run.info.run_id, M.TRAIN_STEP_SECONDS)
         return sum(m.value for m in tokens) / sum(m.value for m in seconds)
 
     saved = json.loads((trained.work_path / "compare" / "compare.json").read_text())
     assert saved["speedup_real_tokens_per_s"] == pytest.approx(rate(on) / rate(off), rel=1e-12)
     # The train stage computed the same figure from its metrics.jsonl.
-    stage = runs["train"].data.metrics["compare/speedup_real_tokens_per_s"]
+    stage = runs["train"].data.metrics[M.COMPARE_SPEEDUP_REAL_TOKENS_PER_S]
     assert saved["speedup_real_tokens_per_s"] == pytest.approx(stage, rel=1e-9)
     assert f"{saved['speedup_real_tokens_per_s']:.2f}x" in result.stdout
     packed, unpacked = saved["packed"], saved["unpacked"]
     assert packed["real_tokens"] == unpacked["real_tokens"] > 0  # same conversations
     assert packed["fill"] > unpacked["fill"] and packed["padding_fraction"] < 0.01
-    assert unpacked["conversations_per_pack"] == 1.0 < packed["conversations_per_pack"]
+    assert unpacked["conversations_per_row"] == 1.0 < packed["conversations_per_row"]
     assert saved["pipeline_run_id"] == runs["pipeline-quick"].info.run_id
     for name in PLOTS:
         with Image.open(trained.work_path / "compare" / name) as img:
             assert img.format == "PNG" and img.size == (700, 450)
+
+
+def _records(cfg: PipelineConfig, run: str) -> tuple[list[dict], list[dict]]:
+    run_dir = cfg.work_path / "train" / run
+    return read_records(run_dir / "metrics.jsonl"), read_records(run_dir / "eval.jsonl")
+
+
+def test_every_metric_compare_reads_is_one_the_train_stage_writes(trained):
+    """Both ends name metrics through packline.metrics: what compare and the summary read is
+    what the train stage logged, to MLflow and to its records, and everything it logged is
+    a name of packline.metrics (a renamed metric fails here, not as a silent zero)."""
+    client, runs = _training_runs(trained)
+    for run in ("packed", "unpacked"):
+        logged = set(runs[f"train-{run}"].data.metrics)
+        assert set(READS) <= logged, sorted(set(READS) - logged)
+        assert set(M.STEP_METRICS) | set(M.EVAL_METRICS) <= logged
+        assert [n for n in logged if not M.defines(n)] == []
+        steps, evals = _records(trained, run)
+        assert steps and evals
+        for record in steps:
+            assert set(STEP_INPUTS) | set(M.STEP_METRICS) <= set(record)
+            assert [n for n in record if "/" in n and not M.defines(n)] == []
+        for record in evals:
+            assert set(EVAL_INPUTS) | {M.EVAL_BY_KIND} <= set(record)
+        assert set(runs["train"].data.metrics) >= {M.compare(run, f) for f in M.COMPARE_FIGURES} | {
+            M.COMPARE_SPEEDUP_REAL_TOKENS_PER_S
+        }
+
+
+def test_the_summary_read_from_mlflow_is_the_one_the_stage_wrote_from_its_records(trained):
+    """The same RunSummary whichever the source, the stage's records or the store's
+    histories (wall time and run id aside, which only the store knows)."""
+    client, runs = _training_runs(trained)
+    for run in ("packed", "unpacked"):
+        from_store, _ = read_training_run(client, runs[f"train-{run}"])
+        assert from_store.run_id == runs[f"train-{run}"].info.run_id
+        assert from_store.wall_seconds > from_store.train_seconds > 0
+        result = json.loads((trained.work_path / "train" / run / "result.json").read_text())
+        from_files = summarize_run(
+            *_records(trained, run),
+            run=run,
+            seq_length=trained.packing.seq_length,
+            precision=from_store.precision,
+            ranks=from_store.ranks,
+            chance=result["eval_accuracy_chance"],
+            chance_by_kind={k: v["chance"] for k, v in result["eval_by_kind"].items()},
+            wall_seconds=from_store.wall_seconds,
+            run_id=from_store.run_id,
+        )
+        assert from_store.eval_accuracy_chance == pytest.approx(result["eval_accuracy_chance"])
+        assert replace(from_store, eval_by_kind=None) == replace(from_files, eval_by_kind=None)
+
+
+def test_compare_reads_the_per_kind_accuracy_and_the_run_facts_the_stage_logs(trained):
+    """What only result.json held before: accuracy per question kind (with its chance), the
+    resolved precision and the ranks, read back from the store."""
+    client, runs = _training_runs(trained)
+    for run in ("packed", "unpacked"):
+        from_store, _ = read_training_run(client, runs[f"train-{run}"])
+        result = json.loads((trained.work_path / "train" / run / "result.json").read_text())
+        assert from_store.eval_by_kind == result["eval_by_kind"]
+        assert (from_store.precision, from_store.ranks) == (result["precision"], result["ranks"])
 
 
 def _chromium() -> str:

@@ -14,9 +14,13 @@ import pytest
 from mlflow.tracking import MlflowClient
 from PIL import Image
 
+from packline import metrics as M
 from packline.counters import layout_metrics, row_fills
+from packline.report.mlflow_store import compare_url, find_training_pair, open_store
+from packline.report.plots import PLOTS
+from packline.report.summary import RunSummary
 from packline.tracking import Tracker
-from pipelines.compare import PLOTS, compare_runs, compare_url, find_training_pair, open_store
+from pipelines.compare import compare_runs
 from stages.base import InputError
 from tests.conftest import make_config
 
@@ -27,6 +31,8 @@ REAL = [4000, 4100, 3900]
 CONVS = [20, 18, 22]
 SECONDS = {"packed": [2.0, 2.5, 1.5], "unpacked": [3.0, 3.5, 2.5]}
 PADDED = {"packed": [0, 0, 0], "unpacked": [3000, 3100, 2800]}
+DATA_SECONDS = [0.5, 0.4, 0.6]  # of the step seconds, the same work packed or not
+VISION_SECONDS = [0.3, 0.3, 0.3]
 LOSS = [8.0, 7.5, 7.0]
 
 
@@ -42,9 +48,9 @@ def _log_training_run(cfg, stage_run_id: str, packed: bool, scale: float = 1.0) 
         cfg,
         f"train-{mode}",
         parent_run_id=stage_run_id,
-        tags={"packline.stage": "train", "packline.packing": str(packed).lower()},
+        tags={M.TAG_STAGE: "train", M.TAG_PACKING: str(packed).lower()},
     )
-    run.log_metrics({"eval/loss": 8.4, "eval/accuracy": 0.0}, step=0)
+    run.log_metrics({M.EVAL_LOSS: 8.4, M.EVAL_ACCURACY: 0.0, M.EVAL_QUESTIONS: 4}, step=0)
     cum, laid_out = 0, 0
     for i in range(3):
         seconds = SECONDS[mode][i] * scale
@@ -53,23 +59,25 @@ def _log_training_run(cfg, stage_run_id: str, packed: bool, scale: float = 1.0) 
         laid_out += len(rows)
         run.log_metrics(
             {
-                "train/loss": LOSS[i],
-                "train/tokens_real": REAL[i],
-                "train/cum_tokens_real": cum,
-                "train/padded_tokens": PADDED[mode][i],
-                "train/conversations": CONVS[i],
-                "train/step_seconds": seconds,
-                "train/flops_useful": 1e12,
-                "train/flops_executed": 1e12 if packed else 1.6e12,
-                "throughput/real_tokens_per_s": REAL[i] / seconds,
+                M.TRAIN_LOSS: LOSS[i],
+                M.TRAIN_TOKENS_REAL: REAL[i],
+                M.cumulative(M.TRAIN_TOKENS_REAL): cum,
+                M.TRAIN_PADDED_TOKENS: PADDED[mode][i],
+                M.TRAIN_CONVERSATIONS: CONVS[i],
+                M.TRAIN_STEP_SECONDS: seconds,
+                M.TRAIN_DATA_SECONDS: DATA_SECONDS[i],
+                M.TRAIN_VISION_SECONDS: VISION_SECONDS[i],
+                M.TRAIN_FLOPS_USEFUL: 1e12,
+                M.TRAIN_FLOPS_EXECUTED: 1e12 if packed else 1.6e12,
+                M.THROUGHPUT_REAL_TOKENS_PER_S: REAL[i] / seconds,
                 **layout_metrics(
                     rows, conversations=CONVS[i], padded_tokens=PADDED[mode][i], seq_length=SEQ
                 ),
             },
             step=i + 1,
         )
-        run.log_series("pack/row_fill", row_fills(rows, SEQ), first_step=laid_out - len(rows) + 1)
-    run.log_metrics({"eval/loss": 7.1, "eval/accuracy": 0.25}, step=3)
+        run.log_series(M.PACK_ROW_FILL, row_fills(rows, SEQ), first_step=laid_out - len(rows) + 1)
+    run.log_metrics({M.EVAL_LOSS: 7.1, M.EVAL_ACCURACY: 0.25, M.EVAL_QUESTIONS: 4}, step=3)
     run.end()
     return run.run_id
 
@@ -83,7 +91,7 @@ def _log_pipeline(cfg, *, train: bool, scale: float = 1.0) -> dict[str, str]:
         cfg,
         "train",
         parent_run_id=parent.run_id,
-        tags={"packline.stage": "train", "packline.skipped": str(not train).lower()},
+        tags={M.TAG_STAGE: "train", "packline.skipped": str(not train).lower()},
     )
     ids = {"pipeline": parent.run_id, "stage": stage.run_id}
     if train:
@@ -126,7 +134,7 @@ def test_compare_reads_the_newest_pair_and_its_speedup_from_the_store(store):
         return sum(m.value for m in client.get_metric_history(run_id, key))
 
     rate = {
-        mode: total(newest[mode], "train/tokens_real") / total(newest[mode], "train/step_seconds")
+        mode: total(newest[mode], M.TRAIN_TOKENS_REAL) / total(newest[mode], M.TRAIN_STEP_SECONDS)
         for mode in ("packed", "unpacked")
     }
     assert result.speedup_real_tokens_per_s == pytest.approx(rate["packed"] / rate["unpacked"])
@@ -135,13 +143,24 @@ def test_compare_reads_the_newest_pair_and_its_speedup_from_the_store(store):
     assert off.padding_fraction == pytest.approx(8900 / (12000 + 8900))
     assert on.fill == pytest.approx(12000 / (6 * SEQ))
     assert off.fill == pytest.approx(12000 / (60 * SEQ))
-    assert on.conversations_per_pack == pytest.approx(60 / 6)
-    assert off.conversations_per_pack == pytest.approx(1.0)
+    assert on.conversations_per_row == pytest.approx(60 / 6)
+    assert off.conversations_per_row == pytest.approx(1.0)
     assert on.final_train_loss == off.final_train_loss == 7.0
     assert (on.eval_loss_start, on.eval_loss) == (8.4, 7.1)
     assert (on.eval_accuracy_start, on.eval_accuracy) == (0.0, 0.25)
     assert on.tflops_useful == pytest.approx(3.0) and off.tflops_executed == pytest.approx(4.8)
     assert on.steps == 3 and on.first_step == 1
+    assert on.eval_questions == 4 and on.eval_by_kind is None  # no per-kind metrics logged
+    # Where the time went, and the pair's ratios (the same figures bench train reports).
+    assert (on.train_seconds, off.train_seconds) == pytest.approx((6.0, 9.0))
+    assert on.data_seconds == off.data_seconds == pytest.approx(1.5)
+    assert on.other_seconds == pytest.approx(6.0 - 1.5 - 0.9)
+    pair = result.pair
+    assert pair.speedup_without_data == pytest.approx((9.0 - 1.5) / (6.0 - 1.5))
+    assert pair.speedup_without_data_and_vision == pytest.approx((9.0 - 2.4) / (6.0 - 2.4))
+    assert pair.flops_executed_ratio == pytest.approx(1.6)
+    assert pair.target_eval_loss == 7.1
+    assert pair.seconds_to_eval_loss == pytest.approx({"packed": 6.0, "unpacked": 9.0})
 
     # Plots: valid PNGs of the set size, saved under the work dir and on the parent run.
     out = cfg.work_path / "compare"
@@ -152,6 +171,9 @@ def test_compare_reads_the_newest_pair_and_its_speedup_from_the_store(store):
             assert img.format == "PNG" and img.size == (700, 450)
     saved = json.loads((out / "compare.json").read_text())
     assert saved["speedup_real_tokens_per_s"] == pytest.approx(1.5)
+    assert saved["flops_executed_ratio"] == pytest.approx(1.6)
+    assert RunSummary.from_dict(saved["packed"]) == on  # the same type, read back
+    assert RunSummary.from_dict(saved["unpacked"]) == off
     logged = {a.path for a in client.list_artifacts(newest["pipeline"], "compare")}
     assert {f"compare/{p}" for p in PLOTS} | {"compare/compare.json"} <= logged
 
@@ -188,9 +210,7 @@ def test_compare_without_the_runs_is_an_input_error(tmp_path: Path):
     assert not (cfg.work_path / "mlflow.db").exists()  # no empty store left behind
 
     parent = Tracker.start(cfg, "pipeline-test", tags={"packline.kind": "pipeline"})
-    stage = Tracker.start(
-        cfg, "train", parent_run_id=parent.run_id, tags={"packline.stage": "train"}
-    )
+    stage = Tracker.start(cfg, "train", parent_run_id=parent.run_id, tags={M.TAG_STAGE: "train"})
     _log_training_run(cfg, stage.run_id, packed=True)  # packing off never ran
     client = open_store(cfg)
     with pytest.raises(InputError, match="no MLflow experiment named 'other'"):
