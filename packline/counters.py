@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
+from packline import metrics as names
 from packline.flops import LORA_TARGETS_ALL, PackShape, nominal_flops, step_flops
 from packline.packing.thd import PackedBatch
 
@@ -143,6 +144,35 @@ class RunningCounters:
         self.total = PackCounts(**state)
 
 
+def layout_counts(
+    rows: list[PackedBatch], micro: list, *, flops_model: FlopsModel, seq_length: int, packed: bool
+) -> PackCounts:
+    """The counters of one step's ``rows`` as laid out in ``micro`` (its micro-batches).
+
+    Packed, the micro-batches are the rows themselves. Packing off lays the same
+    conversations out padded (:func:`packline.packing.thd.build_padded_batch`), which
+    executes (and wastes) more: one row per conversation, padding to the longest of each
+    micro-batch, and the nominal and executed FLOPs of those physical slots rather than of
+    the packed rows the conversations were read from.
+    """
+    counts = PackCounts()
+    for row in rows:
+        counts = counts + PackCounts.of(row, flops_model, seq_length)
+    if packed:
+        return counts
+    counts.rows = sum(m.input_ids.shape[0] for m in micro)  # one per conversation
+    counts.padded_tokens = sum(m.num_padded_tokens for m in micro)
+    counts.flops_nominal = sum(flops_model.nominal(m.input_ids.numel()) for m in micro)
+    counts.flops_executed = sum(
+        flops_model.executed(
+            [m.input_ids.shape[1]] * m.input_ids.shape[0],
+            [tuple(g) for g in (m.image_grid_thw.tolist() if m.image_grid_thw is not None else [])],
+        )
+        for m in micro
+    )
+    return counts
+
+
 def flops_model_for(cfg, processor) -> FlopsModel:
     """FLOPs model of the configured model: the tiny one, a real config by name
     (``qwen3-vl-8b`` ...), or the ``config.json`` of ``model.path``; LoRA on the configured
@@ -174,16 +204,16 @@ def layout_metrics(
 
     >>> layout_metrics([1536, 1024], conversations=6, padded_tokens=0, seq_length=2048)
     {'pack/rows': 2.0, 'pack/fill': 0.625, 'pack/conversations_per_pack': 3.0, \
-'pack/padding_fraction': 0.0}
+'pack/padding_tokens': 0.0, 'pack/padding_fraction': 0.0}
     """
     rows = len(row_real_tokens)
     real = sum(row_real_tokens)
     return {
-        "pack/rows": float(rows),
-        "pack/fill": real / (rows * seq_length) if rows else 0.0,
-        "pack/conversations_per_pack": conversations / rows if rows else 0.0,
-        "pack/padding_tokens": float(padded_tokens),
-        "pack/padding_fraction": padded_tokens / (real + padded_tokens) if real else 0.0,
+        names.PACK_ROWS: float(rows),
+        names.PACK_FILL: real / (rows * seq_length) if rows else 0.0,
+        names.PACK_CONVERSATIONS_PER_PACK: conversations / rows if rows else 0.0,
+        names.PACK_PADDING_TOKENS: float(padded_tokens),
+        names.PACK_PADDING_FRACTION: padded_tokens / (real + padded_tokens) if real else 0.0,
     }
 
 

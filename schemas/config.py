@@ -496,6 +496,12 @@ class TrainConfig(_Section):
     """Seed of model init, data order and packing shuffles."""
     num_workers: int = 0
     """DataLoader workers per rank."""
+    shuffle_buffer_size: int = 100
+    """Samples in Energon's shuffle buffer of the training stream (Bridge:
+    ``dataset.shuffle_buffer_size``)."""
+    max_samples_per_sequence: int = 100
+    """Samples read in a row from one shard before the stream moves to another (Bridge:
+    ``dataset.max_samples_per_sequence``)."""
     nproc_per_node: int = 1
     """Data-parallel processes (backend local): > 1 runs each training run under torchrun,
     gloo on CPU, nccl on GPU; ``global_batch_size`` must divide by it."""
@@ -519,6 +525,10 @@ class TrainConfig(_Section):
         _check(p, self.lr > 0, f"train.lr must be > 0, got {self.lr}")
         _check(p, self.warmup_steps >= 0, "train.warmup_steps must be >= 0")
         _check(p, self.keep_last >= 1, "train.keep_last must be >= 1")
+        _check(p, self.shuffle_buffer_size >= 1, "train.shuffle_buffer_size must be >= 1")
+        _check(
+            p, self.max_samples_per_sequence >= 1, "train.max_samples_per_sequence must be >= 1"
+        )
         _check(p, self.nproc_per_node >= 1, "train.nproc_per_node must be >= 1")
         _check(
             p,

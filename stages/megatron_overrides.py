@@ -163,6 +163,9 @@ def _packline_overrides(
         "dataset.path": str(work / "prepare" / BRIDGE_METADATASET),
         "dataset.seq_length": p.seq_length,
         "dataset.num_workers": t.num_workers,
+        # the training stream's shape, as the local loader reads it
+        "dataset.shuffle_buffer_size": t.shuffle_buffer_size,
+        "dataset.max_samples_per_sequence": t.max_samples_per_sequence,
         "dataset.packing_buffer_size": p.packing_buffer_size if p.enabled else None,
         "dataset.pad_to_max_length": p.pad_to_max_length or ep > 1,
         "dataset.task_encoder.hf_processor_path": str(work / "connect" / "processor"),

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from packline import metrics as names
+
 DROP_REASONS = ("overlength", "malformed")
 
 
@@ -50,10 +52,10 @@ class Ledger:
     def to_metrics(self) -> dict[str, float]:
         """``data/*`` metrics for MLflow."""
         out = {
-            "data/seen": float(self.seen),
-            "data/packed": float(self.packed),
-            "data/dropped": float(self.num_dropped),
+            names.DATA_SEEN: float(self.seen),
+            names.DATA_PACKED: float(self.packed),
+            names.DATA_DROPPED: float(self.num_dropped),
         }
         for reason in sorted(set(DROP_REASONS) | set(self.dropped)):
-            out[f"data/dropped_{reason}"] = float(self.dropped.get(reason, 0))
+            out[names.dropped(reason)] = float(self.dropped.get(reason, 0))
         return out

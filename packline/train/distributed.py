@@ -1,4 +1,5 @@
-"""Data-parallel launch: torchrun for the local train stage, process groups from its env.
+"""Data parallelism: torchrun for the local train stage, process groups from its env, and
+the few collectives the trainer uses (each a no-op without a process group).
 
 ``train.nproc_per_node`` > 1 makes the train stage start itself again under torchrun
 (``python -m torch.distributed.run --standalone``) with one process per rank; each rank
@@ -64,3 +65,84 @@ def torchrun_command(nproc_per_node: int, module: str, args: list[str]) -> list[
 def threads_per_rank(nproc_per_node: int) -> int:
     """CPU threads each rank may use without oversubscribing the machine."""
     return max(1, (os.cpu_count() or 1) // nproc_per_node)
+
+
+# -- collectives (no-ops without a process group) ---------------------------------------------
+
+
+def rank_world() -> tuple[int, int]:
+    """(this rank, number of ranks); (0, 1) without a process group."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum ``t`` over ranks in place (through the GPU when the backend is nccl)."""
+    if dist.is_available() and dist.is_initialized():
+        if dist.get_backend() == "nccl" and t.device.type != "cuda":
+            on_gpu = t.cuda()
+            dist.all_reduce(on_gpu, op=dist.ReduceOp.SUM)
+            t.copy_(on_gpu.cpu())
+        else:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def all_gather_object(value) -> list:
+    """``value`` of every rank, in rank order (a one-element list without a process group).
+
+    >>> all_gather_object({"step": 3})
+    [{'step': 3}]
+    """
+    if dist.is_available() and dist.is_initialized():
+        out = [None] * dist.get_world_size()
+        dist.all_gather_object(out, value)
+        return out
+    return [value]
+
+
+def sum_grads_over_ranks(params: list[torch.Tensor]) -> None:
+    """Sum (never average) the gradients of ``params`` over ranks, in one flat all-reduce."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads or rank_world()[1] == 1:
+        return
+    flat = all_reduce_sum(torch.cat([g.flatten() for g in grads]))
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def weights_checksum(params: list[torch.Tensor]) -> float:
+    """A float64 checksum of ``params`` (position-weighted, so swapped values change it).
+
+    >>> a, b = torch.tensor([1.0, 2.0]), torch.tensor([2.0, 1.0])
+    >>> weights_checksum([a]) == weights_checksum([b])
+    False
+    """
+    total = 0.0
+    for i, p in enumerate(params, start=1):
+        flat = p.detach().double().flatten()
+        weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64)
+        total += i * float((flat * weights).sum())
+    return total
+
+
+def check_replicas(params: list[torch.Tensor], *, step: int) -> list[float]:
+    """Every rank's :func:`weights_checksum` of ``params`` (empty on one rank); raises
+    ``RuntimeError`` when the data-parallel replicas no longer hold the same weights."""
+    if rank_world()[1] == 1:
+        return []
+    sums = all_gather_object(weights_checksum(params))
+    if len(set(sums)) != 1:
+        raise RuntimeError(
+            f"data-parallel replicas diverged after step {step}: weight checksums per rank "
+            f"{sums}; gradients must be summed identically on every rank"
+        )
+    return sums

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -132,3 +133,58 @@ def eval_accuracy(
         kind: {"questions": n, "accuracy": correct[kind] / n} for kind, n in sorted(asked.items())
     }
     return (sum(correct.values()) / total if total else float("nan")), total, by_kind
+
+
+@dataclass
+class EvalResult:
+    """One evaluation of the model on the val split."""
+
+    loss: float
+    """Mean token loss over the whole val split, packed."""
+    accuracy: float
+    """Share of the asked questions answered correctly (nan when none was asked)."""
+    questions: int
+    by_kind: dict[str, dict[str, float]]
+    """Per question kind: its ``questions`` and ``accuracy``."""
+
+
+class Evaluator:
+    """The trainer's validator: :func:`eval_loss` and :func:`eval_accuracy` of one model on
+    the prepared val split, with the run's packing settings."""
+
+    def __init__(
+        self,
+        *,
+        dataset_dir: Path,
+        processor_dir: Path,
+        processor,
+        packing: PackingSettings,
+        packing_buffer_size: int,
+        image_token_id: int,
+        eval_samples: int,
+    ):
+        self.dataset_dir = Path(dataset_dir)
+        self.processor_dir = Path(processor_dir)
+        self.processor = processor
+        self.packing = packing
+        self.packing_buffer_size = packing_buffer_size
+        self.image_token_id = image_token_id
+        self.eval_samples = eval_samples
+
+    def chance(self) -> tuple[float, dict[str, float]]:
+        """:func:`chance_accuracy` of the questions :meth:`evaluate` asks."""
+        return chance_accuracy(self.dataset_dir, max_samples=self.eval_samples)
+
+    def evaluate(self, model) -> EvalResult:
+        loss, _ = eval_loss(
+            model,
+            self.dataset_dir,
+            self.processor_dir,
+            self.packing,
+            buffer=self.packing_buffer_size,
+            image_token_id=self.image_token_id,
+        )
+        acc, asked, by_kind = eval_accuracy(
+            model, self.processor, self.dataset_dir, max_samples=self.eval_samples
+        )
+        return EvalResult(loss=loss, accuracy=acc, questions=asked, by_kind=by_kind)

@@ -1,4 +1,4 @@
-"""Model, LoRA adapters and loop settings from the pipeline config."""
+"""Model, LoRA adapters and the trainer of one run, from the pipeline config."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ from peft.tuners.tuners_utils import check_target_module_exists
 from transformers.pytorch_utils import Conv1D
 
 from packline.counters import flops_model_for
-from packline.energon.packing import PackingSettings
 from packline.qwen.attention import set_text_attention
 from packline.qwen.model import build_tiny_model, tiny_config
-from packline.train.loop import LoopSettings, Trainer
+from packline.tracking import Tracker
+from packline.train.evaluate import Evaluator
+from packline.train.trainer import Trainer, TrainerSettings
 
 #: Module types PEFT's LoRA wraps (a name match on any other type fails in get_peft_model).
 LORA_MODULE_TYPES = (
@@ -119,48 +120,47 @@ def apply_lora(model, lora_cfg):
     return model
 
 
-def loop_settings(cfg, *, packed: bool) -> LoopSettings:
-    t = cfg.train
-    return LoopSettings(
-        packed=packed,
-        max_steps=t.max_steps,
-        global_batch_size=t.global_batch_size,
-        unpacked_micro_batch_size=t.unpacked_micro_batch_size,
-        lr=t.lr,
-        warmup_steps=t.warmup_steps,
-        weight_decay=t.weight_decay,
-        grad_clip=t.grad_clip,
-        precision=t.precision.value,
-        seed=t.seed,
-        save_every=t.save_every,
-        keep_last=t.keep_last,
-        num_workers=t.num_workers,
-        packing_buffer_size=cfg.packing.packing_buffer_size,
-        encoder_mode=cfg.packing.encoder.value,
-        packing=PackingSettings.from_config(cfg.packing, seed=t.seed),
-    )
-
-
-def run_paths(cfg) -> tuple[Path, Path]:
-    """(prepared dataset dir, connected processor dir)."""
-    return cfg.work_path / "prepare", cfg.work_path / "connect" / "processor"
-
-
-def build_trainer(cfg, processor, *, packed: bool, run_dir: Path, device=None) -> Trainer:
-    """The configured model with LoRA (seeded by ``train.seed``), on ``device``, in a
-    :class:`Trainer` for one run, packing on or off."""
-    dataset_dir, processor_dir = run_paths(cfg)
+def build_trainer(
+    cfg,
+    processor,
+    *,
+    packed: bool,
+    dataset_dir: Path,
+    processor_dir: Path,
+    run_dir: Path,
+    device: torch.device | None = None,
+    tracker: Tracker | None = None,
+) -> Trainer:
+    """A :class:`Trainer` for one run of ``cfg`` (packing on or off) over the prepared
+    dataset in ``dataset_dir`` and the processor in ``processor_dir``: the configured model
+    with LoRA (seeded by ``train.seed``) on ``device``, its evaluator, logging to
+    ``tracker`` and writing to ``run_dir``."""
     torch.manual_seed(cfg.train.seed)
     model = apply_lora(build_model(cfg, processor), cfg.lora)
     if device is not None:
         model = model.to(device)
+    settings = TrainerSettings.from_config(cfg, packed=packed)
+    image_token_id = int(processor.image_token_id)
+    evaluator = Evaluator(
+        dataset_dir=dataset_dir,
+        processor_dir=processor_dir,
+        processor=processor,
+        packing=settings.packing,
+        packing_buffer_size=settings.stream.packing_buffer_size,
+        image_token_id=image_token_id,
+        eval_samples=settings.eval_samples,
+    )
+    device = device or torch.device("cpu")
     return Trainer(
         model,
-        settings=loop_settings(cfg, packed=packed),
+        settings=settings,
         dataset_dir=dataset_dir,
         processor_dir=processor_dir,
         run_dir=run_dir,
         flops_model=flops_model_for(cfg, processor),
-        image_token_id=int(processor.image_token_id),
+        image_token_id=image_token_id,
         pad_token_id=int(processor.tokenizer.pad_token_id),
+        evaluator=evaluator,
+        tracker=tracker,
+        device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
     )

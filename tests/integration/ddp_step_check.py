@@ -13,8 +13,7 @@ from pathlib import Path
 
 import torch
 
-from packline.train.distributed import init_from_env, shutdown
-from packline.train.loop import _all_gather
+from packline.train.distributed import all_gather_object, init_from_env, shutdown
 from tests.conftest import make_config
 from tests.integration.train_helpers import SMALL, trainer_for
 
@@ -25,14 +24,14 @@ def main(work: str, out: str) -> None:
         cfg = make_config(Path(work), *SMALL, "train.global_batch_size=4")
         packed = trainer_for(cfg, True, Path(work) / "ddp_p")
         unpacked = trainer_for(cfg, False, Path(work) / "ddp_u")
-        rows = packed._next_rows()
+        rows = packed.step_rows()
         loss_p, n_p = packed.accumulate_gradients(packed.micro_batches(rows))
         micro_u = unpacked.micro_batches(rows)
         loss_u, n_u = unpacked.accumulate_gradients(micro_u)
         gp = torch.cat([p.grad.flatten() for p in packed.params]).double()
         gu = torch.cat([p.grad.flatten() for p in unpacked.params]).double()
-        keys = _all_gather([k for row in rows for k in row.keys])
-        grads_p = _all_gather(gp)
+        keys = all_gather_object([k for row in rows for k in row.keys])
+        grads_p = all_gather_object(gp)
         if packed.rank == 0:
             result = {
                 "world": packed.world,

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from packline.train.loop import FAULT_ENV
 from packline.train.records import read_records
 from tests.conftest import make_config
 from tests.integration.train_helpers import SMALL, trainer_for
@@ -22,7 +21,7 @@ def test_packed_and_unpacked_step_give_the_same_loss_and_gradients(work, tmp_pat
     cfg = make_config(work, *SMALL, "train.global_batch_size=3")
     packed = trainer_for(cfg, True, tmp_path / "p")
     unpacked = trainer_for(cfg, False, tmp_path / "u")
-    rows = packed._next_rows()
+    rows = packed.step_rows()
     assert sum(r.num_conversations for r in rows) > 3  # really several per row
     loss_p, n_p = packed.accumulate_gradients(packed.micro_batches(rows))
     micro_u = unpacked.micro_batches(rows)
@@ -58,7 +57,7 @@ def test_bf16_precision_runs_the_training_forwards_under_autocast(work, tmp_path
         q_proj = next(m for n, m in trainer.model.named_modules() if n.endswith("q_proj"))
         seen = []
         hook = q_proj.register_forward_hook(lambda _m, _a, out, seen=seen: seen.append(out.dtype))
-        losses[precision], _ = trainer.accumulate_gradients(trainer._next_rows())
+        losses[precision], _ = trainer.accumulate_gradients(trainer.step_rows())
         hook.remove()
         dtypes[precision] = set(seen)
         assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in trainer.params)
@@ -67,11 +66,16 @@ def test_bf16_precision_runs_the_training_forwards_under_autocast(work, tmp_path
     assert losses["bf16"] == pytest.approx(losses["auto"], rel=1e-2)  # ... of the same loss
 
 
-def _train_cmd(work: Path, run: str) -> list[str]:
+def _train_cmd(work: Path, *, kill_in_checkpoint: int | None = None) -> list[str]:
+    """``packline stage train`` of 20 steps; with ``kill_in_checkpoint``, SIGKILLed while it
+    writes that step's checkpoint (after the adapter, before the optimizer state)."""
+    cli = ["pipelines.cli"]
+    if kill_in_checkpoint is not None:
+        cli = ["tests.integration.kill_in_checkpoint", str(kill_in_checkpoint), "adapter.pt"]
     return [
         sys.executable,
         "-m",
-        "pipelines.cli",
+        *cli,
         "stage",
         "train",
         f"work_dir={work}",
@@ -107,7 +111,7 @@ def test_resume_after_sigkill_replays_nothing_and_skips_nothing(work, tmp_path, 
         _copy_inputs(work, w)
     env = {**os.environ, "COLUMNS": "160"}
     subprocess.run(
-        _train_cmd(straight_work, "packed"),
+        _train_cmd(straight_work),
         cwd=root,
         env=env,
         check=True,
@@ -115,13 +119,11 @@ def test_resume_after_sigkill_replays_nothing_and_skips_nothing(work, tmp_path, 
         timeout=900,
     )
 
-    kill_env = dict(env)
-    if where == "while_writing_checkpoint_10":
-        kill_env[FAULT_ENV] = "kill_in_checkpoint:10"
+    kill_at = 10 if where == "while_writing_checkpoint_10" else None
     proc = subprocess.Popen(
-        _train_cmd(killed_work, "packed"),
+        _train_cmd(killed_work, kill_in_checkpoint=kill_at),
         cwd=root,
-        env=kill_env,
+        env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -145,7 +147,7 @@ def test_resume_after_sigkill_replays_nothing_and_skips_nothing(work, tmp_path, 
         with log.open("a") as f:
             f.write('{"step": 11, "train/loss": 1.0, "ke')
     subprocess.run(
-        _train_cmd(killed_work, "packed"),
+        _train_cmd(killed_work),
         cwd=root,
         env=env,
         check=True,

@@ -7,7 +7,7 @@ import torch
 
 from packline.qwen.model import build_tiny_model
 from packline.qwen.processor import load_processor
-from packline.train.setup import run_paths
+from stages.train import processor_dir
 from tests.conftest import make_config
 from tests.integration.train_helpers import SMALL, trainer_for
 
@@ -22,7 +22,7 @@ def test_moe_lora_on_experts_learns_the_same_packed_and_unpacked(work, tmp_path)
     cfg = make_config(work, *SMALL, *MOE_LORA)
     packed = trainer_for(cfg, True, tmp_path / "p")
     unpacked = trainer_for(cfg, False, tmp_path / "u")
-    rows = packed._next_rows()
+    rows = packed.step_rows()
     loss_p, n_p = packed.accumulate_gradients(packed.micro_batches(rows))
     loss_u, n_u = unpacked.accumulate_gradients(unpacked.micro_batches(rows))
     assert n_p == n_u and abs(loss_p - loss_u) <= 1e-6
@@ -44,7 +44,7 @@ def test_trains_a_local_checkpoint_dir_as_it_trains_the_built_model(work, tmp_pa
     """``model.path`` pointing at a saved Qwen3-VL (config.json + safetensors) trains exactly
     like the model it holds: the same first-step loss, bitwise, on the same rows."""
     cfg = make_config(work, *SMALL)
-    processor = load_processor(run_paths(cfg)[1])
+    processor = load_processor(processor_dir(cfg))
     checkpoint = tmp_path / "checkpoint"
     build_tiny_model(processor, seed=cfg.train.seed).save_pretrained(checkpoint)
     assert (checkpoint / "config.json").is_file()

@@ -6,8 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from packline.qwen.processor import load_processor
-from packline.train.loop import Trainer
-from packline.train.setup import build_trainer, run_paths
+from packline.train.setup import build_trainer
+from packline.train.trainer import Trainer
+from stages.train import dataset_dir, processor_dir
 
 SMALL = (
     "data.num_train=120",
@@ -19,5 +20,12 @@ SMALL = (
 
 def trainer_for(cfg, packed: bool, run_dir: Path) -> Trainer:
     """The stage's trainer for ``cfg``: the seeded tiny model with LoRA, packing on or off."""
-    processor = load_processor(run_paths(cfg)[1])
-    return build_trainer(cfg, processor, packed=packed, run_dir=run_dir)
+    processor = load_processor(processor_dir(cfg))
+    return build_trainer(
+        cfg,
+        processor,
+        packed=packed,
+        dataset_dir=dataset_dir(cfg),
+        processor_dir=processor_dir(cfg),
+        run_dir=run_dir,
+    )

@@ -1,0 +1,565 @@
+"""The embedded trainer: Qwen3-VL + PEFT LoRA on packed (or padded) rows.
+
+:class:`Trainer` owns one training run. It is built from typed settings
+(:class:`TrainerSettings`) and its components — the training stream
+(:class:`~packline.train.data.TrainStream`), the evaluator
+(:class:`~packline.train.evaluate.Evaluator`), the checkpointer
+(:class:`~packline.train.checkpoint.Checkpointer`), the FLOPs counters
+(:func:`~packline.counters.layout_counts`) and the collectives
+(:mod:`packline.train.distributed`) — and :meth:`Trainer.train` runs the loop:
+resume → evaluate at step 0 → :meth:`Trainer.train_step` until ``max_steps``, checkpointing
+every ``save_every`` and evaluating every ``eval_every`` steps → last checkpoint → final
+evaluation. Each step is appended to ``<run_dir>/metrics.jsonl`` and each evaluation to
+``eval.jsonl`` (:mod:`packline.train.records`), and logged to MLflow through a
+:class:`~packline.tracking.Tracker`.
+
+One optimizer step consumes ``global_batch_size`` packed rows across all data-parallel
+ranks. Packing off lays the *very same conversations* of each step out as padded
+micro-batches of ``unpacked_micro_batch_size``: with the per-token loss below, both modes
+then compute the same gradient, so the A/B compares cost alone (a loss or accuracy gap
+between them would be a bug, not a finding).
+
+Loss: Σ token losses / number of target tokens of the whole global batch (all micro-batches
+on all ranks), with gradients summed (never averaged) across ranks — the only normalization
+under which packing is invisible.
+
+Data parallel: under ``torch.distributed`` (torchrun; gloo on CPU, nccl on GPU) each rank
+reads its own shard of the stream (Energon ``WorkerConfig`` rank / world size), the step's
+counters are summed over ranks, and after every optimizer step the ranks compare a checksum
+of their trainable weights — replicas that drift apart stop the run instead of training on.
+Rank 0 evaluates, logs and writes the records.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from packline import metrics as names
+from packline.counters import (
+    FlopsModel,
+    PackCounts,
+    RunningCounters,
+    layout_counts,
+    layout_metrics,
+    row_fills,
+)
+from packline.energon.packing import PackingSettings
+from packline.flops import mfu
+from packline.packing.ledger import Ledger
+from packline.packing.thd import PackedBatch, build_padded_batch, to_device
+from packline.progress import progress
+from packline.qwen.forward import packed_forward, padded_forward, token_loss_sum
+from packline.tracking import Tracker
+from packline.train.checkpoint import Checkpointer
+from packline.train.data import StreamSettings, TrainStream
+from packline.train.distributed import (
+    all_gather_object,
+    all_reduce_sum,
+    barrier,
+    check_replicas,
+    rank_world,
+    sum_grads_over_ranks,
+)
+from packline.train.evaluate import EvalResult, Evaluator
+from packline.train.records import append_record, drop_torn_tail
+
+METRICS_LOG = "metrics.jsonl"
+EVAL_LOG = "eval.jsonl"
+
+
+@dataclass(kw_only=True)
+class TrainerSettings:
+    """What one run needs besides its model and paths (picklable, rank-independent)."""
+
+    packed: bool
+    """Packing on (THD rows) or off (the same conversations, padded)."""
+    max_steps: int
+    global_batch_size: int
+    """Packed rows per optimizer step, over all data-parallel ranks."""
+    unpacked_micro_batch_size: int
+    """Packing off: conversations per padded micro-batch."""
+    lr: float
+    warmup_steps: int
+    weight_decay: float
+    grad_clip: float
+    seed: int
+    precision: str
+    """``auto`` | ``bf16`` | ``fp32`` (see :func:`use_bf16`)."""
+    save_every: int
+    """Checkpoint every N steps (0: only at the end)."""
+    keep_last: int
+    eval_every: int
+    """Evaluate every N steps besides the start and the end (0: only those)."""
+    eval_samples: int
+    """Val questions answered per evaluation (0: eval loss only)."""
+    stream: StreamSettings
+
+    @property
+    def packing(self) -> PackingSettings:
+        return self.stream.packing
+
+    @classmethod
+    def from_config(cls, cfg, *, packed: bool) -> TrainerSettings:
+        """The settings of ``cfg`` (a :class:`schemas.config.PipelineConfig`)."""
+        t = cfg.train
+        return cls(
+            packed=packed,
+            max_steps=t.max_steps,
+            global_batch_size=t.global_batch_size,
+            unpacked_micro_batch_size=t.unpacked_micro_batch_size,
+            lr=t.lr,
+            warmup_steps=t.warmup_steps,
+            weight_decay=t.weight_decay,
+            grad_clip=t.grad_clip,
+            precision=t.precision.value,
+            seed=t.seed,
+            save_every=t.save_every,
+            keep_last=t.keep_last,
+            eval_every=t.eval_every,
+            eval_samples=t.eval_samples,
+            stream=StreamSettings(
+                packing=PackingSettings.from_config(cfg.packing, seed=t.seed),
+                encoder_mode=cfg.packing.encoder.value,
+                packing_buffer_size=cfg.packing.packing_buffer_size,
+                shuffle_buffer_size=t.shuffle_buffer_size,
+                max_samples_per_sequence=t.max_samples_per_sequence,
+                num_workers=t.num_workers,
+                seed=t.seed,
+            ),
+        )
+
+
+def use_bf16(precision: str, device: torch.device) -> bool:
+    """Whether training forwards run under bf16 autocast on ``device`` for ``precision``
+    (``auto``: on a GPU that has bf16; ``bf16``: everywhere, an error on a GPU without it;
+    ``fp32``: never).
+
+    >>> use_bf16("auto", torch.device("cpu")), use_bf16("bf16", torch.device("cpu"))
+    (False, True)
+    """
+    if precision not in ("auto", "bf16", "fp32"):
+        raise ValueError(f"unknown precision {precision!r}: use auto, bf16 or fp32")
+    gpu_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+    if precision == "bf16" and device.type == "cuda" and not gpu_bf16:
+        raise ValueError(
+            f"train.precision=bf16 but {torch.cuda.get_device_name(device)} has no bf16: "
+            "use train.precision=fp32 (or auto)"
+        )
+    return precision == "bf16" or (precision == "auto" and gpu_bf16)
+
+
+def lr_lambda(step: int, *, warmup: int, total: int) -> float:
+    """Linear warmup to 1, then cosine to 0 at ``total``.
+
+    >>> [round(lr_lambda(s, warmup=2, total=6), 3) for s in range(7)]
+    [0.5, 1.0, 1.0, 0.854, 0.5, 0.146, 0.0]
+    """
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def _sum_counts(counts: PackCounts) -> PackCounts:
+    """``counts`` summed over all ranks (exact: float64 holds these integers)."""
+    names = [f.name for f in fields(PackCounts)]
+    t = all_reduce_sum(torch.tensor([getattr(counts, n) for n in names], dtype=torch.float64))
+    return PackCounts(**{n: int(v) for n, v in zip(names, t.tolist(), strict=True)})
+
+
+@dataclass
+class StepResult:
+    step: int
+    loss: float
+    lr: float
+    grad_norm: float
+    seconds: float
+    counts: PackCounts  # summed over ranks
+    rank_real_tokens: list[int] = field(default_factory=list)
+    rank_flops: list[int] = field(default_factory=list)  # useful FLOPs per rank
+    keys_by_rank: list[list[str]] = field(default_factory=list)
+    row_real_tokens: list[int] = field(default_factory=list)
+    """Real tokens of each row as laid out (all ranks): packed rows, or one per
+    conversation when packing is off."""
+    weights_checksums: list[float] = field(default_factory=list)  # per rank, after the step
+    data_seconds: float = 0.0
+    """Of ``seconds`` on rank 0: waiting for the step's rows (reading, tokenizing, packing,
+    image decoding and processing, unless loader workers did it ahead)."""
+    vision_seconds: float = 0.0
+    """Of ``seconds`` on rank 0: the vision tower's forwards (the same work packed or not)."""
+
+    @property
+    def keys(self) -> list[str]:
+        return [k for keys in self.keys_by_rank for k in keys]
+
+
+@dataclass
+class RunOutcome:
+    """What :meth:`Trainer.train` leaves besides its records (rank 0's view)."""
+
+    steps: int
+    ranks: int
+    precision: str
+    """``bf16`` or ``fp32``: what ``train.precision`` resolved to on this device."""
+    chance: float
+    """Accuracy by guessing on the questions asked (nan without questions)."""
+    chance_by_kind: dict[str, float]
+    counters: PackCounts
+    """The run's cumulative counters, summed over ranks."""
+
+
+class Trainer:
+    """Trains one run (packing on or off) from the prepared dataset and processor dir."""
+
+    def __init__(
+        self,
+        model,
+        *,
+        settings: TrainerSettings,
+        dataset_dir: Path,
+        processor_dir: Path,
+        run_dir: Path,
+        flops_model: FlopsModel,
+        image_token_id: int,
+        pad_token_id: int,
+        evaluator: Evaluator | None = None,
+        tracker: Tracker | None = None,
+        device_name: str = "cpu",
+    ):
+        self.model = model
+        self.s = settings
+        self.run_dir = Path(run_dir)
+        self.rank, self.world = rank_world()
+        if settings.global_batch_size % self.world:
+            raise ValueError(
+                f"train.global_batch_size {settings.global_batch_size} is not divisible by "
+                f"the {self.world} data-parallel ranks"
+            )
+        self.rows_per_rank = settings.global_batch_size // self.world
+        self.flops_model = flops_model
+        self.image_token_id = image_token_id
+        self.pad_token_id = pad_token_id
+        self.evaluator = evaluator
+        self.tracker = tracker or Tracker.disabled()
+        self.device_name = device_name
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.device = self.params[0].device
+        self.bf16 = use_bf16(settings.precision, self.device)
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=settings.lr, weight_decay=settings.weight_decay
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            lambda step: lr_lambda(step, warmup=settings.warmup_steps, total=settings.max_steps),
+        )
+        self.stream = TrainStream(
+            settings.stream,
+            dataset_dir=dataset_dir,
+            processor_dir=processor_dir,
+            rank=self.rank,
+            world=self.world,
+        )
+        self.checkpointer = Checkpointer(self.run_dir / "checkpoints", keep_last=settings.keep_last)
+        self._vision_seconds = 0.0
+        self._time_vision(model)
+        self.step = 0
+        self.counters = RunningCounters.fresh()
+
+    @property
+    def lead(self) -> bool:
+        """Rank 0: evaluates, logs and writes the records."""
+        return self.rank == 0
+
+    @property
+    def ledger(self) -> Ledger:
+        """This rank's ledger of the samples its stream read."""
+        return self.stream.ledger
+
+    def _time_vision(self, model) -> None:
+        """Time the vision tower's forwards with module hooks (synchronized on a GPU)."""
+        tower = next((m for n, m in model.named_modules() if n.endswith("visual")), None)
+        if tower is None:
+            return
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        started: list[float] = []
+
+        def before(_module, _args):
+            sync()
+            started.append(time.perf_counter())
+
+        def after(_module, _args, _out):
+            sync()
+            self._vision_seconds += time.perf_counter() - started.pop()
+
+        tower.register_forward_pre_hook(before)
+        tower.register_forward_hook(after)
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def train(self) -> RunOutcome:
+        """Train to ``max_steps``, resuming from the latest complete checkpoint if any;
+        evaluate at the start, every ``eval_every`` steps and at the end. Every rank calls
+        this."""
+        s = self.s
+        start = self.resume()
+        log, eval_log = self.run_dir / METRICS_LOG, self.run_dir / EVAL_LOG
+        if self.lead:  # a kill in the middle of a record left a fragment: the next starts clean
+            for torn in (log, eval_log):
+                drop_torn_tail(torn)
+        chance, chance_by_kind = float("nan"), {}
+        if self.lead and s.eval_samples and self.evaluator is not None:
+            chance, chance_by_kind = self.evaluator.chance()
+            self.tracker.log_metrics({names.EVAL_ACCURACY_CHANCE: chance}, step=start)
+        if start == 0:
+            self.evaluate()
+        name = "packed" if s.packed else "unpacked"
+        with progress(disable=not self.lead) as bar:
+            task = bar.add_task(f"train {name}", total=s.max_steps, completed=start)
+            while self.step < s.max_steps:
+                r = self.train_step()
+                metrics = self.step_metrics(r)  # a collective: every rank
+                if self.lead:
+                    self._log_step(r, metrics, log)
+                bar.update(task, completed=r.step, description=f"train {name} loss {r.loss:.3f}")
+                if s.save_every and r.step % s.save_every == 0:
+                    self.save_checkpoint()
+                if s.eval_every and r.step % s.eval_every == 0 and r.step < s.max_steps:
+                    self.evaluate()
+        if self.step % max(s.save_every, 1):
+            self.save_checkpoint()
+        self.evaluate()
+        return RunOutcome(
+            steps=self.step,
+            ranks=self.world,
+            precision="bf16" if self.bf16 else "fp32",
+            chance=chance,
+            chance_by_kind=chance_by_kind,
+            counters=self.counters.total,
+        )
+
+    def evaluate(self) -> EvalResult | None:
+        """Rank 0 evaluates, logs and records; the others wait for it (and get None)."""
+        result = None
+        if self.lead and self.evaluator is not None:
+            result = self.evaluator.evaluate(self.model)
+            metrics = {
+                names.EVAL_LOSS: result.loss,
+                names.EVAL_ACCURACY: result.accuracy,
+                names.EVAL_QUESTIONS: float(result.questions),
+            }
+            self.tracker.log_metrics(metrics, step=self.step)
+            record = {"step": self.step, **metrics, names.EVAL_BY_KIND: result.by_kind}
+            append_record(self.run_dir / EVAL_LOG, record)
+        barrier()
+        return result
+
+    def _log_step(self, r: StepResult, metrics: dict[str, float], log: Path) -> None:
+        self.tracker.log_metrics(metrics, step=r.step)
+        # One value per laid-out row (the pack-fill histogram of `packline compare`); its
+        # step is the row's index in the run, resume-exact.
+        laid_out = self.counters.total.rows  # packed rows, or padded rows (one per conversation)
+        self.tracker.log_series(
+            names.PACK_ROW_FILL,
+            row_fills(r.row_real_tokens, self.s.packing.seq_length),
+            first_step=laid_out - len(r.row_real_tokens) + 1,
+        )
+        record = {"step": r.step, **metrics, "keys": r.keys}
+        record["row_real_tokens"] = r.row_real_tokens
+        if self.world > 1:
+            record["keys_by_rank"] = r.keys_by_rank
+            record["weights_checksums"] = r.weights_checksums
+        append_record(log, record)
+
+    def step_metrics(self, r: StepResult) -> dict[str, float]:
+        """The logged metrics of one optimizer step (counts summed over ranks; every rank
+        calls this, the ledger is gathered)."""
+        c = self.counters.total
+        metrics = {
+            names.TRAIN_LOSS: r.loss,
+            names.TRAIN_LR: r.lr,
+            names.TRAIN_GRAD_NORM: r.grad_norm,
+            names.TRAIN_STEP_SECONDS: r.seconds,
+            names.TRAIN_DATA_SECONDS: r.data_seconds,
+            names.TRAIN_VISION_SECONDS: r.vision_seconds,
+            **r.counts.to_metrics("train"),
+            **{names.cumulative(k): v for k, v in c.to_metrics("train").items()},
+            names.THROUGHPUT_REAL_TOKENS_PER_S: r.counts.tokens_real / r.seconds,
+            names.FLOPS_TFLOPS_PER_S: r.counts.flops_useful / r.seconds / 1e12,
+            names.TRAIN_TOKENS_REAL_RANK_SPREAD: float(
+                max(r.rank_real_tokens) - min(r.rank_real_tokens)
+            ),
+            names.FLOPS_USEFUL_RANK_SPREAD: float(max(r.rank_flops) - min(r.rank_flops)),
+            **self.ledger_metrics(),
+        }
+        metrics.update(
+            layout_metrics(
+                r.row_real_tokens,
+                conversations=r.counts.conversations,
+                padded_tokens=r.counts.padded_tokens,
+                seq_length=self.s.packing.seq_length,
+            )
+        )
+        util = mfu(r.counts.flops_useful / r.seconds / self.world, self.device_name)
+        if util is not None:  # a GPU with a known peak; on CPU: TFLOP/s only
+            metrics[names.FLOPS_MFU] = util
+        return metrics
+
+    # -- one optimizer step -----------------------------------------------------------------
+
+    def step_rows(self) -> list[PackedBatch]:
+        """This rank's rows of the next optimizer step, read from the training stream."""
+        return self.stream.next_rows(self.rows_per_rank)
+
+    def micro_batches(self, rows: list[PackedBatch]) -> list:
+        """The step's micro-batches: the packed rows themselves, or (packing off) the same
+        conversations right-padded in groups of ``unpacked_micro_batch_size``."""
+        if self.s.packed:
+            return rows
+        convs = [c for row in rows for c in row.conversations()]
+        k = self.s.unpacked_micro_batch_size
+        return [
+            build_padded_batch(convs[i : i + k], pad_token_id=self.pad_token_id)
+            for i in range(0, len(convs), k)
+        ]
+
+    def accumulate_gradients(self, micro: list) -> tuple[float, int]:
+        """Backward of Σ token loss / global target count over ``micro`` (all ranks);
+        gradients summed across ranks. Returns (global mean token loss, global targets)."""
+        local_targets = sum(m.num_loss_tokens for m in micro)
+        global_targets = int(all_reduce_sum(torch.tensor([local_targets], dtype=torch.float64)))
+        loss_total = torch.zeros((), dtype=torch.float64, device=self.device)
+        forward = packed_forward if self.s.packed else padded_forward
+        for m in micro:
+            m = to_device(m, self.device)
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+                logits = forward(self.model, m, image_token_id=self.image_token_id)
+            loss_sum, _ = token_loss_sum(logits, m.labels)
+            (loss_sum / global_targets).backward()
+            loss_total += loss_sum.detach().double()
+        sum_grads_over_ranks(self.params)  # sum, never average: the loss is divided globally
+        loss_total = all_reduce_sum(loss_total.cpu())
+        return float(loss_total.item() / global_targets), global_targets
+
+    def train_step(self) -> StepResult:
+        t0 = time.perf_counter()
+        self.model.train()
+        self._vision_seconds = 0.0
+        rows = self.step_rows()
+        data_seconds = time.perf_counter() - t0
+        micro = self.micro_batches(rows)
+        counts = layout_counts(
+            rows,
+            micro,
+            flops_model=self.flops_model,
+            seq_length=self.s.packing.seq_length,
+            packed=self.s.packed,
+        )
+        loss, _ = self.accumulate_gradients(micro)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.s.grad_clip)
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        gathered = all_gather_object(
+            (
+                counts.tokens_real,
+                counts.flops_useful,
+                [k for row in rows for k in row.keys],
+                (
+                    [row.num_real_tokens for row in rows]
+                    if self.s.packed
+                    else [n for row in rows for n in row.seq_lens]
+                ),
+            )
+        )
+        checksums = check_replicas(self.params, step=self.step)
+        total = _sum_counts(counts)
+        self.counters.add(total)
+        return StepResult(
+            step=self.step,
+            loss=loss,
+            lr=lr,
+            grad_norm=float(grad_norm),
+            seconds=time.perf_counter() - t0,
+            counts=total,
+            rank_real_tokens=[g[0] for g in gathered],
+            rank_flops=[g[1] for g in gathered],
+            keys_by_rank=[g[2] for g in gathered],
+            row_real_tokens=[n for g in gathered for n in g[3]],
+            weights_checksums=checksums,
+            data_seconds=data_seconds,
+            vision_seconds=self._vision_seconds,
+        )
+
+    def ledger_metrics(self) -> dict[str, float]:
+        """``data/*`` of all ranks together."""
+        merged = Ledger()
+        for led in all_gather_object(self.ledger):
+            merged = merged.merge(led)
+        return merged.to_metrics()
+
+    # -- checkpoints ------------------------------------------------------------------------
+
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad}
+
+    def save_checkpoint(self) -> Path:
+        """Checkpoint the run at this step (every rank calls this)."""
+        stream = self.stream.state()
+        return self.checkpointer.save(
+            self.step,
+            own={
+                "loader.pt": stream["loader"],
+                "rng.pt": _rng_state(),
+                "ledger.json": stream["ledger"],
+            },
+            shared={
+                "adapter.pt": self.trainable_state(),
+                "optimizer.pt": self.optimizer.state_dict(),
+                "scheduler.pt": self.scheduler.state_dict(),
+            }
+            if self.lead
+            else {},
+            state={"step": self.step, "counters": self.counters.state_dict()},
+        )
+
+    def resume(self) -> int:
+        """Load the latest complete checkpoint, if any; returns its step (0 when fresh)."""
+        path = self.checkpointer.latest()
+        if path is None:
+            return 0
+        ckpt = self.checkpointer.load(path)
+        adapter = ckpt.shared("adapter.pt")
+        with torch.no_grad():
+            for n, p in self.model.named_parameters():
+                if n in adapter:
+                    p.copy_(adapter[n])
+        self.optimizer.load_state_dict(ckpt.shared("optimizer.pt"))
+        self.scheduler.load_state_dict(ckpt.shared("scheduler.pt"))
+        self.stream.restore({"loader": ckpt.own("loader.pt"), "ledger": ckpt.own("ledger.json")})
+        _set_rng_state(ckpt.own("rng.pt"))
+        self.step = ckpt.state["step"]
+        self.counters.load_state_dict(ckpt.state["counters"])
+        return self.step
+
+
+def _rng_state() -> dict:
+    return {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+    }
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
