@@ -5,6 +5,8 @@ loader`` wire them up in ``pipelines/bench.py``):
   SFT data, and the seeded sample stream.
 - :mod:`~packline.bench.simulation`: the fill of every packing method on a list of lengths,
   simulated (no loader), and the time of ``select_packs``.
+- :mod:`~packline.bench.processes`: the processes started under this one: their pids, their
+  RSS polled in a thread, a wait until they have exited.
 - :mod:`~packline.bench.loader`: the real Energon loader measured: worker RSS, throughput,
   the measured fill; the workers are checked to have exited after each run.
 - :mod:`~packline.bench.targets`: the figures' targets, held or not.

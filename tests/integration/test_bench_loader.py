@@ -10,7 +10,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from packline.bench.loader import RSS_RUNS, THROUGHPUT_BUFFER, child_pids, run_loader
+from packline.bench.loader import RSS_RUNS, THROUGHPUT_BUFFER, run_loader
+from packline.bench.processes import child_pids
 from pipelines import bench
 from tests.integration.bench_cli import run_bench
 

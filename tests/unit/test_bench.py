@@ -14,9 +14,10 @@ import time
 import pytest
 from rich.console import Console
 
-from packline.bench import lengths, loader, simulation, targets
+from packline.bench import lengths, loader, processes, simulation, targets
 from packline.bench.lengths import VlmSftShape, shuffled, vlm_sft_lengths, vlm_sft_samples
-from packline.bench.loader import LoaderRun, WorkerRss, child_pids, torch_threads, wait_for_exit
+from packline.bench.loader import LoaderRun, torch_threads
+from packline.bench.processes import WorkerRss, child_pids, wait_for_exit
 from packline.bench.simulation import (
     fill_by_method,
     fill_summary,
@@ -30,7 +31,7 @@ from packline.bench.tables import print_loader_report, print_packing_tables
 from packline.bench.targets import loader_targets, packing_targets
 
 
-@pytest.mark.parametrize("module", [lengths, simulation, targets, loader])
+@pytest.mark.parametrize("module", [lengths, simulation, targets, processes, loader])
 def test_docstring_worked_examples_hold(module):
     result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0
