@@ -39,9 +39,7 @@ from typing import Any
 from rich.console import Console
 
 from packline.bench import SEQ_LENGTH
-
-# tests/unit/test_forecast.py still imports shuffled (and vlm_sft_lengths) from here.
-from packline.bench.lengths import shuffled, vlm_sft_lengths  # noqa: F401
+from packline.bench.lengths import vlm_sft_lengths
 from packline.bench.simulation import fill_summary, time_selection
 from packline.bench.tables import print_loader_report, print_packing_tables
 from packline.bench.targets import loader_targets, packing_targets

@@ -13,6 +13,7 @@ import nemo_run as run
 from omegaconf import OmegaConf
 from rich.table import Table
 
+from packline import metrics as names
 from packline.progress import console
 from packline.tracking import Tracker
 from pipelines.executors import make_executor, slurm_problems
@@ -281,9 +282,9 @@ def _headline(cfg: PipelineConfig, stage: str, m: dict[str, float]) -> str:
             f"{m.get('validate/warnings', 0):.0f} warnings{fill_text}"
         )
     if stage == "train":
-        speedup = m.get("compare/speedup_real_tokens_per_s")
-        on = m.get("compare/packed_real_tokens_per_s")
-        off = m.get("compare/unpacked_real_tokens_per_s")
+        speedup = m.get(names.COMPARE_SPEEDUP_REAL_TOKENS_PER_S)
+        on = m.get(names.compare("packed", "real_tokens_per_s"))
+        off = m.get(names.compare("unpacked", "real_tokens_per_s"))
         if speedup is not None and on is not None and off is not None:
             return f"packed {on:,.0f} vs unpacked {off:,.0f} real tok/s ({speedup:.2f}x)"
     return ""

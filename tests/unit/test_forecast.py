@@ -12,9 +12,9 @@ import sys
 import pytest
 
 import packline.packing.forecast as forecast
+from packline.bench.lengths import shuffled, vlm_sft_lengths
 from packline.packing.forecast import simulate_packing, worker_ranges
 from packline.packing.selection import align_up, first_fit_decreasing, select_packs
-from pipelines.bench import shuffled, vlm_sft_lengths
 from tests.bridge_source import IndexUnreachable, fetch_sources
 
 BRIDGE_ALGORITHMS = "megatron/bridge/data/packing/algorithms.py"
