@@ -4,11 +4,14 @@ Outputs in ``<work>/train/``::
 
     packed/ unpacked/           one run each: checkpoints/step_NNNNNN/, adapter/,
                                 metrics.jsonl (per step), eval.jsonl (per evaluation),
-                                pack_fill.png, config.yaml (resolved), result.json
-    comparison.json             real tokens/s, time to the same real tokens, loss, accuracy
+                                pack_fill.png, config.yaml (resolved), result.json (the
+                                run's packline.report.summary.RunSummary)
+    comparison.json             both summaries and the speedup
 
-Each run resumes from its latest complete checkpoint, so an interrupted stage picks up
-where it stopped. Every run is an MLflow child run of the stage with per-step metrics.
+The stage reads its inputs (the prepared dataset, connect's processor), hands each run to
+:class:`packline.train.trainer.Trainer` (which owns the loop, resumes from the latest
+complete checkpoint of the same config, evaluates and logs), then writes the run's outputs
+and prints the one summary table. Every run is an MLflow child run of the stage.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from packline import metrics as names
 from packline.progress import console
 from packline.qwen.processor import load_processor
 from packline.report.plots import plot_row_fill
@@ -104,6 +108,12 @@ def train_run(
         device=train_device(),
         tracker=tracker,
     )
+    tracker.set_tags(
+        {
+            names.TAG_PRECISION: "bf16" if trainer.bf16 else "fp32",
+            names.TAG_RANKS: str(trainer.world),
+        }
+    )
     outcome = trainer.train()
     if not trainer.lead:
         return None
@@ -114,7 +124,7 @@ def train_run(
     (run_dir / "config.yaml").write_text(cfg.to_yaml())  # the resolved config of this run
     tracker.log_artifact(run_dir / "config.yaml")
     steps = read_records(run_dir / METRICS_LOG)  # a resumed run re-logs replayed steps
-    rows = [n for s in steps for n in s.get("row_real_tokens", [])]
+    rows = [n for s in steps for n in s.get(names.RECORD_ROW_REAL_TOKENS, [])]
     tracker.log_artifact(
         plot_row_fill(rows, cfg.packing.seq_length, run_dir / "pack_fill.png", name)
     )
@@ -154,7 +164,7 @@ def train_mode(
             cfg,
             f"train-{name}",
             parent_run_id=parent_run_id,
-            tags={"packline.stage": STAGE, "packline.packing": str(packed).lower()},
+            tags={names.TAG_STAGE: STAGE, names.TAG_PACKING: str(packed).lower()},
         )
     try:
         result = train_run(cfg, packed=packed, run_dir=run_dir, tracker=tracker, fp=fp)

@@ -271,6 +271,8 @@ class Trainer:
         self._time_vision(model)
         self.step = 0
         self.counters = RunningCounters.fresh()
+        self.chance_by_kind: dict[str, float] = {}
+        """Per question kind, the accuracy of guessing (set by :meth:`train`)."""
 
     @property
     def lead(self) -> bool:
@@ -313,9 +315,9 @@ class Trainer:
         if self.lead:  # a kill in the middle of a record left a fragment: the next starts clean
             for torn in (log, eval_log):
                 drop_torn_tail(torn)
-        chance, chance_by_kind = float("nan"), {}
+        chance = float("nan")
         if self.lead and s.eval_samples and self.evaluator is not None:
-            chance, chance_by_kind = self.evaluator.chance()
+            chance, self.chance_by_kind = self.evaluator.chance()
             self.tracker.log_metrics({names.EVAL_ACCURACY_CHANCE: chance}, step=start)
         if start == 0:
             self.evaluate()
@@ -340,7 +342,7 @@ class Trainer:
             ranks=self.world,
             precision="bf16" if self.bf16 else "fp32",
             chance=chance,
-            chance_by_kind=chance_by_kind,
+            chance_by_kind=self.chance_by_kind,
             counters=self.counters.total,
         )
 
@@ -354,7 +356,11 @@ class Trainer:
                 names.EVAL_ACCURACY: result.accuracy,
                 names.EVAL_QUESTIONS: float(result.questions),
             }
-            self.tracker.log_metrics(metrics, step=self.step)
+            by_kind = {
+                kind: {**v, "chance": self.chance_by_kind.get(kind)}
+                for kind, v in result.by_kind.items()
+            }
+            self.tracker.log_metrics({**metrics, **names.by_kind_metrics(by_kind)}, step=self.step)
             record = {"step": self.step, **metrics, names.EVAL_BY_KIND: result.by_kind}
             append_record(self.run_dir / EVAL_LOG, record)
         barrier()
@@ -371,7 +377,7 @@ class Trainer:
             first_step=laid_out - len(r.row_real_tokens) + 1,
         )
         record = {"step": r.step, **metrics, "keys": r.keys}
-        record["row_real_tokens"] = r.row_real_tokens
+        record[names.RECORD_ROW_REAL_TOKENS] = r.row_real_tokens
         if self.world > 1:
             record["keys_by_rank"] = r.keys_by_rank
             record["weights_checksums"] = r.weights_checksums
