@@ -26,8 +26,17 @@ def test_bench_train_cli_measures_both_runs_on_the_same_conversations(tmp_path: 
     assert result["padded_tokens"]["packed"] == 0 < result["padded_tokens"]["unpacked"]
     assert result["eval_loss"]["packed"] == pytest.approx(result["eval_loss"]["unpacked"], abs=1e-6)
     assert result["eval_questions"] == {"packed": 2, "unpacked": 2}
-    for run in ("packed", "unpacked"):  # the same questions, split by kind
+    for run in ("packed", "unpacked"):  # the same questions, split by kind, with their chance
         assert sum(k["questions"] for k in result["eval_by_kind"][run].values()) == 2
+        assert all(0 < k["chance"] <= 1 for k in result["eval_by_kind"][run].values())
+    # both reach the higher of the two final eval losses, by their last evaluation at latest
+    reach = result["seconds_to_eval_loss"]
+    assert result["target_eval_loss"] == max(result["eval_loss"].values())
+    assert 0 <= reach["packed"] <= result["train_seconds"]["packed"] + 1e-9
+    assert 0 <= reach["unpacked"] <= result["train_seconds"]["unpacked"] + 1e-9
+    assert result["seconds_to_eval_loss_ratio"] == pytest.approx(
+        reach["unpacked"] / reach["packed"]
+    )
     assert result["targets"]["equal_accuracy"]["held"]
     assert set(result["targets"]) == {"speedup", "equal_accuracy"}
     assert (work / "train" / "packed" / "eval.jsonl").is_file()

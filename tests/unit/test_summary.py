@@ -12,7 +12,7 @@ import pytest
 from rich.console import Console
 
 from packline import metrics as M
-from packline.report import mlflow_store, summary, table
+from packline.report import mlflow_store, summary
 from packline.report.mlflow_store import records_from_histories
 from packline.report.summary import (
     STEP_INPUTS,
@@ -82,10 +82,10 @@ def _summary(run: str, **kw) -> RunSummary:
     )
 
 
-@pytest.mark.parametrize("module", [summary, mlflow_store, table])
+@pytest.mark.parametrize("module", [summary, mlflow_store])
 def test_doctests(module):
     result = doctest.testmod(module)
-    assert result.failed == 0
+    assert result.attempted > 0 and result.failed == 0
 
 
 def test_summary_sums_the_records_once():
