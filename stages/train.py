@@ -32,6 +32,7 @@ from packline.report.plots import plot_row_fill
 from packline.report.summary import RunSummary, compare_metrics, comparison_record, summarize_run
 from packline.report.table import summary_table
 from packline.tracking import Tracker
+from packline.train.data import TrainStream
 from packline.train.distributed import (
     barrier,
     init_from_env,
@@ -42,7 +43,7 @@ from packline.train.distributed import (
 )
 from packline.train.records import read_records
 from packline.train.setup import build_trainer
-from packline.train.trainer import EVAL_LOG, METRICS_LOG
+from packline.train.trainer import EVAL_LOG, METRICS_LOG, TrainerSettings
 from schemas.config import PipelineConfig, TrainBackend
 from stages.base import (
     InputError,
@@ -66,6 +67,23 @@ def dataset_dir(cfg: PipelineConfig) -> Path:
 def processor_dir(cfg: PipelineConfig) -> Path:
     """The processor connect measured the lengths with."""
     return stage_dir(cfg, "connect") / "processor"
+
+
+def training_stream(cfg: PipelineConfig, *, rank: int = 0, world: int = 1) -> TrainStream:
+    """The packed rows a local train run of ``cfg`` reads on data-parallel rank ``rank`` of
+    ``world``, in training order, from the prepared dataset (connect must have run): to
+    inspect exactly what the trainer will see.
+
+    ``for row in training_stream(cfg).rows(): print(row.keys, row.cu_seqlens.tolist())``
+    """
+    stream = TrainerSettings.from_config(cfg, packed=True).stream
+    return TrainStream(
+        stream,
+        dataset_dir=dataset_dir(cfg),
+        processor_dir=processor_dir(cfg),
+        rank=rank,
+        world=world,
+    )
 
 
 def fingerprint_inputs(cfg: PipelineConfig) -> str:
