@@ -159,13 +159,13 @@ def materialize_processor(cfg: PipelineConfig, out: Path) -> Path:
     """Put the processor dir under ``out/processor``: a copy of the user's, or the tiny one,
     with the geometry the config sets (``processor.min_pixels`` ...) written into it, so that
     every later reader of the dir (connect itself, the local trainer, Bridge) resizes alike."""
-    from packline.qwen.processor import build_tiny_processor, load_processor, processor_geometry
+    from packline.qwen.processor import copy_tiny_processor, load_processor, processor_geometry
     from packline.qwen.vision import set_processor_geometry
 
     dest = out / "processor"
     src = processor_source(cfg)
     if src is None:
-        build_tiny_processor(dest)
+        copy_tiny_processor(dest)  # from the cache: the bytes a fresh build writes
     else:
         shutil.copytree(src, dest)
     if overrides := cfg.processor.geometry_overrides():

@@ -3,14 +3,27 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from packline.cache import CACHE_DIR_ENV
 from schemas.config import PipelineConfig, load_config
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def packline_cache(tmp_path_factory) -> Iterator[Path]:
+    """packline's cache in a dir of this test session: the tiny processor is built once per
+    session, for real, then copied (subprocesses inherit the variable); nothing reaches
+    ``~/.cache``."""
+    path = tmp_path_factory.mktemp("packline-cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(CACHE_DIR_ENV, str(path))
+        yield path
 
 
 def make_config(work: Path, *overrides: str) -> PipelineConfig:

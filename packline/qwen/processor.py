@@ -14,16 +14,29 @@ laid out as a downloaded Qwen3-VL checkpoint's processor files are
 ``Qwen3VLProcessor.from_pretrained`` load it as they load a real one. Built twice, every
 file is byte-identical.
 
+Training its tokenizer takes a second or so, so :func:`copy_tiny_processor` (what connect
+calls) builds it once per set of inputs into a content-addressed cache
+(``$PACKLINE_CACHE_DIR``, default ``~/.cache/packline``) and copies it from there: the
+copy's files are the bytes a fresh :func:`build_tiny_processor` writes.
+
 The model config must take its token ids from :func:`special_token_ids`: the tiny vocab has
 4,096 ids, so the HF config defaults (``image_token_id=151655``, ...) would be wrong.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
+import os
 import random
+import shutil
+import tempfile
+from dataclasses import asdict
 from pathlib import Path
 
+import tokenizers
+import transformers
 from tokenizers import AddedToken, Regex, Tokenizer, normalizers, pre_tokenizers
 from tokenizers.models import BPE
 from tokenizers.trainers import BpeTrainer
@@ -34,6 +47,7 @@ from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageP
 from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
+from packline.cache import cache_dir
 from packline.qwen.vision import ImageGeometry
 
 TINY_VOCAB_SIZE = 4096
@@ -287,6 +301,55 @@ def build_tiny_processor(out_dir: Path) -> Path:
         chat_template=CHAT_TEMPLATE,
     )
     return _save_like_a_checkpoint(processor, Path(out_dir))
+
+
+@functools.cache  # its inputs are fixed once the modules are imported
+def tiny_processor_key() -> str:
+    """sha256 over everything :func:`build_tiny_processor`'s output depends on: the layout
+    version, the vocab size, the special and tag tokens, the chat template, the tokenizer's
+    training corpus (so the word lists it is drawn from), the image geometry, the builder's
+    own source and the versions of ``tokenizers`` and ``transformers``."""
+    parts = {
+        "layout": TINY_LAYOUT_VERSION,
+        "vocab_size": TINY_VOCAB_SIZE,
+        "tokens": [*SPECIAL_TOKENS, *TAG_TOKENS],
+        "chat_template": CHAT_TEMPLATE,
+        "corpus": hashlib.sha256("\n".join(_tiny_corpus()).encode()).hexdigest(),
+        "geometry": asdict(ImageGeometry()),
+        "builder": hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),
+        "tokenizers": tokenizers.__version__,
+        "transformers": transformers.__version__,
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def copy_tiny_processor(out_dir: Path) -> Path:
+    """The built-in tiny processor in ``out_dir`` (created), byte-identical to
+    :func:`build_tiny_processor` ``(out_dir)``: copied from ``<cache>/tiny-processor/<key>``
+    (see :func:`tiny_processor_key`), which is built first when missing.
+
+    The cache entry is built in a temp dir beside it and renamed into place, so a reader never
+    sees a partial one; processes building at the same time each build, the first rename wins
+    and the others use its entry. Delete the cache dir to rebuild.
+    """
+    root = cache_dir() / "tiny-processor"
+    entry = root / tiny_processor_key()
+    if not entry.is_dir():
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=root))
+        try:
+            # Built one level down: mkdtemp's dir is private (0700), the built dir is not.
+            built = build_tiny_processor(tmp / "processor")
+            try:
+                os.rename(built, entry)
+            except OSError:
+                if not entry.is_dir():  # not another process's entry: a real failure
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    out_dir = Path(out_dir)
+    shutil.copytree(entry, out_dir, copy_function=shutil.copy, dirs_exist_ok=True)
+    return out_dir
 
 
 def _save_like_a_checkpoint(processor: Qwen3VLProcessor, out_dir: Path) -> Path:

@@ -109,9 +109,9 @@ def _hf_style_processor_dir(root: Path) -> Path:
     """A processor dir laid out like a downloaded Qwen3-VL one: preprocessor_config.json
     naming the torchvision image processor by its legacy name with Qwen3-VL's real pixel
     bounds, the video config, and a chat_template.json without {% generation %} markers."""
-    from packline.qwen.processor import build_tiny_processor
+    from packline.qwen.processor import copy_tiny_processor
 
-    d = build_tiny_processor(root / "hf")
+    d = copy_tiny_processor(root / "hf")
     image_cfg = json.loads((d / "preprocessor_config.json").read_text())
     image_cfg["image_processor_type"] = "Qwen2VLImageProcessorFast"
     image_cfg["size"] = {"shortest_edge": 65536, "longest_edge": 16777216}

@@ -11,7 +11,7 @@ import torch
 from packline.energon.loader import train_loader
 from packline.energon.packing import PackingSettings, make_encoder
 from packline.packing.ledger import Ledger
-from packline.qwen.processor import build_tiny_processor
+from packline.qwen.processor import copy_tiny_processor
 from stages.prepare import prepare_dataset
 from tests.conftest import make_config
 
@@ -21,7 +21,7 @@ SEQ = 2048
 
 @pytest.fixture(scope="module")
 def processor_dir(tmp_path_factory) -> Path:
-    return build_tiny_processor(tmp_path_factory.mktemp("proc") / "processor")
+    return copy_tiny_processor(tmp_path_factory.mktemp("proc") / "processor")
 
 
 @pytest.fixture(scope="module")

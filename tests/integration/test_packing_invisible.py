@@ -19,7 +19,7 @@ from packline.qwen.attention import THD_ATTENTION
 from packline.qwen.encode import ConversationEncoder
 from packline.qwen.forward import packed_forward, token_loss_sum
 from packline.qwen.model import build_tiny_model
-from packline.qwen.processor import build_tiny_processor
+from packline.qwen.processor import copy_tiny_processor
 
 
 def _png(size: tuple[int, int], colour: str) -> bytes:
@@ -60,7 +60,7 @@ CONVERSATIONS = [
 
 @pytest.fixture(scope="module")
 def encoder(tmp_path_factory) -> ConversationEncoder:
-    return ConversationEncoder(build_tiny_processor(tmp_path_factory.mktemp("proc")))
+    return ConversationEncoder(copy_tiny_processor(tmp_path_factory.mktemp("proc")))
 
 
 @pytest.fixture(scope="module")

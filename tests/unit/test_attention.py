@@ -12,13 +12,13 @@ import torch
 import packline.qwen.attention as attention
 from packline.qwen.attention import THD_ATTENTION, conversation_bounds, set_text_attention
 from packline.qwen.model import build_tiny_model
-from packline.qwen.processor import build_tiny_processor, load_processor
+from packline.qwen.processor import copy_tiny_processor, load_processor
 
 
 @pytest.fixture(scope="module")
 def processor(tmp_path_factory):
     path = tmp_path_factory.mktemp("proc")
-    build_tiny_processor(path)
+    copy_tiny_processor(path)
     return load_processor(path)
 
 

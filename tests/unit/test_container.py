@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from packline.qwen.processor import build_tiny_processor
+from packline.qwen.processor import copy_tiny_processor
 from schemas.config import PROJECT_ROOT, ConfigError, load_config
 from stages.train_megatron import (
     BRIDGE_COMMIT,
@@ -233,7 +233,7 @@ def test_train_megatron_stops_on_bridge_05_with_the_fix(on_path: Path, tmp_path:
     """The job's own path: config rules pass, then the Bridge check stops it, before any
     Bridge import (``on_path`` asserts nothing was imported)."""
     _empty_files(on_path, BRIDGE_05)
-    processor = build_tiny_processor(tmp_path / "processor")  # stands in for the real one
+    processor = copy_tiny_processor(tmp_path / "processor")  # stands in for the real one
     cfg = load_config(
         PROJECT_ROOT / "configs" / "qwen3_vl_8b_lora_1node.yaml",
         [f"work_dir={tmp_path / 'work'}", f"processor.path={processor}"],

@@ -27,7 +27,7 @@ from packline.flops import (
     step_flops,
 )
 from packline.qwen.model import build_tiny_model, tiny_config
-from packline.qwen.processor import build_tiny_processor, load_processor
+from packline.qwen.processor import copy_tiny_processor, load_processor
 from packline.qwen.real_configs import QWEN3_VL_CONFIGS, real_config
 
 LORA_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -57,7 +57,7 @@ PACKS = {
 
 @pytest.fixture(scope="module")
 def processor(tmp_path_factory):
-    return load_processor(build_tiny_processor(tmp_path_factory.mktemp("flops") / "processor"))
+    return load_processor(copy_tiny_processor(tmp_path_factory.mktemp("flops") / "processor"))
 
 
 @pytest.fixture(scope="module")

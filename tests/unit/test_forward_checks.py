@@ -15,7 +15,7 @@ from packline.packing.thd import (
 )
 from packline.qwen.forward import check_packed_inputs, packed_forward
 from packline.qwen.model import build_tiny_model
-from packline.qwen.processor import build_tiny_processor, load_processor
+from packline.qwen.processor import copy_tiny_processor, load_processor
 
 LENGTHS = [7, 5, 9]
 
@@ -149,7 +149,7 @@ def test_an_empty_row_passes():
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     path = tmp_path_factory.mktemp("proc")
-    build_tiny_processor(path)
+    copy_tiny_processor(path)
     return build_tiny_model(load_processor(path), seed=1)
 
 

@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 
 from packline.qwen.lengths import LengthRecord, assistant_mask, cheap_lengths, exact_lengths
-from packline.qwen.processor import build_tiny_processor, load_processor
+from packline.qwen.processor import copy_tiny_processor, load_processor
 from packline.qwen.vision import ImageGeometry, read_image_size
 
 # (width, height) -> visual tokens under the tiny geometry (factor 32, 4,096..1,048,576 px)
@@ -80,7 +80,7 @@ CASES = [_case(index) for index in range(20)]
 
 @pytest.fixture(scope="module")
 def processor(tmp_path_factory):
-    return load_processor(build_tiny_processor(tmp_path_factory.mktemp("tiny") / "processor"))
+    return load_processor(copy_tiny_processor(tmp_path_factory.mktemp("tiny") / "processor"))
 
 
 def _encoded(size: tuple[int, int], index: int) -> bytes:

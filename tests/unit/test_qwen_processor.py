@@ -17,11 +17,13 @@ from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageP
 from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
+from packline.cache import CACHE_DIR_ENV
 from packline.qwen.processor import (
     CHAT_TEMPLATE,
     SPECIAL_TOKENS,
     TAG_TOKENS,
     build_tiny_processor,
+    copy_tiny_processor,
     load_processor,
     processor_geometry,
     special_token_ids,
@@ -102,6 +104,22 @@ def test_build_is_byte_identical_when_built_twice(tiny_dir, tmp_path):
     for name in TINY_DIR_FILES:
         assert (again / name).read_bytes() == (tiny_dir / name).read_bytes(), name
     assert _sha256(tiny_dir / "tokenizer.json") == TINY_TOKENIZER_SHA256
+
+
+def test_copy_from_the_cache_is_a_fresh_build_byte_for_byte(tiny_dir, tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv(CACHE_DIR_ENV, str(cache))
+    first = copy_tiny_processor(tmp_path / "first")  # a miss: builds the cache entry
+    (entry,) = (cache / "tiny-processor").iterdir()  # one entry, no temp dir left behind
+    built_at = {path.name: path.stat().st_mtime_ns for path in entry.iterdir()}
+    second = copy_tiny_processor(tmp_path / "second")  # a hit: copies the entry
+    assert [path.name for path in (cache / "tiny-processor").iterdir()] == [entry.name]
+    assert {path.name: path.stat().st_mtime_ns for path in entry.iterdir()} == built_at
+    for copy in (first, second):
+        assert sorted(path.name for path in copy.iterdir()) == TINY_DIR_FILES
+        for name in TINY_DIR_FILES:
+            assert (copy / name).read_bytes() == (tiny_dir / name).read_bytes(), name
+        assert copy.stat().st_mode == tiny_dir.stat().st_mode  # not the temp dir's 0700
 
 
 def test_tiny_dir_is_laid_out_like_a_qwen3_vl_checkpoint(tiny_dir):

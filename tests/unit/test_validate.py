@@ -16,7 +16,7 @@ from peft.tuners.lora import LoraLayer
 
 from packline.energon.packing import buffered_sample_bytes
 from packline.qwen.model import build_meta_model, build_tiny_model, tiny_config
-from packline.qwen.processor import build_tiny_processor, load_processor
+from packline.qwen.processor import copy_tiny_processor, load_processor
 from packline.qwen.real_configs import real_config
 from packline.train.setup import lora_target_matches
 from pipelines.cli import main
@@ -343,7 +343,7 @@ def test_run_on_slurm_refuses_what_validate_lists(tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def processor(tmp_path_factory):
-    return load_processor(build_tiny_processor(tmp_path_factory.mktemp("tiny") / "processor"))
+    return load_processor(copy_tiny_processor(tmp_path_factory.mktemp("tiny") / "processor"))
 
 
 def test_meta_model_holds_no_weights_even_for_the_real_30b_config():
