@@ -694,8 +694,10 @@ def write_shapes_dataset(
 
     Example::
 
-        >>> path = write_shapes_dataset(Path("/tmp/shapes"), num_train=60, num_val=10)
-        >>> sum(1 for _ in open(path / "conversations.jsonl"))
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as tmp:
+        ...     path = write_shapes_dataset(Path(tmp), num_train=60, num_val=10)
+        ...     len((path / "conversations.jsonl").read_text().splitlines())
         70
     """
     if num_train < 0 or num_val < 0:
