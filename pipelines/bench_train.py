@@ -17,29 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from packline.progress import console, stdout_to_stderr
-from packline.report.summary import PackingComparison, RunSummary, summarize_run
+from packline.report.summary import PackingComparison, RunSummary
 from packline.report.table import summary_table, target_lines
-from packline.train.records import read_records
-from schemas.config import PipelineConfig
 
 
-def read_summary(cfg: PipelineConfig, run_dir: Path) -> RunSummary:
-    """The summary of one finished run: its ``result.json`` when the train stage wrote a
-    :class:`RunSummary` there; else the same summary from its ``metrics.jsonl`` and
-    ``eval.jsonl`` with the run facts (ranks, precision, chance) of its ``result.json``."""
-    result = json.loads((run_dir / "result.json").read_text())
-    if RunSummary.holds(result):
-        return RunSummary.from_dict(result)
-    return summarize_run(
-        read_records(run_dir / "metrics.jsonl"),
-        read_records(run_dir / "eval.jsonl"),
-        run=run_dir.name,
-        seq_length=cfg.packing.seq_length,
-        precision=result["precision"],
-        ranks=result["ranks"],
-        chance=result["eval_accuracy_chance"],
-        chance_by_kind={k: v["chance"] for k, v in result["eval_by_kind"].items()},
-    )
+def read_summary(run_dir: Path) -> RunSummary:
+    """The summary the train stage wrote for one finished run (its ``result.json``)."""
+    return RunSummary.from_dict(json.loads((run_dir / "result.json").read_text()))
 
 
 def bench_train(
@@ -74,8 +58,8 @@ def bench_train(
         run_stage(cfg, "train", force=True)
     train_dir = cfg.work_path / "train"
     pair = PackingComparison(
-        packed=read_summary(cfg, train_dir / "packed"),
-        unpacked=read_summary(cfg, train_dir / "unpacked"),
+        packed=read_summary(train_dir / "packed"),
+        unpacked=read_summary(train_dir / "unpacked"),
     )
     result = pair.side_by_side()
     if as_json:

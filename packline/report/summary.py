@@ -140,11 +140,6 @@ class RunSummary:
             )
         return cls(**{**d, "evals": [EvalPoint(**e) for e in d["evals"]]})
 
-    @classmethod
-    def holds(cls, d: Mapping[str, Any]) -> bool:
-        """Whether ``d`` has every key of a :meth:`to_dict`."""
-        return {f.name for f in fields(cls)} <= set(d)
-
 
 def _missing(records: Sequence[Mapping[str, Any]], names: Sequence[str]) -> list[str]:
     return sorted({n for r in records for n in names if n not in r})

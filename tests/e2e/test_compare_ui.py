@@ -300,9 +300,11 @@ def test_ui_compare_page_shows_both_runs_and_their_metrics_in_headless_chromium(
         for run in (on, off):
             assert run.info.run_name in text and run.info.run_id in text
         # The compare page's metric table renders only the rows near its viewport (about
-        # 16, in key order), so it is checked for keys that sort first ...
-        for key in ("eval/accuracy", "eval/loss", "pack/fill"):
-            assert key in text
+        # 16, in key order: data/*, then eval/*), so it is checked for keys that sort
+        # first, a question kind's accuracy among them ...
+        kind = min(k for k in on.data.metrics if k.startswith("eval/by_kind/"))
+        for key in (M.DATA_SEEN, M.EVAL_ACCURACY, kind, M.EVAL_LOSS):
+            assert key in text, key
         with Image.open(shot) as img:
             assert img.format == "PNG" and img.size == (1400, 2400)
         # ... and each run's own page, which lists every metric, for the latest values.
@@ -313,7 +315,7 @@ def test_ui_compare_page_shows_both_runs_and_their_metrics_in_headless_chromium(
             text = _visible_text(_dom(browsers[-1]))
             plain = re.sub(r"(?<=\d),(?=\d{3})", "", text)  # 1,234.5 → 1234.5
             numbers = [float(n) for n in re.findall(r"(?<![\w.])\d+(?:\.\d+)?(?![\w.])", plain)]
-            for key in ("throughput/real_tokens_per_s", "pack/fill", "eval/loss", "eval/accuracy"):
+            for key in (M.THROUGHPUT_REAL_TOKENS_PER_S, M.PACK_FILL, M.EVAL_LOSS, M.EVAL_ACCURACY):
                 assert key in text, (run.info.run_name, key)
                 assert _shown(run.data.metrics[key], numbers), (key, run.data.metrics[key])
     finally:
