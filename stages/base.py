@@ -25,6 +25,8 @@ from schemas.config import STAGES, PipelineConfig
 from schemas.errors import UserError
 
 RECORD_NAME = "_COMPLETE.json"
+PROCESSOR = "processor"
+"""connect's processor dir, inside its stage dir."""
 
 
 InputError = UserError  # transitional name: issue 16 renames every use to UserError
@@ -44,7 +46,18 @@ class StageResult:
 
 
 def stage_dir(cfg: PipelineConfig, stage: str) -> Path:
+    """``<work>/<stage>``: where ``stage`` publishes its outputs and its record."""
     return cfg.work_path / stage
+
+
+def dataset_dir(cfg: PipelineConfig) -> Path:
+    """The Energon dataset prepare wrote (Bridge's ``bridge.yaml`` view included)."""
+    return stage_dir(cfg, "prepare")
+
+
+def processor_dir(cfg: PipelineConfig) -> Path:
+    """The processor dir connect measured the lengths with; every later stage loads it."""
+    return stage_dir(cfg, "connect") / PROCESSOR
 
 
 def read_record(cfg: PipelineConfig, stage: str) -> dict[str, Any] | None:

@@ -39,12 +39,16 @@ from packline.qwen.vision import read_image_size
 from schemas.config import Algorithm, ExecutorKind, PipelineConfig, TrainBackend
 from schemas.tables import LengthsModel, validate_table
 from stages.base import (
+    PROCESSOR,
     InputError,
     StageResult,
     building,
+    dataset_dir,
     fingerprint,
     hash_tree,
+    processor_dir,
     require_record,
+    stage_dir,
     write_record,
 )
 from stages.prepare import image_geometry
@@ -162,7 +166,7 @@ def materialize_processor(cfg: PipelineConfig, out: Path) -> Path:
     from packline.qwen.processor import copy_tiny_processor, load_processor, processor_geometry
     from packline.qwen.vision import set_processor_geometry
 
-    dest = out / "processor"
+    dest = out / PROCESSOR
     src = processor_source(cfg)
     if src is None:
         copy_tiny_processor(dest)  # from the cache: the bytes a fresh build writes
@@ -413,13 +417,13 @@ def connect_processor(
     t0 = time.perf_counter()
     fp = fp or fingerprint_inputs(cfg)
     require_record(cfg, "prepare", by="connect")
-    dataset_dir = cfg.work_path / "prepare"
-    manifest = pd.read_parquet(dataset_dir / "manifest.parquet")
+    dataset = dataset_dir(cfg)
+    manifest = pd.read_parquet(dataset / "manifest.parquet")
     with building(cfg, STAGE) as out:
-        processor_dir = materialize_processor(cfg, out)
+        processor = materialize_processor(cfg, out)
         records = measure_lengths(
-            dataset_dir,
-            processor_dir,
+            dataset,
+            processor,
             num_workers=cfg.prepare.num_workers,
             visual_tokens=visual_tokens,
             expected=len(manifest),
@@ -478,11 +482,11 @@ def connect_processor(
         )
         forecast["overlength"] = len(aligned) - forecast["samples"]
         forecast["alignment"] = m
-        forecast["flops"] = forecast_flops(cfg, processor_dir, train)
+        forecast["flops"] = forecast_flops(cfg, processor, train)
         (out / "forecast.json").write_text(json.dumps(forecast, indent=2))
         _histogram(df, cfg.packing.seq_length, out / "length_histogram.png")
 
-    out_dir = cfg.work_path / STAGE
+    out_dir = stage_dir(cfg, STAGE)
     seconds = time.perf_counter() - t0
     total = df["total_tokens"]
     metrics: dict[str, float] = {
@@ -518,7 +522,7 @@ def connect_processor(
         skipped=False,
         metrics={k: float(v) for k, v in metrics.items()},
         summary={
-            "processor_dir": str(out_dir / "processor"),
+            "processor_dir": str(processor_dir(cfg)),
             "artifacts": [
                 str(out_dir / "forecast.json"),
                 str(out_dir / "length_histogram.png"),

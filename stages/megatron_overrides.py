@@ -43,6 +43,7 @@ from typing import Any, NamedTuple
 from packline.tracking import experiment_name, tracking_uri
 from schemas.config import ConfigError, ExecutorKind, PipelineConfig, TrainBackend
 from schemas.guardrails import Check, Finding, Issue, RuleBook, Severity, error, warning
+from stages.base import dataset_dir, processor_dir, stage_dir
 from stages.prepare import BRIDGE_METADATASET, image_geometry
 
 #: packline's HF module names → Megatron module names (Bridge LoRA ``target_modules``).
@@ -126,7 +127,7 @@ def _geometry_overrides(cfg: PipelineConfig) -> dict[str, int]:
 
 
 def checkpoint_dir(cfg: PipelineConfig) -> str:
-    return str(cfg.work_path / "train" / "megatron" / "checkpoints")
+    return str(stage_dir(cfg, "train") / "megatron" / "checkpoints")
 
 
 def bridge_overrides(
@@ -157,10 +158,9 @@ def _packline_overrides(
     """The overrides packline's own settings make (no extra overrides)."""
     p, t, m = cfg.packing, cfg.train, cfg.megatron
     ep = m.expert_parallel
-    work = cfg.work_path
     o: dict[str, Any] = {
         # data: the prepared Energon dataset and the processor connect measured lengths with
-        "dataset.path": str(work / "prepare" / BRIDGE_METADATASET),
+        "dataset.path": str(dataset_dir(cfg) / BRIDGE_METADATASET),
         "dataset.seq_length": p.seq_length,
         "dataset.num_workers": t.num_workers,
         # the training stream's shape, as the local loader reads it
@@ -168,7 +168,7 @@ def _packline_overrides(
         "dataset.max_samples_per_sequence": t.max_samples_per_sequence,
         "dataset.packing_buffer_size": p.packing_buffer_size if p.enabled else None,
         "dataset.pad_to_max_length": p.pad_to_max_length or ep > 1,
-        "dataset.task_encoder.hf_processor_path": str(work / "connect" / "processor"),
+        "dataset.task_encoder.hf_processor_path": str(processor_dir(cfg)),
         "dataset.task_encoder.max_num_images": m.max_num_images,
         "dataset.task_encoder.max_visual_tokens": m.max_visual_tokens,
         # the visual geometry connect measured with (Bridge's defaults — min 200,704 and max

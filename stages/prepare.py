@@ -38,6 +38,7 @@ from stages.base import (
     building,
     fingerprint,
     hash_tree,
+    stage_dir,
     write_record,
 )
 
@@ -269,7 +270,7 @@ def prepare_dataset(cfg: PipelineConfig, fp: str | None = None) -> StageResult:
         console.log(f"prepare: indexing {sum(map(len, shards.values()))} shards with Energon")
         _energon_prepare(out, shards, cfg.prepare.num_workers)
 
-    out_dir = cfg.work_path / STAGE
+    out_dir = stage_dir(cfg, STAGE)
     metrics = {
         "prepare/rows_total": num_rows,
         "prepare/rows_accepted": num_accepted,

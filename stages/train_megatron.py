@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from schemas.config import ConfigError, PipelineConfig
-from stages.base import StageResult, write_record
+from stages.base import StageResult, stage_dir, write_record
 from stages.megatron_overrides import (
     RECIPE_MODULE,
     apply_overrides,
@@ -210,10 +210,10 @@ def train_megatron(
     from megatron.bridge.training.finetune import finetune
 
     finetune(container, forward_step_func=step.forward_step)
-    out = cfg.work_path / STAGE / "megatron"
+    out = stage_dir(cfg, STAGE) / "megatron"
     result = StageResult(
         stage=STAGE,
-        out_dir=cfg.work_path / STAGE,
+        out_dir=stage_dir(cfg, STAGE),
         fingerprint=fp,
         skipped=False,
         metrics={},

@@ -77,9 +77,12 @@ from stages.base import (
     InputError,
     StageResult,
     building,
+    dataset_dir,
     fingerprint,
+    processor_dir,
     read_record,
     require_record,
+    stage_dir,
     write_record,
 )
 from stages.megatron_overrides import bridge_alignment, megatron_findings
@@ -146,12 +149,12 @@ def load_inputs(cfg: PipelineConfig, alignment: int | None = None) -> Inputs:
     ``alignment`` defaults to ``packing.alignment``."""
     from stages import connect
 
-    connect_dir = cfg.work_path / "connect"
-    processor = load_processor(connect_dir / "processor")
+    connect_dir = stage_dir(cfg, "connect")
+    processor = load_processor(processor_dir(cfg))
     record = read_record(cfg, "connect") or {}
     inputs = Inputs(
         cfg=cfg,
-        manifest=pd.read_parquet(cfg.work_path / "prepare" / "manifest.parquet"),
+        manifest=pd.read_parquet(dataset_dir(cfg) / "manifest.parquet"),
         lengths=pd.read_parquet(connect_dir / "lengths.parquet"),
         processor=processor,
         connect_current=record.get("fingerprint") == connect.fingerprint_inputs(cfg),
@@ -190,7 +193,7 @@ def _current(x: Inputs) -> list[Issue]:
     return [
         warning(
             "connect",
-            f"connect's outputs in {x.cfg.work_path / 'connect'} were made under other "
+            f"connect's outputs in {stage_dir(x.cfg, 'connect')} were made under other "
             "settings (its completion record does not match this config); the data checks "
             "read them as they are",
             "rerun the stale stages: packline run (or packline stage connect)",
@@ -737,7 +740,7 @@ def validate_config(cfg: PipelineConfig, fp: str | None = None) -> StageResult:
     warnings = [f for f in findings if f.severity == "warning"]
     # connect's FLOPs forecast of one epoch, packing on vs off: shown again here, the last
     # look before training, as the `flops/*` metrics connect logged.
-    forecast_path = cfg.work_path / "connect" / "forecast.json"
+    forecast_path = stage_dir(cfg, "connect") / "forecast.json"
     flops = (
         json.loads(forecast_path.read_text()).get("flops", {}) if forecast_path.is_file() else {}
     )
@@ -753,7 +756,7 @@ def validate_config(cfg: PipelineConfig, fp: str | None = None) -> StageResult:
     with building(cfg, STAGE) as out:
         (out / "report.json").write_text(json.dumps(report, indent=2))
         (out / "pipeline.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(cfg.to_dict())))
-    out_dir = cfg.work_path / STAGE
+    out_dir = stage_dir(cfg, STAGE)
     if findings:
         console.print(findings_table(findings, len(checks)))
     else:
