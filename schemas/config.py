@@ -23,7 +23,18 @@ from typing import Any
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from schemas.choices import (
+    Algorithm,
+    Attention,
+    CudaGraphImpl,
+    EncoderMode,
+    ExecutorKind,
+    OverlengthPolicy,
+    Precision,
+    TrainBackend,
+)
 from schemas.errors import UserError
+from schemas.guardrails import Check, Finding, config_findings
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = PROJECT_ROOT / "configs" / "tiny_cpu.yaml"
@@ -72,78 +83,6 @@ class _Section:
         problems = self.rules()
         if problems:
             raise ValueError("\n".join(problems))
-
-
-class Algorithm(Enum):
-    """Packing selection algorithm, run on each buffer round (``packline/packing/selection.py``)."""
-
-    ffd = "ffd"
-    """Plain first-fit decreasing: each sample, longest first, goes to the first pack with
-    room. What Megatron-Bridge's encoder runs; ``train.backend: megatron`` requires it."""
-    bfd = "bfd"
-    """Plain best-fit decreasing: each sample goes to the fullest pack that still has room."""
-    refined = "refined"
-    """First-fit decreasing, then, while the round has more packs than its lower bound, the
-    minimum-slack packing of the round when it needs fewer packs and a short, budgeted
-    search for one pack fewer still. Never more packs than ``ffd``; backend local only."""
-
-
-class OverlengthPolicy(Enum):
-    """What happens to a conversation longer than ``packing.seq_length``."""
-
-    drop = "drop"
-    """Drop it and count it in the ledger as ``overlength``."""
-    fail = "fail"
-    """Stop with an error naming the sample."""
-
-
-class EncoderMode(Enum):
-    """When the image processor runs relative to pack selection."""
-
-    lazy = "lazy"
-    """Only the exact length before selection; images processed once selected (less
-    worker memory, so larger buffers)."""
-    eager = "eager"
-    """The full processor before selection, as Megatron-Bridge does (the baseline)."""
-
-
-class Attention(Enum):
-    """Attention of the language model in the local backend (the vision tower keeps sdpa)."""
-
-    thd = "thd"
-    """Varlen: a packed row attends once per conversation (Σ lᵢ², as flash-attention's
-    varlen kernel and Megatron's THD layout); padded batches and generation use sdpa."""
-    sdpa = "sdpa"
-    """HF sdpa: a packed row gets a dense T×T block-diagonal mask (T² work per row; the
-    ``flops/*`` counters still count attention per conversation, as thd runs it)."""
-    eager = "eager"
-    """HF eager (matmul + softmax), the same dense mask as sdpa; slowest, for checks."""
-
-
-class ExecutorKind(Enum):
-    local = "local"
-    slurm = "slurm"
-
-
-class Precision(Enum):
-    """Compute precision of the local backend's training forwards (weights, gradients and
-    optimizer state stay fp32)."""
-
-    auto = "auto"
-    """bf16 on a GPU that has it (Ampere and later), fp32 elsewhere: CPU runs stay exact
-    (packed and unpacked agree to 1e-6, a resumed run repeats every loss bitwise)."""
-    bf16 = "bf16"
-    """bf16 autocast on any device: a GPU without bf16 is an error; CPUs emulate it where
-    they lack native bf16 (``avx512_bf16``/AMX)."""
-    fp32 = "fp32"
-    """fp32 everywhere (for numerics checks on a GPU)."""
-
-
-class TrainBackend(Enum):
-    local = "local"
-    """HF transformers + PEFT in this process (CPU or one GPU), torchrun for DP."""
-    megatron = "megatron"
-    """Megatron-Bridge inside the NeMo container (cluster only)."""
 
 
 @dataclass(kw_only=True)
@@ -368,20 +307,9 @@ class LoraConfig(_Section):
         return p
 
 
-# --- Megatron-Bridge settings and validate thresholds (issue 6, the validate stage) --------
-# Kept in one block so the SLURM / Megatron-backend work can merge around it. The validate
-# stage (schemas/guardrails.py, stages/validate.py) checks these against packing.
-
-
-class CudaGraphImpl(Enum):
-    """Megatron's CUDA graph implementation (``cuda_graph_impl``)."""
-
-    none = "none"
-    """No CUDA graphs (what packing needs: packed rows change shape every step)."""
-    local = "local"
-    """Megatron-core's own CUDA graphs."""
-    transformer_engine = "transformer_engine"
-    """Transformer Engine's CUDA graphs."""
+# --- Megatron-Bridge settings and validate thresholds ---------------------------------------
+# The guardrails (schemas/guardrails.py) and the validate stage (stages/validate.py) check
+# these against packing.
 
 
 @dataclass(kw_only=True)
@@ -464,9 +392,6 @@ class ValidateConfig(_Section):
         return p
 
 
-# --- end of the issue 6 block ----------------------------------------------------------------
-
-
 @dataclass(kw_only=True)
 class TrainConfig(_Section):
     """Training loop settings (embedded local backend or Megatron-Bridge)."""
@@ -526,9 +451,7 @@ class TrainConfig(_Section):
         _check(p, self.warmup_steps >= 0, "train.warmup_steps must be >= 0")
         _check(p, self.keep_last >= 1, "train.keep_last must be >= 1")
         _check(p, self.shuffle_buffer_size >= 1, "train.shuffle_buffer_size must be >= 1")
-        _check(
-            p, self.max_samples_per_sequence >= 1, "train.max_samples_per_sequence must be >= 1"
-        )
+        _check(p, self.max_samples_per_sequence >= 1, "train.max_samples_per_sequence must be >= 1")
         _check(p, self.nproc_per_node >= 1, "train.nproc_per_node must be >= 1")
         _check(
             p,
@@ -766,8 +689,6 @@ def _rule_problems(cfg: DictConfig) -> list[str]:
     """Every broken rule at once: each section's own rules (ranges, paths, the alignment)
     and, when every section could be built, the errors of the cross-section guardrails
     (``schemas/guardrails.py``: the packing rules Megatron-Bridge enforces at start-up)."""
-    from schemas.guardrails import config_findings  # it imports this module
-
     names = [f.name for f in fields(PipelineConfig) if f.name not in ("name", "work_dir")]
     problems: list[str] = []
     built: dict[str, _Section] = {}
@@ -789,3 +710,39 @@ def _rule_problems(cfg: DictConfig) -> list[str]:
             )
         problems += [f.text for f in config_findings(whole) if f.severity == "error"]
     return problems
+
+
+# --- each section's rules as findings (the validate stage's report) ------------------------------
+
+
+def section_findings(cfg: PipelineConfig) -> tuple[list[Finding], list[Check]]:
+    """The rules of every config section (ranges, paths, the alignment, ...) as findings:
+    ``load_config`` already refuses a config breaking one; the validate stage checks them
+    again on the object it is handed and lists each section in its report."""
+    findings: list[Finding] = []
+    checks: list[Check] = []
+    for f in fields(cfg):
+        section = getattr(cfg, f.name)
+        if not isinstance(section, _Section):
+            continue
+        rule_id = f"config.{f.name}"
+        requires = f"types, ranges and enums of `{f.name}` (schemas/config.py)"
+        found = [
+            Finding(
+                rule_id,
+                requires,
+                "error",
+                _leading_key(message, f.name),
+                message,
+                f"change {_leading_key(message, f.name)} (schemas/config.py documents it)",
+            )
+            for message in section.all_rules()
+        ]
+        findings += found
+        checks.append(Check(rule_id, "config", requires, "error" if found else "ok"))
+    return findings, checks
+
+
+def _leading_key(message: str, section: str) -> str:
+    first = message.split(" ", 1)[0].rstrip(":,")
+    return first if first.startswith(f"{section}.") else section

@@ -17,9 +17,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
-from schemas.config import CudaGraphImpl, ExecutorKind, PipelineConfig, TrainBackend, _Section
+from schemas.choices import CudaGraphImpl, ExecutorKind, TrainBackend
+
+if TYPE_CHECKING:  # annotations only: schemas/config.py imports this module to apply the rules
+    from schemas.config import PipelineConfig
 
 Severity = Literal["error", "warning"]
 Status = Literal["ok", "error", "warning", "not applicable"]
@@ -116,42 +119,6 @@ class RuleBook:
                 status = "error" if any(f.severity == "error" for f in found) else "warning"
             checks.append(Check(r.id, r.group, r.requires, status))
         return findings, checks
-
-
-# --- each section's own rules (schemas/config.py) -------------------------------------------
-
-
-def section_findings(cfg: PipelineConfig) -> tuple[list[Finding], list[Check]]:
-    """The rules of every config section (ranges, paths, the alignment, ...) as findings:
-    ``load_config`` already refuses a config breaking one; the validate stage checks them
-    again on the object it is handed and lists each section in its report."""
-    findings: list[Finding] = []
-    checks: list[Check] = []
-    for f in fields(cfg):
-        section = getattr(cfg, f.name)
-        if not isinstance(section, _Section):
-            continue
-        rule_id = f"config.{f.name}"
-        requires = f"types, ranges and enums of `{f.name}` (schemas/config.py)"
-        found = [
-            Finding(
-                rule_id,
-                requires,
-                "error",
-                _leading_key(message, f.name),
-                message,
-                f"change {_leading_key(message, f.name)} (schemas/config.py documents it)",
-            )
-            for message in section.all_rules()
-        ]
-        findings += found
-        checks.append(Check(rule_id, "config", requires, "error" if found else "ok"))
-    return findings, checks
-
-
-def _leading_key(message: str, section: str) -> str:
-    first = message.split(" ", 1)[0].rstrip(":,")
-    return first if first.startswith(f"{section}.") else section
 
 
 # --- packing guardrails (any backend that trains packed rows) -------------------------------

@@ -60,7 +60,7 @@ from packline.progress import console
 from packline.qwen.model import build_meta_model
 from packline.qwen.processor import load_processor, processor_geometry, special_token_ids
 from packline.train.setup import lora_target_matches, model_config
-from schemas.config import OverlengthPolicy, PipelineConfig, TrainBackend
+from schemas.config import OverlengthPolicy, PipelineConfig, TrainBackend, section_findings
 from schemas.guardrails import (
     CONFIG_RULES,
     SLURM_RULES,
@@ -69,7 +69,6 @@ from schemas.guardrails import (
     Issue,
     RuleBook,
     error,
-    section_findings,
     warning,
 )
 from schemas.tables import cross_table_problems

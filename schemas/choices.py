@@ -1,0 +1,93 @@
+"""The choices of the config's enumerated keys (``packing.algorithm``, ``train.backend``, ...).
+
+A leaf: it imports nothing of packline, so the config tree (``schemas/config.py``) and the
+rules about it (``schemas/guardrails.py``) both use these without importing each other.
+``schemas.config`` exports them too.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class Algorithm(Enum):
+    """Packing selection algorithm, run on each buffer round (``packline/packing/selection.py``)."""
+
+    ffd = "ffd"
+    """Plain first-fit decreasing: each sample, longest first, goes to the first pack with
+    room. What Megatron-Bridge's encoder runs; ``train.backend: megatron`` requires it."""
+    bfd = "bfd"
+    """Plain best-fit decreasing: each sample goes to the fullest pack that still has room."""
+    refined = "refined"
+    """First-fit decreasing, then, while the round has more packs than its lower bound, the
+    minimum-slack packing of the round when it needs fewer packs and a short, budgeted
+    search for one pack fewer still. Never more packs than ``ffd``; backend local only."""
+
+
+class OverlengthPolicy(Enum):
+    """What happens to a conversation longer than ``packing.seq_length``."""
+
+    drop = "drop"
+    """Drop it and count it in the ledger as ``overlength``."""
+    fail = "fail"
+    """Stop with an error naming the sample."""
+
+
+class EncoderMode(Enum):
+    """When the image processor runs relative to pack selection."""
+
+    lazy = "lazy"
+    """Only the exact length before selection; images processed once selected (less
+    worker memory, so larger buffers)."""
+    eager = "eager"
+    """The full processor before selection, as Megatron-Bridge does (the baseline)."""
+
+
+class Attention(Enum):
+    """Attention of the language model in the local backend (the vision tower keeps sdpa)."""
+
+    thd = "thd"
+    """Varlen: a packed row attends once per conversation (Σ lᵢ², as flash-attention's
+    varlen kernel and Megatron's THD layout); padded batches and generation use sdpa."""
+    sdpa = "sdpa"
+    """HF sdpa: a packed row gets a dense T×T block-diagonal mask (T² work per row; the
+    ``flops/*`` counters still count attention per conversation, as thd runs it)."""
+    eager = "eager"
+    """HF eager (matmul + softmax), the same dense mask as sdpa; slowest, for checks."""
+
+
+class Precision(Enum):
+    """Compute precision of the local backend's training forwards (weights, gradients and
+    optimizer state stay fp32)."""
+
+    auto = "auto"
+    """bf16 on a GPU that has it (Ampere and later), fp32 elsewhere: CPU runs stay exact
+    (packed and unpacked agree to 1e-6, a resumed run repeats every loss bitwise)."""
+    bf16 = "bf16"
+    """bf16 autocast on any device: a GPU without bf16 is an error; CPUs emulate it where
+    they lack native bf16 (``avx512_bf16``/AMX)."""
+    fp32 = "fp32"
+    """fp32 everywhere (for numerics checks on a GPU)."""
+
+
+class TrainBackend(Enum):
+    local = "local"
+    """HF transformers + PEFT in this process (CPU or one GPU), torchrun for DP."""
+    megatron = "megatron"
+    """Megatron-Bridge inside the NeMo container (cluster only)."""
+
+
+class ExecutorKind(Enum):
+    local = "local"
+    slurm = "slurm"
+
+
+class CudaGraphImpl(Enum):
+    """Megatron's CUDA graph implementation (``cuda_graph_impl``)."""
+
+    none = "none"
+    """No CUDA graphs (what packing needs: packed rows change shape every step)."""
+    local = "local"
+    """Megatron-core's own CUDA graphs."""
+    transformer_engine = "transformer_engine"
+    """Transformer Engine's CUDA graphs."""
