@@ -487,8 +487,9 @@ class SlurmConfig(_Section):
     gpus_per_node: int = 8
     """GPUs per node requested by the train job (0: none); the other stages ask for none."""
     nproc_per_node: int | None = None
-    """torchrun processes per node of the train job; ``null`` → ``gpus_per_node``. The local
-    train backend runs one process for now: set 1 for it."""
+    """torchrun processes per node of the train job; ``null`` → ``gpus_per_node``. With
+    ``train.backend: local`` every process is a data-parallel rank, so
+    ``train.global_batch_size`` must divide by ``nodes × nproc_per_node``."""
     mem: str | None = None
     """Memory per node of every job (``--mem``, e.g. ``64G``); ``null`` → the cluster default."""
     time: str = "04:00:00"
