@@ -48,8 +48,10 @@ from schemas.config import PipelineConfig, TrainBackend
 from stages.base import (
     InputError,
     StageResult,
+    dataset_dir,
     fingerprint,
     is_up_to_date,
+    processor_dir,
     require_record,
     stage_dir,
     write_record,
@@ -57,16 +59,6 @@ from stages.base import (
 
 STAGE = "train"
 RESULT = "result.json"
-
-
-def dataset_dir(cfg: PipelineConfig) -> Path:
-    """The prepared dataset the runs train on."""
-    return stage_dir(cfg, "prepare")
-
-
-def processor_dir(cfg: PipelineConfig) -> Path:
-    """The processor connect measured the lengths with."""
-    return stage_dir(cfg, "connect") / "processor"
 
 
 def training_stream(cfg: PipelineConfig, *, rank: int = 0, world: int = 1) -> TrainStream:

@@ -8,7 +8,7 @@ from pathlib import Path
 from packline.qwen.processor import load_processor
 from packline.train.setup import build_trainer
 from packline.train.trainer import Trainer
-from stages.train import dataset_dir, processor_dir
+from stages.base import dataset_dir, processor_dir
 
 SMALL = (
     "data.num_train=120",
