@@ -47,9 +47,13 @@ from PIL import Image, ImageDraw
 
 __all__ = [
     "ANSWER_KINDS",
+    "BACKGROUND_NAMES",
     "COLOUR_NAMES",
+    "NUMBER_WORDS",
+    "ORDINALS",
     "POSITION_NAMES",
     "SHAPE_NAMES",
+    "SIZE_WORDS",
     "answer_matches",
     "normalize_answer",
     "write_shapes_dataset",
@@ -78,6 +82,8 @@ _BACKGROUNDS: dict[str, tuple[int, int, int]] = {
     "pale teal": (170, 205, 200),
     "pink": (225, 190, 200),
 }
+BACKGROUND_NAMES = tuple(_BACKGROUNDS)
+"""Background colours, as named in the detailed descriptions."""
 # A shape colour is used on a background only if they are at least this far apart in RGB,
 # so no shape is hard to see (e.g. white on pale teal is skipped).
 _MIN_CONTRAST = 100.0
@@ -107,11 +113,17 @@ _PREPOSITION = {
     "bottom right": "at the bottom right",
 }
 
-_ORDINALS = ("first", "second", "third")
-_NUMBER_WORDS = (
-    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen "
-    "fifteen sixteen seventeen eighteen nineteen twenty"
-).split()
+ORDINALS = ("first", "second", "third")
+"""How the images of a multi-image row are named ("the second image")."""
+NUMBER_WORDS = tuple(
+    (
+        "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen "
+        "fifteen sixteen seventeen eighteen nineteen twenty"
+    ).split()
+)
+"""Numbers as words (index = value), in questions and as accepted answers."""
+SIZE_WORDS = ("small", "medium", "large")
+"""A shape's size in the detailed descriptions, by its share of its grid cell."""
 
 _MIN_TOKENS, _MAX_TOKENS = 16, 1024
 _TOKEN_PX = 32  # one LLM token per 32x32 block (16 px ViT patches, 2x2 merge)
@@ -213,7 +225,8 @@ def _sample_picture(rng: random.Random) -> _Picture:
         slack_x, slack_y = (cell_w - size) / 2, (cell_h - size) / 2
         cx = int(col * cell_w + cell_w / 2 + rng.uniform(-0.8, 0.8) * slack_x)
         cy = int(row * cell_h + cell_h / 2 + rng.uniform(-0.8, 0.8) * slack_y)
-        size_word = "small" if fraction < 0.58 else "medium" if fraction < 0.72 else "large"
+        small, medium, large = SIZE_WORDS
+        size_word = small if fraction < 0.58 else medium if fraction < 0.72 else large
         shapes.append(
             _Shape(
                 kind=rng.choice(SHAPE_NAMES),
@@ -468,11 +481,11 @@ def _q_compare(rng: random.Random, pics: list[_Picture], idx: int | None) -> _Tu
         if counts.count(max(counts)) > 1:
             return None
     best = counts.index(max(counts))
-    answer = f"the {_ORDINALS[best]} image"
+    answer = f"the {ORDINALS[best]} image"
     if rng.random() < 0.5:
-        reply = f"The {_ORDINALS[best]} image."
+        reply = f"The {ORDINALS[best]} image."
     else:
-        reply = f"The {_ORDINALS[best]} image, with {counts[best]} shapes."
+        reply = f"The {ORDINALS[best]} image, with {counts[best]} shapes."
     return _Turn(question=q, reply=reply, kind="compare", answer=answer)
 
 
@@ -480,7 +493,7 @@ def _target(pics: list[_Picture], idx: int | None) -> tuple[_Picture, str]:
     if len(pics) == 1:
         return pics[0], "the image"
     assert idx is not None
-    return pics[idx], f"the {_ORDINALS[idx]} image"
+    return pics[idx], f"the {ORDINALS[idx]} image"
 
 
 _QuestionFn = Callable[[random.Random, list[_Picture], int | None], _Turn | None]
@@ -554,7 +567,7 @@ def _text_turns(rng: random.Random, num_turns: int) -> tuple[str, list[_Turn]]:
             used.add((colour, kind))
             groups.append((rng.randint(1, 4), colour, kind))
     phrases = [
-        f"{_NUMBER_WORDS[n]} {colour} {kind if n == 1 else _plural(kind)}"
+        f"{NUMBER_WORDS[n]} {colour} {kind if n == 1 else _plural(kind)}"
         for n, colour, kind in groups
     ]
     place = rng.choice(("A drawing shows", "A box holds", "On a poster there are"))
@@ -778,8 +791,8 @@ def _first_number(norm: str) -> int | None:
     for word in norm.split():
         if word.isdigit():
             return int(word)
-        if word in _NUMBER_WORDS:
-            return _NUMBER_WORDS.index(word)
+        if word in NUMBER_WORDS:
+            return NUMBER_WORDS.index(word)
     words = norm.split()
     return 0 if "none" in words or "no" in words else None
 

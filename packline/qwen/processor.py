@@ -49,13 +49,23 @@ from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoP
 
 from packline.cache import cache_dir
 from packline.qwen.vision import ImageGeometry
+from packline.synthetic import (
+    BACKGROUND_NAMES,
+    COLOUR_NAMES,
+    NUMBER_WORDS,
+    ORDINALS,
+    POSITION_NAMES,
+    SHAPE_NAMES,
+    SIZE_WORDS,
+)
 
 TINY_VOCAB_SIZE = 4096
 """Ids in the tiny tokenizer, special tokens included."""
 
-TINY_LAYOUT_VERSION = 2
+TINY_LAYOUT_VERSION = 3
 """Bumped when what :func:`build_tiny_processor` writes changes (2: a standard
-``Qwen3VLProcessor`` dir with image and video processors), so that stages fingerprinting the
+``Qwen3VLProcessor`` dir with image and video processors; 3: the tokenizer's corpus takes the
+shapes set's words from :mod:`packline.synthetic`), so that stages fingerprinting the
 built-in processor rebuild it."""
 
 SPECIAL_TOKENS = (
@@ -118,19 +128,19 @@ CHAT_TEMPLATE = """\
 
 # --- the built-in tiny processor -------------------------------------------------------
 
-_NUMBER_WORDS = (
-    "zero one two three four five six seven eight nine ten eleven twelve thirteen "
-    "fourteen fifteen sixteen seventeen eighteen nineteen twenty"
-).split()
-_COLOURS = "red green blue yellow purple orange black white grey pink brown".split()
-_SHAPES = "circle square triangle rectangle star pentagon hexagon".split()
-_ROWS = ("top", "middle", "bottom")
-_COLUMNS = ("left", "center", "centre", "right")
+# The shapes set's own names (packline/synthetic.py), and words its phrasings use around them.
 _SHAPES_WORDS = (
-    "small medium large tiny about pixels across centred near background tan slate pale teal "
-    "sides side drawing poster box holds shows shape shapes Image Colours Shapes total together "
-    "same number each most first second third in all the images every detail size position"
-).split()
+    *COLOUR_NAMES,
+    *(word for name in BACKGROUND_NAMES for word in name.split()),
+    *SHAPE_NAMES,
+    *SIZE_WORDS,
+    *ORDINALS,
+    *(
+        "tiny about pixels across centred near background sides side drawing poster box holds "
+        "shows shape shapes Image Colours Shapes total together same number each most in all "
+        "the images every detail size position"
+    ).split(),
+)
 _COMMON_WORDS = (
     "the of and to a in is it you that he was for on are with as I his they be at one have "
     "this from or had by hot word but what some we can out other were all there when up use "
@@ -180,23 +190,23 @@ _PUNCTUATION = (".", ".", ".", ",", "?", "!", ";", ":", " -", "...")
 
 
 def _shapes_pairs(rng: random.Random) -> list[tuple[str, str]]:
-    """Question/answer pairs in the vocabulary of the synthetic "shapes" dataset."""
-    n = rng.randrange(len(_NUMBER_WORDS))
-    colour, other = rng.sample(_COLOURS, 2)
-    shape, other_shape = rng.sample(_SHAPES, 2)
+    """Question/answer pairs in the vocabulary of the synthetic "shapes" dataset: its
+    colours, backgrounds, shapes, grid positions, ordinals and number words."""
+    n = rng.randrange(len(NUMBER_WORDS))
+    colour, other = rng.sample(COLOUR_NAMES, 2)
+    shape, other_shape = rng.sample(SHAPE_NAMES, 2)
     plural = shape + "s" if n != 1 else shape
-    row, column = rng.choice(_ROWS), rng.choice(_COLUMNS)
-    where = f"{row} {column}" if row != "middle" else column
-    ordinal = rng.choice(["first", "second", "third"])
+    where = rng.choice(POSITION_NAMES)
+    ordinal = rng.choice(ORDINALS)
     return [
-        (f"How many {colour} {shape}s are there?", f"There are {_NUMBER_WORDS[n]}: {n}."),
-        (f"Count the {colour} {shape}s.", f"{_NUMBER_WORDS[n].capitalize()} {colour} {plural}."),
+        (f"How many {colour} {shape}s are there?", f"There are {NUMBER_WORDS[n]}: {n}."),
+        (f"Count the {colour} {shape}s.", f"{NUMBER_WORDS[n].capitalize()} {colour} {plural}."),
         (f"What colour is the {shape} at the {where}?", f"The {shape} is {colour}."),
         (f"Where is the {other} {other_shape}?", f"It is in the {where} of the image."),
         (
             "Describe the image.",
-            f"The image shows {_NUMBER_WORDS[n]} {colour} {plural} and one {other} "
-            f"{other_shape} on a {rng.choice(_COLOURS)} background.",
+            f"The image shows {NUMBER_WORDS[n]} {colour} {plural} and one {other} "
+            f"{other_shape} on a {rng.choice(BACKGROUND_NAMES)} background.",
         ),
         (f"Which image has more {other_shape}s?", f"The {ordinal} image has more {other_shape}s."),
     ]

@@ -29,10 +29,19 @@ from packline.qwen.processor import (
     special_token_ids,
 )
 from packline.qwen.vision import ImageGeometry
+from packline.synthetic import (
+    BACKGROUND_NAMES,
+    COLOUR_NAMES,
+    NUMBER_WORDS,
+    ORDINALS,
+    POSITION_NAMES,
+    SHAPE_NAMES,
+    SIZE_WORDS,
+)
 
-# sha256 of the tiny tokenizer.json as built before the processor became a standard
-# Qwen3VLProcessor dir: the tokenizer (so every token id) must not change with the layout.
-TINY_TOKENIZER_SHA256 = "62ac732c0cd1bfc8fe41b4cf685aae2a13148f6707bf05619e7f4ce852e6b9fe"
+# sha256 of the tiny tokenizer.json since its corpus takes the shapes set's words from
+# packline.synthetic (layout 3): every token id, so every length and loss, depends on it.
+TINY_TOKENIZER_SHA256 = "cb50c93ea99edf6c124fda2828897b0dbadf8f2966f3d0153f94655c38190649"
 
 # What a real Qwen3-VL HF dir holds in preprocessor_config.json (Qwen/Qwen3-VL-8B-Instruct):
 # it names the torchvision image processor by its legacy name.
@@ -120,6 +129,14 @@ def test_copy_from_the_cache_is_a_fresh_build_byte_for_byte(tiny_dir, tmp_path, 
         for name in TINY_DIR_FILES:
             assert (copy / name).read_bytes() == (tiny_dir / name).read_bytes(), name
         assert copy.stat().st_mode == tiny_dir.stat().st_mode  # not the temp dir's 0700
+
+
+def test_every_word_the_shapes_set_names_things_with_is_one_token(processor):
+    names = (*COLOUR_NAMES, *BACKGROUND_NAMES, *SHAPE_NAMES, *POSITION_NAMES, *NUMBER_WORDS)
+    words = sorted({word for name in (*names, *SIZE_WORDS, *ORDINALS) for word in name.split()})
+    encode = processor.tokenizer.encode
+    split = {w: encode(f" {w}", add_special_tokens=False) for w in words}
+    assert {w: ids for w, ids in split.items() if len(ids) != 1} == {}
 
 
 def test_tiny_dir_is_laid_out_like_a_qwen3_vl_checkpoint(tiny_dir):
