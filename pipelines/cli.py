@@ -17,7 +17,8 @@ import os
 import sys
 import traceback
 
-from schemas.config import STAGES, ConfigError, load_config
+from schemas.config import STAGES, load_config
+from schemas.errors import UserError
 
 
 def _split_config(args: list[str]) -> tuple[str | None, list[str]]:
@@ -39,7 +40,7 @@ def cmd_run(ns: argparse.Namespace) -> int:
     cfg = _load(ns.args, extra)
     if ns.from_stage and ns.from_stage not in pipeline_stages():
         have = ", ".join(pipeline_stages())
-        raise ConfigError([f"--from {ns.from_stage}: not a stage of this pipeline ({have})"])
+        raise UserError([f"--from {ns.from_stage}: not a stage of this pipeline ({have})"])
     run_pipeline(cfg, from_stage=ns.from_stage, dryrun=ns.dryrun)
     return 0
 
@@ -48,7 +49,7 @@ def cmd_stage(ns: argparse.Namespace) -> int:
     from stages.runner import available_stages, run_stage
 
     if ns.name not in available_stages():
-        raise ConfigError([f"unknown stage {ns.name!r}; stages: {', '.join(available_stages())}"])
+        raise UserError([f"unknown stage {ns.name!r}; stages: {', '.join(available_stages())}"])
     cfg = _load(ns.args)
     run_stage(cfg, ns.name, force=ns.force)
     return 0
@@ -146,13 +147,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from stages.base import InputError
+    from schemas.errors import UserError
 
     ns = parse_args(argv)
     debug = os.environ.get("PACKLINE_DEBUG") == "1"
     try:
         return ns.fn(ns)
-    except (ConfigError, InputError) as exc:
+    except UserError as exc:
         if debug:
             traceback.print_exc()
         print(f"error: {exc}", file=sys.stderr)

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import nemo_run as run
 
-from schemas.config import PROJECT_ROOT, ConfigError, ExecutorKind, PipelineConfig
+from schemas.config import PROJECT_ROOT, ExecutorKind, PipelineConfig
+from schemas.errors import UserError
 from schemas.guardrails import SLURM_RULES, train_nproc_per_node
 
 #: What a job needs of the project (the rest of the tree stays home).
@@ -76,7 +77,7 @@ def slurm_executor(cfg: PipelineConfig, *, job_dir: Path, stage: str) -> run.Slu
         env["PATH"] = _venv_path()  # the job runs this venv (on a shared filesystem)
         if "/nemo_run" in str(job_dir):
             # NeMo-Run rewrites every "/nemo_run" of a host job's sbatch script to the job dir.
-            raise ConfigError([f"work_dir {cfg.work_path} contains '/nemo_run': choose another"])
+            raise UserError([f"work_dir {cfg.work_path} contains '/nemo_run': choose another"])
     nproc = train_nproc_per_node(cfg)
     return run.SlurmExecutor(
         account=s.account,

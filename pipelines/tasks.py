@@ -20,8 +20,8 @@ def error_path(work_dir: Path, stage: str) -> Path:
 
 def run_stage_task(config_path: str, stage: str, parent_run_id: str = "") -> None:
     """Entry point of one NeMo-Run task: run ``stage`` of the config at ``config_path``."""
-    from schemas.config import ConfigError, load_config
-    from stages.base import InputError
+    from schemas.config import load_config
+    from schemas.errors import UserError
     from stages.runner import run_stage
 
     cfg = load_config(config_path)
@@ -29,7 +29,7 @@ def run_stage_task(config_path: str, stage: str, parent_run_id: str = "") -> Non
     err.unlink(missing_ok=True)
     try:
         run_stage(cfg, stage, parent_run_id=parent_run_id or None)
-    except (ConfigError, InputError) as exc:
+    except UserError as exc:
         header = getattr(exc, "header", str(exc))
         err.write_text(json.dumps({"header": header, "problems": exc.problems, "exit_code": 2}))
         print(str(exc), file=sys.stderr)

@@ -21,7 +21,7 @@ from pathlib import Path
 from packline.report.mlflow_store import compare_url, find_training_pair, open_store, sqlite_path
 from packline.tracking import experiment_name, tracking_uri
 from schemas.config import PipelineConfig
-from stages.base import InputError
+from schemas.errors import UserError
 
 HOST = "127.0.0.1"
 STARTUP_TIMEOUT_S = 120.0
@@ -130,7 +130,7 @@ def _pages(cfg: PipelineConfig, base: str, experiment: str) -> list[tuple[str, s
     client = open_store(cfg)
     try:
         pair = find_training_pair(client, experiment)
-    except InputError as exc:
+    except UserError as exc:
         exp = client.get_experiment_by_name(experiment)
         note = exc.problems[0]
         if exp is None:
@@ -147,15 +147,15 @@ def serve_ui(cfg: PipelineConfig, *, port: int = 5000, experiment: str | None = 
     """Run the MLflow UI until Ctrl-C / SIGTERM; returns the exit code."""
     uri = tracking_uri(cfg)
     if sqlite_path(uri) is None:
-        raise InputError(
+        raise UserError(
             [f"mlflow.tracking_uri is {uri}: packline ui serves a local sqlite store only"],
             "cannot start the UI",
         )
-    open_store(cfg, "cannot start the UI")  # the store must exist (InputError otherwise)
+    open_store(cfg, "cannot start the UI")  # the store must exist (UserError otherwise)
     if port == 0:
         port = free_port()
     elif _port_in_use(port):
-        raise InputError(
+        raise UserError(
             [f"port {port} on {HOST} is in use: pass --port N, or --port 0 for a free one"],
             "cannot start the UI",
         )

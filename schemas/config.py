@@ -2,7 +2,7 @@
 
 A YAML file is merged onto these OmegaConf structured dataclasses, then ``key=value``
 overrides on top; every problem (unknown key, wrong type, missing value, a rule a section
-breaks) is collected and reported together as one :class:`ConfigError`. Past
+breaks) is collected and reported together as one :class:`UserError`. Past
 :func:`load_config` the pipeline passes :class:`PipelineConfig` objects, never raw dicts.
 """
 
@@ -39,9 +39,6 @@ from schemas.guardrails import Check, Finding, config_findings
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = PROJECT_ROOT / "configs" / "tiny_cpu.yaml"
 STAGES = ("prepare", "connect", "validate", "train")
-
-
-ConfigError = UserError  # transitional name: issue 16 renames every use to UserError
 
 
 def _check(problems: list[str], ok: bool, message: str) -> None:
@@ -657,18 +654,18 @@ def load_config(
     path: str | Path | None = None, overrides: list[str] | None = None
 ) -> PipelineConfig:
     """YAML at ``path`` (default ``configs/tiny_cpu.yaml``) merged onto the schema, then
-    ``key=value`` overrides. Raises :class:`ConfigError` listing every problem."""
+    ``key=value`` overrides. Raises :class:`UserError` listing every problem."""
     path = Path(path) if path is not None else DEFAULT_CONFIG
     problems: list[str] = []
     cfg = OmegaConf.structured(PipelineConfig)
     if not path.is_file():
-        raise ConfigError([f"config file {str(path)!r} does not exist"])
+        raise UserError([f"config file {str(path)!r} does not exist"])
     try:
         raw = OmegaConf.to_container(OmegaConf.load(path), resolve=False) or {}
     except Exception as exc:
-        raise ConfigError([f"{path}: not valid YAML: {exc}"]) from None
+        raise UserError([f"{path}: not valid YAML: {exc}"]) from None
     if not isinstance(raw, dict):
-        raise ConfigError([f"{path}: the top level must be a mapping"])
+        raise UserError([f"{path}: the top level must be a mapping"])
     for key, value in _flatten(raw):
         _set_key(cfg, key, value, str(path.name), problems)
     for item in overrides or []:
@@ -682,7 +679,7 @@ def load_config(
         problems.append(f"missing value: '{key}' must be set")
     problems += _rule_problems(cfg)
     if problems:
-        raise ConfigError(problems)
+        raise UserError(problems)
     return OmegaConf.to_object(cfg)  # type: ignore[return-value]
 
 

@@ -63,7 +63,7 @@ class Finding:
 
     @property
     def text(self) -> str:
-        """The finding as one line of a ``ConfigError`` / ``InputError``."""
+        """The finding as one line of a ``UserError``."""
         return f"{self.message}; fix: {self.fix}"
 
     def to_dict(self) -> dict[str, str]:

@@ -29,9 +29,6 @@ PROCESSOR = "processor"
 """connect's processor dir, inside its stage dir."""
 
 
-InputError = UserError  # transitional name: issue 16 renames every use to UserError
-
-
 @dataclass
 class StageResult:
     """What a stage reports back: where its outputs are and the figures it logged."""
@@ -74,7 +71,7 @@ def read_record(cfg: PipelineConfig, stage: str) -> dict[str, Any] | None:
 def require_record(cfg: PipelineConfig, stage: str, by: str) -> dict[str, Any]:
     rec = read_record(cfg, stage)
     if rec is None:
-        raise InputError(
+        raise UserError(
             [f"{stage} has not completed in {cfg.work_path} (run `packline stage {stage}` first)"],
             f"{by} cannot start",
         )

@@ -37,10 +37,10 @@ from packline.progress import console, progress
 from packline.qwen.processor import TINY_LAYOUT_VERSION
 from packline.qwen.vision import read_image_size
 from schemas.config import Algorithm, ExecutorKind, PipelineConfig, TrainBackend
+from schemas.errors import UserError
 from schemas.tables import LengthsModel, validate_table
 from stages.base import (
     PROCESSOR,
-    InputError,
     StageResult,
     building,
     dataset_dir,
@@ -177,7 +177,7 @@ def materialize_processor(cfg: PipelineConfig, out: Path) -> Path:
     loaded = processor_geometry(load_processor(dest))  # fails here, with the loader's message
     wanted = image_geometry(cfg)
     if loaded != wanted:
-        raise InputError(
+        raise UserError(
             [f"{dest} resizes with {loaded}, the config asks for {wanted}"],
             "connect: the processor dir does not take the configured geometry",
         )
@@ -438,7 +438,7 @@ def connect_processor(
             if rec["exact"] != rec["cheap"]
         ]
         if mismatches:
-            raise InputError(
+            raise UserError(
                 mismatches[:50]
                 + ([f"... and {len(mismatches) - 50} more"] if len(mismatches) > 50 else []),
                 f"connect: the cheap length rule disagrees with the processor on "
@@ -463,7 +463,7 @@ def connect_processor(
         )
         missing = sorted(set(manifest["key"]) - set(df["key"]))
         if missing:
-            raise InputError(
+            raise UserError(
                 [f"{len(missing)} manifest keys never came out of the loader, e.g. {missing[:5]}"],
                 "connect: samples lost between prepare and connect",
             )

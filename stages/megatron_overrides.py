@@ -41,7 +41,8 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from packline.tracking import experiment_name, tracking_uri
-from schemas.config import ConfigError, ExecutorKind, PipelineConfig, TrainBackend
+from schemas.config import ExecutorKind, PipelineConfig, TrainBackend
+from schemas.errors import UserError
 from schemas.guardrails import Check, Finding, Issue, RuleBook, Severity, error, warning
 from stages.base import dataset_dir, processor_dir, stage_dir
 from stages.prepare import BRIDGE_METADATASET, image_geometry
@@ -100,10 +101,10 @@ def _mapped_targets(cfg: PipelineConfig) -> list[str]:
 
 def lora_target_modules(cfg: PipelineConfig) -> list[str]:
     """Bridge LoRA target modules for packline's ``lora.target_modules`` + ``target_parameters``
-    (order kept, duplicates dropped). Raises ConfigError naming every unmappable target."""
+    (order kept, duplicates dropped). Raises UserError naming every unmappable target."""
     problems = lora_target_problems(cfg)
     if problems:
-        raise ConfigError(problems)
+        raise UserError(problems)
     return _mapped_targets(cfg)
 
 
@@ -137,7 +138,7 @@ def bridge_overrides(
     packline's own, then ``megatron.extra_overrides`` (which win).
 
     ``mlflow_tags`` are added to packline's own tags on Bridge's MLflow run (the train stage
-    passes the run it nests under). Raises ConfigError for LoRA targets with no Megatron name."""
+    passes the run it nests under). Raises UserError for LoRA targets with no Megatron name."""
     o = _packline_overrides(cfg, lora_target_modules(cfg), mlflow_tags)
     o.update(extra_overrides(cfg))
     return o

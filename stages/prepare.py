@@ -31,16 +31,9 @@ from packline.conversations import ConversationRow, Rejected, parse_row
 from packline.progress import console, progress
 from packline.qwen.vision import ImageGeometry
 from schemas.config import PipelineConfig
+from schemas.errors import UserError
 from schemas.tables import REJECT_REASONS, ManifestModel, RejectsModel, validate_table
-from stages.base import (
-    InputError,
-    StageResult,
-    building,
-    fingerprint,
-    hash_tree,
-    stage_dir,
-    write_record,
-)
+from stages.base import StageResult, building, fingerprint, hash_tree, stage_dir, write_record
 
 STAGE = "prepare"
 SOURCE_DONE = "_SOURCE_COMPLETE"
@@ -172,7 +165,7 @@ def prepare_dataset(cfg: PipelineConfig, fp: str | None = None) -> StageResult:
     source = resolve_source(cfg)
     jsonl = source / "conversations.jsonl"
     if not jsonl.is_file():
-        raise InputError([f"{jsonl} does not exist"], "prepare: no conversations")
+        raise UserError([f"{jsonl} does not exist"], "prepare: no conversations")
     geometry = image_geometry(cfg)
     lines = jsonl.read_text(encoding="utf-8", errors="replace").splitlines()
     accepted: dict[str, list[ConversationRow]] = {"train": [], "val": []}
@@ -225,13 +218,13 @@ def prepare_dataset(cfg: PipelineConfig, fp: str | None = None) -> StageResult:
             for r in rejects:
                 f.write(json.dumps(r) + "\n")
         if num_accepted == 0:
-            raise InputError(
+            raise UserError(
                 [f"none of the {num_rows} rows of {jsonl} is usable; reasons: {dict(by_reason)}"],
                 "prepare: no usable rows",
             )
         if reject_fraction > cfg.prepare.max_reject_fraction:
             _keep_rejects(cfg, out / "rejects.jsonl")
-            raise InputError(
+            raise UserError(
                 [
                     f"{len(rejects)} of {num_rows} rows rejected ({reject_fraction:.1%}) exceeds "
                     f"prepare.max_reject_fraction={cfg.prepare.max_reject_fraction}; "

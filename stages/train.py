@@ -45,8 +45,8 @@ from packline.train.records import read_records
 from packline.train.setup import build_trainer
 from packline.train.trainer import EVAL_LOG, METRICS_LOG, TrainerSettings
 from schemas.config import PipelineConfig, TrainBackend
+from schemas.errors import UserError
 from stages.base import (
-    InputError,
     StageResult,
     dataset_dir,
     fingerprint,
@@ -228,7 +228,7 @@ def ensure_validated(cfg: PipelineConfig) -> None:
     if is_up_to_date(cfg, "validate", validate.fingerprint_inputs(cfg)):
         return
     if launched():
-        raise InputError(
+        raise UserError(
             [
                 f"validate's record in {cfg.work_path} is for other settings "
                 "(run `packline stage validate` with these settings first)"

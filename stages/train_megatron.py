@@ -33,7 +33,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from schemas.config import ConfigError, PipelineConfig
+from schemas.config import PipelineConfig
+from schemas.errors import UserError
 from stages.base import StageResult, stage_dir, write_record
 from stages.megatron_overrides import (
     RECIPE_MODULE,
@@ -51,7 +52,7 @@ NATIVE_PACKING_COMMIT = "46d7e9f4f9ee71832ab24c13228aecbf09a0df46"
 oldest Bridge commit the megatron backend can pack with."""
 BRIDGE_COMMIT = "067f987df03b8355b03192d88d70f1709fedf51a"
 """The Megatron-Bridge main commit ``containers/Dockerfile`` installs (its ``BRIDGE_COMMIT``
-build arg; tests/unit/test_container.py checks they agree): a descendant of
+build arg; tests/unit/test_megatron_container.py checks they agree): a descendant of
 :data:`NATIVE_PACKING_COMMIT`, the newest of the main snapshot packline's Bridge facts were
 read from (2026-08-22)."""
 PACKLINE_IMAGE = f"packline-bridge:{BRIDGE_COMMIT[:9]}"
@@ -137,7 +138,7 @@ def build_bridge_config(cfg: PipelineConfig, overrides: dict[str, Any]) -> Any:
     recipe_fn = getattr(recipes, cfg.megatron.recipe, None)
     if recipe_fn is None:
         known = sorted(n for n in dir(recipes) if n.endswith("_config"))
-        raise ConfigError(
+        raise UserError(
             [
                 f"megatron.recipe {cfg.megatron.recipe!r} is not in {RECIPE_MODULE}: "
                 f"{', '.join(known)}"
@@ -158,7 +159,7 @@ def build_bridge_config(cfg: PipelineConfig, overrides: dict[str, Any]) -> Any:
         for part in prefix.split("."):
             node = getattr(node, part)
         if not isinstance(node, _import_class(qualified)):
-            raise ConfigError(
+            raise UserError(
                 [
                     f"recipe {cfg.megatron.recipe!r}: {prefix} is "
                     f"{type(node).__name__}, packline's overrides are for {qualified}"
@@ -197,10 +198,10 @@ def train_megatron(
     t0 = time.perf_counter()
     problems = megatron_problems(cfg, world_size=_world_size())
     if problems:
-        raise ConfigError(problems, "train.backend megatron cannot run this config")
+        raise UserError(problems, "train.backend megatron cannot run this config")
     problem = bridge_problem(packing=cfg.packing.enabled)
     if problem:  # before any Bridge import: an old Bridge would crash on it or train unpacked
-        raise ConfigError([problem], "train.backend megatron cannot run here")
+        raise UserError([problem], "train.backend megatron cannot run here")
     rank = int(os.environ.get("RANK", "0"))
     # The same on every rank of this launch, so rank 0 can find the run Bridge's last rank made.
     launch_id = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID", "local")

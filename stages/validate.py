@@ -33,7 +33,7 @@ Rule groups, in order, all in one pass:
   geometry, vision → text width) and the LoRA targets against the model's modules and
   parameters. The model is built on the meta device from its config: no weight is read.
 
-Any error raises :class:`~stages.base.InputError` (exit 2) listing all of them, after the
+Any error raises :class:`~stages.base.UserError` (exit 2) listing all of them, after the
 report is written; warnings never stop the run. The completion record, which the train
 stage requires, is written only when there is no error.
 """
@@ -61,6 +61,7 @@ from packline.qwen.model import build_meta_model
 from packline.qwen.processor import load_processor, processor_geometry, special_token_ids
 from packline.train.setup import lora_target_matches, model_config
 from schemas.config import OverlengthPolicy, PipelineConfig, TrainBackend, section_findings
+from schemas.errors import UserError
 from schemas.guardrails import (
     CONFIG_RULES,
     SLURM_RULES,
@@ -73,7 +74,6 @@ from schemas.guardrails import (
 )
 from schemas.tables import cross_table_problems
 from stages.base import (
-    InputError,
     StageResult,
     building,
     dataset_dir,
@@ -761,7 +761,7 @@ def validate_config(cfg: PipelineConfig, fp: str | None = None) -> StageResult:
     else:
         console.log(f"[green]validate: all {len(checks)} rules hold[/]")
     if errors:
-        raise InputError(
+        raise UserError(
             [f.text for f in errors],
             f"validate: {len(errors)} error(s) (and {len(warnings)} warning(s)); report: "
             f"{out_dir / 'report.json'}",

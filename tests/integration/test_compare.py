@@ -21,7 +21,7 @@ from packline.report.plots import PLOTS
 from packline.report.summary import RunSummary
 from packline.tracking import Tracker
 from pipelines.compare import compare_runs
-from stages.base import InputError
+from schemas.errors import UserError
 from tests.conftest import make_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -205,7 +205,7 @@ def test_compare_cli_prints_both_runs_and_the_speedup(store):
 
 def test_compare_without_the_runs_is_an_input_error(tmp_path: Path):
     cfg = make_config(tmp_path / "work")
-    with pytest.raises(InputError, match="no MLflow store"):
+    with pytest.raises(UserError, match="no MLflow store"):
         open_store(cfg)
     assert not (cfg.work_path / "mlflow.db").exists()  # no empty store left behind
 
@@ -213,9 +213,9 @@ def test_compare_without_the_runs_is_an_input_error(tmp_path: Path):
     stage = Tracker.start(cfg, "train", parent_run_id=parent.run_id, tags={M.TAG_STAGE: "train"})
     _log_training_run(cfg, stage.run_id, packed=True)  # packing off never ran
     client = open_store(cfg)
-    with pytest.raises(InputError, match="no MLflow experiment named 'other'"):
+    with pytest.raises(UserError, match="no MLflow experiment named 'other'"):
         find_training_pair(client, "other")
-    with pytest.raises(InputError, match="no finished train-packed and train-unpacked"):
+    with pytest.raises(UserError, match="no finished train-packed and train-unpacked"):
         find_training_pair(client, cfg.name)
 
     # The CLI: exit 2, the problem listed, no traceback.

@@ -8,8 +8,8 @@ import pandas as pd
 import pytest
 
 from schemas.config import Algorithm
+from schemas.errors import UserError
 from schemas.tables import LengthsModel
-from stages.base import InputError
 from stages.connect import connect_processor, forecast_fill
 from stages.prepare import prepare_dataset
 from tests.conftest import make_config
@@ -66,7 +66,7 @@ def test_connect_forecast_is_monotone_and_bounded(default_set):
 def test_connect_catches_a_wrong_cheap_rule(tmp_path: Path):
     cfg = make_config(tmp_path / "work")
     prepare_dataset(cfg)
-    with pytest.raises(InputError) as info:
+    with pytest.raises(UserError) as info:
         connect_processor(cfg, visual_tokens=floor_rule)
     assert "cheap length rule disagrees with the processor" in info.value.header
     pattern = (

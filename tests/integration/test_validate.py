@@ -24,7 +24,8 @@ from packline.qwen.processor import load_processor, special_token_ids
 from packline.train.setup import build_model
 from pipelines.cli import main
 from schemas.config import PROJECT_ROOT
-from stages.base import InputError, invalidate_from, read_record
+from schemas.errors import UserError
+from stages.base import invalidate_from, read_record
 from stages.connect import connect_processor
 from stages.prepare import prepare_dataset
 from stages.train import train_lora
@@ -116,7 +117,7 @@ def test_default_config_passes_every_rule_and_train_requires_the_record(connecte
 
     cfg = make_config(connected, "mlflow.enabled=false")
     invalidate_from(cfg, "validate")
-    with pytest.raises(InputError) as info:
+    with pytest.raises(UserError) as info:
         train_lora(cfg)
     assert info.value.header == "train cannot start"
     assert info.value.problems == [
@@ -131,7 +132,7 @@ def test_train_validates_changed_settings_before_it_starts(connected):
     cfg = make_config(
         connected, "mlflow.enabled=false", "packing.seq_length=512", "packing.overlength=fail"
     )
-    with pytest.raises(InputError) as info:
+    with pytest.raises(UserError) as info:
         train_lora(cfg)
     assert info.value.header.startswith("validate: 1 error(s)")
     assert any("packing.overlength" in p for p in info.value.problems), info.value.problems
@@ -534,7 +535,7 @@ def test_the_stage_itself_rechecks_config_rules_on_the_object_it_gets(connected)
     cfg = make_config(connected, "mlflow.enabled=false")
     cfg.train.micro_batch_size = 2
     cfg.lora.rank = 0
-    with pytest.raises(InputError) as info:
+    with pytest.raises(UserError) as info:
         validate_config(cfg)
     assert info.value.problems == [
         "lora.rank must be > 0, got 0; fix: change lora.rank (schemas/config.py documents it)",

@@ -6,14 +6,8 @@ import pytest
 import yaml
 
 from pipelines.cli import main
-from schemas.config import (
-    PROJECT_ROOT,
-    Algorithm,
-    ConfigError,
-    PackingConfig,
-    TrainBackend,
-    load_config,
-)
+from schemas.config import PROJECT_ROOT, Algorithm, PackingConfig, TrainBackend, load_config
+from schemas.errors import UserError
 from stages.megatron_overrides import megatron_problems
 from tests.unit.test_megatron_overrides import processor_stand_in
 
@@ -48,7 +42,7 @@ def test_shipped_yaml_keys_each_have_a_comment():
 
 
 def test_override_typo_and_type_error_reported_together():
-    with pytest.raises(ConfigError) as info:
+    with pytest.raises(UserError) as info:
         load_config(None, ["packing.seq_lenght=4096", "train.max_steps=many"])
     problems = info.value.problems
     assert problems == [
@@ -70,7 +64,7 @@ def test_cli_exit_2_lists_every_problem_without_traceback(capsys):
 def test_yaml_unknown_key_missing_value_and_rule_reported_together(tmp_path: Path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("packing:\n  algoritm: ffd\n  seq_length: 0\ntrain:\n  lr: 1e-3\n")
-    with pytest.raises(ConfigError) as info:
+    with pytest.raises(UserError) as info:
         load_config(bad)
     text = "\n".join(info.value.problems)
     assert "unknown key 'packing.algoritm'" in text and "did you mean 'algorithm'" in text
@@ -79,7 +73,7 @@ def test_yaml_unknown_key_missing_value_and_rule_reported_together(tmp_path: Pat
 
 
 def test_enum_override_lists_allowed_values():
-    with pytest.raises(ConfigError) as info:
+    with pytest.raises(UserError) as info:
         load_config(None, ["packing.algorithm=greedy"])
     assert info.value.problems == [
         "override: 'packing.algorithm' = 'greedy' is invalid: expected one of 'ffd', 'bfd', "

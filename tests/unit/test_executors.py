@@ -9,7 +9,8 @@ import nemo_run as run
 import pytest
 
 from pipelines.executors import SHIPPED, slurm_executor, slurm_problems, train_nproc_per_node
-from schemas.config import PROJECT_ROOT, ConfigError
+from schemas.config import PROJECT_ROOT
+from schemas.errors import UserError
 from tests.conftest import make_config
 
 
@@ -51,7 +52,7 @@ def test_project_is_shipped_and_ssh_tunnel_used_when_host_set(tmp_path: Path):
 
 
 def test_host_job_dir_containing_nemo_run_is_refused(tmp_path: Path):
-    with pytest.raises(ConfigError, match="/nemo_run"):
+    with pytest.raises(UserError, match="/nemo_run"):
         slurm_executor(_cfg(tmp_path), job_dir=tmp_path / "nemo_run" / "x", stage="prepare")
 
 

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from schemas.config import PROJECT_ROOT, ConfigError, PipelineConfig, load_config
+from schemas.config import PROJECT_ROOT, PipelineConfig, load_config
+from schemas.errors import UserError
 from stages.megatron_overrides import (
     RECIPE_MODULE,
     apply_overrides,
@@ -178,7 +179,7 @@ def test_extra_overrides_apply_last_and_parse_json(tmp_path: Path):
 
 def test_lora_targets_map_to_megatron_names_and_unknown_ones_are_listed(tmp_path: Path):
     cfg = cluster_config(DENSE, tmp_path, "lora.target_modules=[q_proj,o_proj,fc9,up_proj,bad]")
-    with pytest.raises(ConfigError) as info:
+    with pytest.raises(UserError) as info:
         lora_target_modules(cfg)
     assert len(info.value.problems) == 2 and "'fc9'" in info.value.render()
     ok = cluster_config(DENSE, tmp_path, "lora.target_modules=[q_proj,k_proj,down_proj]")
@@ -482,10 +483,10 @@ def test_train_megatron_refuses_a_config_it_cannot_run_before_importing_bridge(t
     from stages.train_megatron import train_megatron
 
     cfg = cluster_config(DENSE, tmp_path, "model.path=null")
-    with pytest.raises(ConfigError, match="model.path"):
+    with pytest.raises(UserError, match="model.path"):
         train_megatron(cfg, "fingerprint")
     # A runnable config outside the container: told where it runs, not a traceback.
-    with pytest.raises(ConfigError, match="NeMo container"):
+    with pytest.raises(UserError, match="NeMo container"):
         train_megatron(cluster_config(DENSE, tmp_path), "fingerprint")
     assert "megatron.bridge" not in sys.modules
 
@@ -546,7 +547,7 @@ def test_overrides_send_exactly_what_validate_passed(path: Path, tmp_path: Path)
 
 
 def test_a_setting_validate_rejects_never_reaches_bridge(tmp_path: Path):
-    with pytest.raises(ConfigError) as info:
+    with pytest.raises(UserError) as info:
         cluster_config(MOE, tmp_path, "megatron.mtp_num_layers=1", "megatron.cuda_graph_impl=local")
     text = info.value.render()
     assert "megatron.mtp_num_layers is 1" in text and "megatron.cuda_graph_impl is 'local'" in text

@@ -10,7 +10,8 @@ import torch
 
 import packline.packing.thd as thd
 from packline.packing.thd import EncodedConversation, build_packed_batch
-from schemas.config import ConfigError, load_config
+from schemas.config import load_config
+from schemas.errors import UserError
 
 
 def test_docstrings_have_worked_examples():  # pytest --doctest-modules runs them
@@ -59,7 +60,7 @@ def test_padded_boundaries_are_multiples_of_the_alignment(tp, cp, sp, m):
 
 
 def test_seq_length_not_divisible_by_the_alignment_is_rejected():
-    with pytest.raises(ConfigError) as info:
+    with pytest.raises(UserError) as info:
         load_config(
             None,
             [

@@ -20,7 +20,8 @@ from packline.qwen.processor import copy_tiny_processor, load_processor
 from packline.qwen.real_configs import real_config
 from packline.train.setup import lora_target_matches
 from pipelines.cli import main
-from schemas.config import PROJECT_ROOT, ConfigError, load_config
+from schemas.config import PROJECT_ROOT, load_config
+from schemas.errors import UserError
 from schemas.guardrails import CONFIG_RULES, config_findings
 from stages.megatron_overrides import (
     MEGATRON_RULES,
@@ -115,7 +116,7 @@ CONFIG_ERRORS = [
     ("rule", "overrides", "problem"), CONFIG_ERRORS, ids=[c[0] for c in CONFIG_ERRORS]
 )
 def test_config_rule_broken_exits_2_with_its_message(rule, overrides, problem, capsys, tmp_path):
-    with pytest.raises(ConfigError) as info:
+    with pytest.raises(UserError) as info:
         load_config(None, overrides)
     assert info.value.problems == [problem]
     code = main(["stage", "validate", f"work_dir={tmp_path}", *overrides])
@@ -156,7 +157,7 @@ def test_config_breaking_three_rules_lists_all_three(capsys, tmp_path):
         MEGATRON,
         "megatron.mtp_num_layers=2",
     ]
-    with pytest.raises(ConfigError) as info:
+    with pytest.raises(UserError) as info:
         load_config(None, overrides)
     assert info.value.problems == [
         "packing.seq_length 2047 is not a multiple of the alignment m = lcm(2·CP, CP·TP) = 4 "
