@@ -37,6 +37,7 @@ def bench_train(
     ``configs/tiny_cpu.yaml``; work dir ``runs/bench``) and print the comparison; returns
     :meth:`PackingComparison.side_by_side` (what ``--json`` prints)."""
     from schemas.config import load_config
+    from stages.base import stage_dir
     from stages.runner import available_stages, run_stage
 
     work_dir = Path(work_dir) if work_dir is not None else Path("runs") / "bench"
@@ -53,10 +54,10 @@ def bench_train(
         for stage in available_stages():  # the inputs of train, skipped when up to date
             if stage != "train":
                 run_stage(cfg, stage)
-        shutil.rmtree(cfg.work_path / "train", ignore_errors=True)  # from scratch, no resume
+        shutil.rmtree(stage_dir(cfg, "train"), ignore_errors=True)  # from scratch, no resume
         console.log("bench train: packing on, then off, from scratch")
         run_stage(cfg, "train", force=True)
-    train_dir = cfg.work_path / "train"
+    train_dir = stage_dir(cfg, "train")
     pair = PackingComparison(
         packed=read_summary(train_dir / "packed"),
         unpacked=read_summary(train_dir / "unpacked"),

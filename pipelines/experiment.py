@@ -13,21 +13,21 @@ import nemo_run as run
 from omegaconf import OmegaConf
 from rich.table import Table
 
-from packline import metrics as names
 from packline.progress import console
 from packline.tracking import Tracker
 from pipelines.executors import make_executor, slurm_problems
 from pipelines.slurm_jobs import SlurmJob, gather_logs, jobs_table, sacct, submitted_jobs
 from pipelines.tasks import error_path, run_stage_task
-from schemas.config import STAGES, ConfigError, ExecutorKind, PipelineConfig, TrainBackend
-from stages.base import InputError, invalidate_from, is_up_to_date, read_record
+from schemas.config import STAGES, ExecutorKind, PipelineConfig, TrainBackend
+from schemas.errors import UserError
+from stages.base import invalidate_from, is_up_to_date, read_record
 from stages.megatron_overrides import (
     RECIPE_MODULE,
     bridge_overrides,
     megatron_problems,
     override_lines,
 )
-from stages.runner import REGISTRY, available_stages, run_stage
+from stages.runner import REGISTRY, available_stages, headline, run_stage
 
 
 @dataclass
@@ -159,7 +159,7 @@ def stages_to_launch(cfg: PipelineConfig) -> list[str]:
 def run_pipeline(
     cfg: PipelineConfig, *, from_stage: str | None = None, dryrun: bool = False
 ) -> PipelineOutcome:
-    """Run the stages in order as NeMo-Run tasks; raise InputError (exit 2) when a stage
+    """Run the stages in order as NeMo-Run tasks; raise UserError (exit 2) when a stage
     reported bad input, RuntimeError when one failed otherwise.
 
     Up-to-date stages are skipped here, in this process, from their completion records
@@ -169,9 +169,7 @@ def run_pipeline(
     # submitted; the data and model rules run in the validate stage itself.
     problems = slurm_problems(cfg) + megatron_problems(cfg)
     if problems:
-        raise ConfigError(
-            problems, f"cannot run this config with executor {cfg.executor.kind.value}"
-        )
+        raise UserError(problems, f"cannot run this config with executor {cfg.executor.kind.value}")
     config_path = write_resolved_config(cfg)
     if dryrun:
         if cfg.executor.kind == ExecutorKind.slurm:
@@ -187,7 +185,7 @@ def run_pipeline(
             "--executor slurm submits from this machine, which has no sbatch: run on a login "
             "node, set executor.slurm.host, or start scripts/slurm-local.sh and export SLURM_CONF"
         )
-        raise ConfigError([hint], "no SLURM here")
+        raise UserError([hint], "no SLURM here")
     if from_stage:
         invalidate_from(cfg, from_stage)
     launch = stages_to_launch(cfg)
@@ -243,7 +241,7 @@ def _raise_on_failure(cfg: PipelineConfig, states: dict[str, str]) -> None:
         err = error_path(cfg.work_path, stage)
         if err.is_file():
             info = json.loads(err.read_text())
-            raise InputError(info["problems"], info["header"])
+            raise UserError(info["problems"], info["header"])
     failed = [s for s in pipeline_stages() if states.get(s) not in ("SUCCEEDED", "SKIPPED")]
     if failed:
         logs = nemorun_dir(cfg) / "experiments"
@@ -252,42 +250,6 @@ def _raise_on_failure(cfg: PipelineConfig, states: dict[str, str]) -> None:
         )
     done = [f"{s} {states[s]}" for s in pipeline_stages() if s in states]
     console.log("[green]pipeline finished:[/] " + ", ".join(done))
-
-
-def _headline(cfg: PipelineConfig, stage: str, m: dict[str, float]) -> str:
-    """The one figure per stage a user looks for first."""
-    if stage == "prepare":
-        return (
-            f"{m.get('prepare/rows_accepted', 0):,.0f} samples "
-            f"({m.get('prepare/train_samples', 0):,.0f} train), "
-            f"{m.get('prepare/rows_rejected', 0):,.0f} rejected"
-        )
-    if stage == "connect":
-        b = cfg.packing.packing_buffer_size
-        fill = m.get(f"connect/forecast_fill_b{b}")
-        fill_text = f"forecast fill {fill:.3f} at buffer {b}" if fill is not None else ""
-        return (
-            f"{m.get('connect/tokens_total', 0):,.0f} tokens, "
-            f"{m.get('connect/overlength', 0):,.0f} over seq_length; {fill_text}"
-        )
-    if stage == "validate":
-        fill = m.get("validate/forecast_fill")
-        fill_text = (
-            f"; fill {fill:.3f} at buffer {cfg.packing.packing_buffer_size}"
-            if fill is not None
-            else ""
-        )
-        return (
-            f"{m.get('validate/rules', 0):.0f} rules: {m.get('validate/errors', 0):.0f} errors, "
-            f"{m.get('validate/warnings', 0):.0f} warnings{fill_text}"
-        )
-    if stage == "train":
-        speedup = m.get(names.COMPARE_SPEEDUP_REAL_TOKENS_PER_S)
-        on = m.get(names.compare("packed", "real_tokens_per_s"))
-        off = m.get(names.compare("unpacked", "real_tokens_per_s"))
-        if speedup is not None and on is not None and off is not None:
-            return f"packed {on:,.0f} vs unpacked {off:,.0f} real tok/s ({speedup:.2f}x)"
-    return ""
 
 
 def summary_table(cfg: PipelineConfig, states: dict[str, str]) -> Table:
@@ -299,5 +261,5 @@ def summary_table(cfg: PipelineConfig, states: dict[str, str]) -> Table:
         rec = read_record(cfg, stage) or {}
         state = states.get(stage, "-")
         seconds = "-" if state == "SKIPPED" else f"{rec.get('seconds', 0):.1f}"
-        table.add_row(stage, state, seconds, _headline(cfg, stage, rec.get("metrics", {})))
+        table.add_row(stage, state, seconds, headline(cfg, stage, rec.get("metrics", {})))
     return table

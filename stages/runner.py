@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from packline import metrics as names
 from packline.progress import console, summary_table
 from packline.tracking import Tracker
 from schemas.config import PipelineConfig
@@ -72,3 +73,39 @@ def run_stage(
     }
     console.print(summary_table(f"{name} ({result.seconds:.1f} s) → {result.out_dir}", shown))
     return result
+
+
+def headline(cfg: PipelineConfig, stage: str, m: dict[str, float]) -> str:
+    """The one figure of ``stage``'s record ``m`` (its metrics) a user looks for first."""
+    if stage == "prepare":
+        return (
+            f"{m.get('prepare/rows_accepted', 0):,.0f} samples "
+            f"({m.get('prepare/train_samples', 0):,.0f} train), "
+            f"{m.get('prepare/rows_rejected', 0):,.0f} rejected"
+        )
+    if stage == "connect":
+        b = cfg.packing.packing_buffer_size
+        fill = m.get(f"connect/forecast_fill_b{b}")
+        fill_text = f"forecast fill {fill:.3f} at buffer {b}" if fill is not None else ""
+        return (
+            f"{m.get('connect/tokens_total', 0):,.0f} tokens, "
+            f"{m.get('connect/overlength', 0):,.0f} over seq_length; {fill_text}"
+        )
+    if stage == "validate":
+        fill = m.get("validate/forecast_fill")
+        fill_text = (
+            f"; fill {fill:.3f} at buffer {cfg.packing.packing_buffer_size}"
+            if fill is not None
+            else ""
+        )
+        return (
+            f"{m.get('validate/rules', 0):.0f} rules: {m.get('validate/errors', 0):.0f} errors, "
+            f"{m.get('validate/warnings', 0):.0f} warnings{fill_text}"
+        )
+    if stage == "train":
+        speedup = m.get(names.COMPARE_SPEEDUP_REAL_TOKENS_PER_S)
+        on = m.get(names.compare("packed", "real_tokens_per_s"))
+        off = m.get(names.compare("unpacked", "real_tokens_per_s"))
+        if speedup is not None and on is not None and off is not None:
+            return f"packed {on:,.0f} vs unpacked {off:,.0f} real tok/s ({speedup:.2f}x)"
+    return ""

@@ -8,6 +8,7 @@ import argparse
 
 from packline.train.distributed import init_from_env, shutdown
 from schemas.config import load_config
+from stages.base import stage_dir
 from stages.train import train_mode
 
 
@@ -25,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
         train_mode(
             cfg,
             packed=packed,
-            run_dir=cfg.work_path / "train" / ns.mode,
+            run_dir=stage_dir(cfg, "train") / ns.mode,
             fp=ns.fp,
             parent_run_id=ns.parent_run_id,
         )

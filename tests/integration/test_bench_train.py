@@ -16,6 +16,7 @@ train: {max_steps: 2, global_batch_size: 2, eval_samples: 2}
 """
 
 
+@pytest.mark.slow
 def test_bench_train_cli_measures_both_runs_on_the_same_conversations(tmp_path: Path):
     result, _, work = run_bench("train", SMALL_YAML, tmp_path)
     rate = result["real_tokens_per_s"]

@@ -21,6 +21,7 @@ def _env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 
 
+@pytest.mark.slow
 def test_two_ranks_packed_and_unpacked_step_agree(work, tmp_path):
     out = tmp_path / "step.json"
     cmd = torchrun_command(2, "tests.integration.ddp_step_check", [str(work), str(out)])

@@ -1,0 +1,182 @@
+"""The layers, read from the source with ``ast`` (nothing here imports the packages it reads):
+``pipelines/`` only wires (no module over ``MAX_PIPELINE_LINES`` lines), the library
+(``packline/``) never imports ``stages/`` or ``pipelines/``, and no first-party modules import
+each other in a cycle. Imports inside functions count like those at the top of a module;
+only those under ``if TYPE_CHECKING:`` do not (annotations: they never run)."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("packline", "schemas", "stages", "pipelines")
+MAX_PIPELINE_LINES = 300
+
+
+def _modules() -> dict[str, Path]:
+    """Every first-party module by dotted name (a package by its ``__init__.py``)."""
+    modules = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            modules[".".join(parts)] = path
+    return modules
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _import_nodes(node: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement under ``node``, at any depth, except under TYPE_CHECKING."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.Import | ast.ImportFrom):
+            yield child
+        elif isinstance(child, ast.If) and _is_type_checking(child.test):
+            for other in child.orelse:
+                yield from _import_nodes(other)
+        else:
+            yield from _import_nodes(child)
+
+
+def _imported_names(name: str, path: Path) -> list[str]:
+    """The absolute dotted names a module imports: ``import a.b`` gives ``a.b``, ``from a
+    import b`` gives ``a.b`` (a submodule, or a name defined in ``a``)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    names = []
+    for node in _import_nodes(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+            continue
+        base = node.module or ""
+        if node.level:  # relative: from .x import y, from .. import z
+            anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+            base = ".".join([*anchor, *([base] if base else [])])
+        names += [f"{base}.{alias.name}" for alias in node.names]
+    return names
+
+
+def _graph() -> dict[str, set[str]]:
+    """Module -> the first-party modules it imports: the module named, or for a name defined
+    in a module or package (``from packline.packing import align_up``), that one. The
+    packages above a module are not counted: Python has them in ``sys.modules`` before it
+    runs the module, so ``packline.packing.forecast`` importing ``packline.packing.selection``
+    is no cycle with ``packline/packing/__init__.py`` importing ``forecast``."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        for imported in _imported_names(name, path):
+            target = imported if imported in modules else imported.rpartition(".")[0]
+            if target in modules and target != name:
+                graph[name].add(target)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan), each as one
+    cycle through all of them where there is one, else as its members, sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                components.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return sorted(components)
+
+
+def _a_cycle(graph: dict[str, set[str]], members: list[str]) -> list[str]:
+    """One import path from the first member back to itself, inside the component."""
+    start, inside = members[0], set(members)
+    paths = {start: [start]}
+    queue = [start]
+    while queue:
+        node = queue.pop(0)
+        for nxt in sorted(graph[node] & inside):
+            if nxt == start:
+                return [*paths[node], start]
+            if nxt not in paths:
+                paths[nxt] = [*paths[node], nxt]
+                queue.append(nxt)
+    raise AssertionError(f"{members} is no cycle")  # a component of > 1 always has one
+
+
+def test_imports_are_read_at_any_depth_relative_ones_resolved(tmp_path: Path):
+    source = tmp_path / "mod.py"
+    source.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "import packline.qwen.vision\n"
+        "from .sibling import name\n"
+        "from .. import other\n"
+        "if TYPE_CHECKING:\n"
+        "    from schemas.config import PipelineConfig\n"
+        "def f():\n"
+        "    from stages.base import stage_dir\n"
+    )
+    assert _imported_names("packline.qwen.mod", source) == [
+        "typing.TYPE_CHECKING",
+        "packline.qwen.vision",
+        "packline.qwen.sibling.name",
+        "packline.other",
+        "stages.base.stage_dir",
+    ]
+    graph = _graph()
+    assert "stages.connect" in graph["stages.validate"]  # imported inside functions only
+    assert "schemas.guardrails" in graph["schemas.config"]
+    assert "schemas.config" not in graph["schemas.guardrails"]  # annotations only
+
+
+def test_pipeline_modules_only_wire():
+    long = {
+        name: n
+        for name, path in _modules().items()
+        if name.split(".")[0] == "pipelines"
+        and (n := len(path.read_text().splitlines())) > MAX_PIPELINE_LINES
+    }
+    assert not long, f"pipelines/ modules over {MAX_PIPELINE_LINES} lines: {long}"
+
+
+def test_the_library_imports_no_stage_and_no_pipeline():
+    found = sorted(
+        f"{name} imports {imported}"
+        for name, path in _modules().items()
+        if name.split(".")[0] == "packline"
+        for imported in _imported_names(name, path)
+        if imported.split(".")[0] in ("stages", "pipelines")
+    )
+    assert not found, "packline/ must not import stages/ or pipelines/:\n" + "\n".join(found)
+
+
+def test_no_import_cycle_between_first_party_modules():
+    graph = _graph()
+    cycles = [" -> ".join(_a_cycle(graph, members)) for members in _cycles(graph)]
+    assert not cycles, "import cycles (each: one path through its modules):\n" + "\n".join(cycles)
