@@ -65,8 +65,20 @@ def nemorun_dir(cfg: PipelineConfig) -> Path:
     return cfg.work_path / "nemorun"
 
 
-def new_experiment(cfg: PipelineConfig) -> run.Experiment:
-    return run.Experiment(f"packline-{cfg.name}", base_dir=str(nemorun_dir(cfg)), log_level="WARN")
+def new_experiment_id(cfg: PipelineConfig) -> str:
+    """A fresh experiment id, in NeMo-Run's own ``<title>_<time_ns>`` form."""
+    return f"packline-{cfg.name}_{time.time_ns()}"
+
+
+def new_experiment(cfg: PipelineConfig, exp_id: str | None = None) -> run.Experiment:
+    """A NeMo-Run experiment under ``<work>/nemorun``, named ``exp_id`` (a fresh one by
+    default): the id is ours, so nothing reads it back from NeMo-Run's private state."""
+    return run.Experiment(
+        f"packline-{cfg.name}",
+        id=exp_id or new_experiment_id(cfg),
+        base_dir=str(nemorun_dir(cfg)),
+        log_level="WARN",
+    )
 
 
 def add_stages(
@@ -203,14 +215,14 @@ def run_pipeline(
                 run_stage(cfg, stage, parent_run_id=parent.run_id)  # skips: record matches
                 states[stage] = "SKIPPED"
         if launch:
-            with new_experiment(cfg) as exp:
+            exp_id = new_experiment_id(cfg)
+            with new_experiment(cfg, exp_id) as exp:
                 add_stages(exp, cfg, config_path, parent.run_id, launch)
                 exp.run(
                     sequential=False,
                     detach=False,
                     tail_logs=cfg.executor.kind == ExecutorKind.local,
                 )
-            exp_id = exp._id
             for name, info in exp.status(return_dict=True).items():
                 states[name] = str(info.get("status", "UNKNOWN")).split(".")[-1]
             if cfg.executor.kind == ExecutorKind.slurm:
