@@ -120,7 +120,7 @@ def train_run(
     )
     tracker.set_tags(
         {
-            names.TAG_PRECISION: "bf16" if trainer.bf16 else "fp32",
+            names.TAG_PRECISION: trainer.precision,
             names.TAG_RANKS: str(trainer.world),
         }
     )

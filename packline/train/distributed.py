@@ -23,12 +23,6 @@ def launched() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
-def rank() -> int:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return int(os.environ.get("RANK", "0"))
-
-
 def backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 

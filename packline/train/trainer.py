@@ -204,15 +204,12 @@ class StepResult:
 class RunOutcome:
     """What :meth:`Trainer.train` leaves besides its records (rank 0's view)."""
 
-    steps: int
     ranks: int
     precision: str
     """``bf16`` or ``fp32``: what ``train.precision`` resolved to on this device."""
     chance: float
     """Accuracy by guessing on the questions asked (nan without questions)."""
     chance_by_kind: dict[str, float]
-    counters: PackCounts
-    """The run's cumulative counters, summed over ranks."""
 
 
 class Trainer:
@@ -280,6 +277,11 @@ class Trainer:
         return self.rank == 0
 
     @property
+    def precision(self) -> str:
+        """``bf16`` or ``fp32``: what ``train.precision`` resolved to on this device."""
+        return "bf16" if self.bf16 else "fp32"
+
+    @property
     def ledger(self) -> Ledger:
         """This rank's ledger of the samples its stream read."""
         return self.stream.ledger
@@ -338,12 +340,10 @@ class Trainer:
             self.save_checkpoint()
         self.evaluate()
         return RunOutcome(
-            steps=self.step,
             ranks=self.world,
-            precision="bf16" if self.bf16 else "fp32",
+            precision=self.precision,
             chance=chance,
             chance_by_kind=self.chance_by_kind,
-            counters=self.counters.total,
         )
 
     def evaluate(self) -> EvalResult | None:
