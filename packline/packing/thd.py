@@ -16,6 +16,9 @@ A row is the packed micro-batch of DESIGN.md (MBS 1)::
     max_seqlen          int     longest aligned segment
     pixel_values   (P, D)     every image's patches, in order of appearance
     image_grid_thw (k, 3)     one row per image, same order
+    pixel_values_videos (Pv, D)  every video's patches (temporal groups of 2 frames), in
+                              order of appearance
+    video_grid_thw      (v, 3)   one row per video, same order (t = temporal groups)
 
 Worked example (m = 4, seq_length 12, pad_to_max_length): conversations of 5 and 4 tokens
 → segments 8 and 4 → ``cu_seqlens [0, 5, 9]``, ``cu_seqlens_padded [0, 8, 12]``,
@@ -44,6 +47,10 @@ class EncodedConversation:
     mrope: torch.Tensor  # (3, L) int64: this conversation's own M-RoPE positions
     pixel_values: torch.Tensor | None = None  # (P_i, D)
     image_grid_thw: torch.Tensor | None = None  # (k_i, 3) int64
+    pixel_values_videos: torch.Tensor | None = None  # (Pv_i, D)
+    video_grid_thw: torch.Tensor | None = None  # (v_i, 3) int64
+    video_frames: int = 0
+    """Frames sampled from this conversation's videos (before an odd count is padded)."""
 
     def __len__(self) -> int:
         return int(self.input_ids.numel())
@@ -51,6 +58,10 @@ class EncodedConversation:
     @property
     def num_images(self) -> int:
         return 0 if self.image_grid_thw is None else int(self.image_grid_thw.shape[0])
+
+    @property
+    def num_videos(self) -> int:
+        return 0 if self.video_grid_thw is None else int(self.video_grid_thw.shape[0])
 
 
 @dataclass(kw_only=True)
@@ -66,6 +77,8 @@ class PackedBatch:
     max_seqlen: int
     pixel_values: torch.Tensor | None  # (P, D)
     image_grid_thw: torch.Tensor | None  # (k, 3)
+    pixel_values_videos: torch.Tensor | None = None  # (Pv, D)
+    video_grid_thw: torch.Tensor | None = None  # (v, 3)
     keys: list[str] = field(default_factory=list)
     """Keys of the conversations in this row, in row order."""
     dropped: dict[str, list[str]] = field(default_factory=dict)
@@ -78,38 +91,41 @@ class PackedBatch:
     num_images: int = 0
     num_image_tokens: int = 0
     num_loss_tokens: int = 0
+    num_videos: int = 0
+    num_video_tokens: int = 0
+    num_video_frames: int = 0
+    """Frames sampled from the row's videos (before odd counts are padded)."""
     images_per_conversation: list[int] = field(default_factory=list)
+    videos_per_conversation: list[int] = field(default_factory=list)
+    frames_per_conversation: list[int] = field(default_factory=list)
 
     @property
     def seq_lens(self) -> list[int]:
         """Real tokens of each conversation."""
         return (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).tolist()
 
-    def token_type_ids(self, image_token_id: int) -> torch.Tensor:
-        """(1, T) HF ``mm_token_type_ids``: 1 on image placeholder tokens, else 0."""
-        return (self.input_ids == image_token_id).to(torch.int32)
+    def token_type_ids(self, image_token_id: int, video_token_id: int | None = None):
+        """(1, T) HF ``mm_token_type_ids`` (:func:`mm_token_type_ids`)."""
+        return mm_token_type_ids(self.input_ids, image_token_id, video_token_id)
 
     def conversations(self) -> list[EncodedConversation]:
         """The row's conversations back as separate, unpadded conversations (for the
         packing-off baseline, which lays the very same conversations out padded)."""
         out = []
         starts = self.cu_seqlens_padded.tolist()
-        patch_rows = (
-            self.image_grid_thw.prod(dim=-1).tolist() if self.image_grid_thw is not None else []
+        images = _split_media(self.pixel_values, self.image_grid_thw, self.images_per_conversation)
+        videos = _split_media(
+            self.pixel_values_videos,
+            self.video_grid_thw,
+            self.videos_per_conversation or [0] * len(self.keys),
         )
-        image = patch = 0
-        for key, start, n, k in zip(
-            self.keys, starts, self.seq_lens, self.images_per_conversation, strict=False
+        frames = self.frames_per_conversation or [0] * len(self.keys)
+        for key, start, n, (pixels, grid), (vpixels, vgrid), nframes in zip(
+            self.keys, starts, self.seq_lens, images, videos, frames, strict=False
         ):
             ids = self.input_ids[0, start : start + n]
             labels = self.labels[0, start : start + n]
             target = torch.cat([torch.zeros(1, dtype=torch.bool), labels[:-1] != IGNORE_INDEX])
-            pixels = grid = None
-            if k:
-                rows = sum(patch_rows[image : image + k])
-                pixels = self.pixel_values[patch : patch + rows]
-                grid = self.image_grid_thw[image : image + k]
-                image, patch = image + k, patch + rows
             out.append(
                 EncodedConversation(
                     key=key,
@@ -118,9 +134,63 @@ class PackedBatch:
                     mrope=self.position_ids[1:, 0, start : start + n],
                     pixel_values=pixels,
                     image_grid_thw=grid,
+                    pixel_values_videos=vpixels,
+                    video_grid_thw=vgrid,
+                    video_frames=nframes,
                 )
             )
         return out
+
+
+def mm_token_type_ids(
+    input_ids: torch.Tensor, image_token_id: int, video_token_id: int | None = None
+) -> torch.Tensor:
+    """HF's ``mm_token_type_ids`` of ``input_ids`` (int32, same shape): 1 on image
+    placeholder tokens, 2 on video placeholder tokens, 0 elsewhere.
+
+    >>> mm_token_type_ids(torch.tensor([5, 1, 1, 5, 2, 5]), 1, 2).tolist()
+    [0, 1, 1, 0, 2, 0]
+    """
+    types = (input_ids == image_token_id).to(torch.int32)
+    if video_token_id is not None:
+        types = types + 2 * (input_ids == video_token_id).to(torch.int32)
+    return types
+
+
+def _split_media(
+    pixels: torch.Tensor | None, grid: torch.Tensor | None, counts: list[int]
+) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
+    """Per-conversation (pixel rows, grid rows) of a row's concatenated media, ``counts``
+    items each."""
+    out: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []
+    rows = grid.prod(dim=-1).tolist() if grid is not None else []
+    item = patch = 0
+    for k in counts:
+        if not k:
+            out.append((None, None))
+            continue
+        n = sum(rows[item : item + k])
+        out.append((pixels[patch : patch + n], grid[item : item + k]))
+        item, patch = item + k, patch + n
+    return out
+
+
+def _check_media(key: str, what: str, ids, token_id, pixels, grid, merge_size: int) -> int:
+    """Placeholder tokens of one modality == its features, patches == pixel rows; returns
+    the number of placeholder tokens."""
+    placeholders = int((ids == token_id).sum())
+    features = 0
+    if grid is not None and len(grid):
+        patches = int(grid.prod(dim=-1).sum())
+        features = patches // merge_size**2
+        if pixels is None or pixels.shape[0] != patches:
+            got = None if pixels is None else pixels.shape[0]
+            raise ValueError(f"{key}: {patches} {what} patches in the grids, {got} pixel rows")
+    if placeholders != features:
+        raise ValueError(
+            f"{key}: {placeholders} {what} placeholder tokens but {features} {what} features"
+        )
+    return placeholders
 
 
 def to_device(batch, device: torch.device | str):
@@ -167,6 +237,7 @@ def build_packed_batch(
     pad_to_max_length: bool = False,
     pad_token_id: int = 0,
     image_token_id: int | None = None,
+    video_token_id: int | None = None,
     merge_size: int = 2,
     dropped: dict[str, list[str]] | None = None,
     seen: int = 0,
@@ -174,7 +245,8 @@ def build_packed_batch(
     """Lay ``convs`` out in one row (see the module docstring for the layout).
 
     Raises ``ValueError`` when the aligned conversations do not fit ``seq_length`` or when a
-    conversation's image placeholder tokens disagree with its image features.
+    conversation's image (or video) placeholder tokens disagree with its image (video)
+    features, checked per conversation for each modality whose token id is given.
     """
     padded = [align_up(len(c), alignment) for c in convs]
     total = sum(padded)
@@ -185,28 +257,31 @@ def build_packed_batch(
         )
     if pad_to_max_length and convs:
         padded[-1] += seq_length - total  # Megatron-Bridge puts the tail on the last segment
-    ids, labels, pos0, mrope, pixels, grids = [], [], [], [], [], []
-    num_image_tokens = 0
+    ids, labels, pos0, mrope, pixels, grids, vpixels, vgrids = [], [], [], [], [], [], [], []
+    num_image_tokens = num_video_tokens = 0
     for conv, width in zip(convs, padded, strict=True):
         n = len(conv)
         gap = width - n
         if image_token_id is not None:
-            placeholders = int((conv.input_ids == image_token_id).sum())
-            features = 0
-            if conv.image_grid_thw is not None and len(conv.image_grid_thw):
-                features = int(conv.image_grid_thw.prod(dim=-1).sum()) // merge_size**2
-                patches = int(conv.image_grid_thw.prod(dim=-1).sum())
-                if conv.pixel_values is None or conv.pixel_values.shape[0] != patches:
-                    got = None if conv.pixel_values is None else conv.pixel_values.shape[0]
-                    raise ValueError(
-                        f"{conv.key}: {patches} patches in the grids, {got} pixel rows"
-                    )
-            if placeholders != features:
-                raise ValueError(
-                    f"{conv.key}: {placeholders} image placeholder tokens but {features} "
-                    "image features"
-                )
-            num_image_tokens += placeholders
+            num_image_tokens += _check_media(
+                conv.key,
+                "image",
+                conv.input_ids,
+                image_token_id,
+                conv.pixel_values,
+                conv.image_grid_thw,
+                merge_size,
+            )
+        if video_token_id is not None:
+            num_video_tokens += _check_media(
+                conv.key,
+                "video",
+                conv.input_ids,
+                video_token_id,
+                conv.pixel_values_videos,
+                conv.video_grid_thw,
+                merge_size,
+            )
         ids.append(torch.cat([conv.input_ids, torch.full((gap,), pad_token_id)]))
         labels.append(
             torch.cat([shifted_labels(conv.input_ids, conv.target_mask), torch.full((gap,), -100)])
@@ -220,6 +295,9 @@ def build_packed_batch(
         if conv.pixel_values is not None and conv.num_images:
             pixels.append(conv.pixel_values)
             grids.append(conv.image_grid_thw)
+        if conv.pixel_values_videos is not None and conv.num_videos:
+            vpixels.append(conv.pixel_values_videos)
+            vgrids.append(conv.video_grid_thw)
     lens = [len(c) for c in convs]
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()] if lens else [0])
     cu_padded = torch.tensor([0, *torch.tensor(padded).cumsum(0).tolist()] if lens else [0])
@@ -239,6 +317,8 @@ def build_packed_batch(
         max_seqlen=max(padded, default=0),
         pixel_values=_concat_rows(pixels),
         image_grid_thw=torch.cat(grids).long() if grids else None,
+        pixel_values_videos=_concat_rows(vpixels),
+        video_grid_thw=torch.cat(vgrids).long() if vgrids else None,
         keys=[c.key for c in convs],
         dropped=dict(dropped or {}),
         seen=seen,
@@ -248,7 +328,12 @@ def build_packed_batch(
         num_images=sum(c.num_images for c in convs),
         num_image_tokens=num_image_tokens,
         num_loss_tokens=int(loss_mask.sum()),
+        num_videos=sum(c.num_videos for c in convs),
+        num_video_tokens=num_video_tokens,
+        num_video_frames=sum(c.video_frames for c in convs),
         images_per_conversation=[c.num_images for c in convs],
+        videos_per_conversation=[c.num_videos for c in convs],
+        frames_per_conversation=[c.video_frames for c in convs],
     )
 
 
@@ -269,9 +354,11 @@ class PaddedBatch:
     num_real_tokens: int
     num_padded_tokens: int
     num_loss_tokens: int
+    pixel_values_videos: torch.Tensor | None = None
+    video_grid_thw: torch.Tensor | None = None
 
-    def token_type_ids(self, image_token_id: int) -> torch.Tensor:
-        return (self.input_ids == image_token_id).to(torch.int32)
+    def token_type_ids(self, image_token_id: int, video_token_id: int | None = None):
+        return mm_token_type_ids(self.input_ids, image_token_id, video_token_id)
 
 
 def expected_text_positions(cu_seqlens_padded: torch.Tensor, length: int) -> torch.Tensor:
@@ -335,12 +422,12 @@ def check_text_positions(text_positions: torch.Tensor, cu_seqlens_padded: torch.
 
 
 def build_padded_batch(convs: list[EncodedConversation], *, pad_token_id: int = 0) -> PaddedBatch:
-    """Right-pad ``convs`` to the longest; images concatenated in row order."""
+    """Right-pad ``convs`` to the longest; images (and videos) concatenated in row order."""
     longest = max(len(c) for c in convs)
     ids = torch.full((len(convs), longest), pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(convs), longest), dtype=torch.long)
     labels = torch.full((len(convs), longest), IGNORE_INDEX, dtype=torch.long)
-    pixels, grids = [], []
+    pixels, grids, vpixels, vgrids = [], [], [], []
     for row, conv in enumerate(convs):
         n = len(conv)
         ids[row, :n] = conv.input_ids
@@ -349,6 +436,9 @@ def build_padded_batch(convs: list[EncodedConversation], *, pad_token_id: int = 
         if conv.pixel_values is not None and conv.num_images:
             pixels.append(conv.pixel_values)
             grids.append(conv.image_grid_thw)
+        if conv.pixel_values_videos is not None and conv.num_videos:
+            vpixels.append(conv.pixel_values_videos)
+            vgrids.append(conv.video_grid_thw)
     real = int(mask.sum())
     return PaddedBatch(
         input_ids=ids,
@@ -356,6 +446,8 @@ def build_padded_batch(convs: list[EncodedConversation], *, pad_token_id: int = 
         labels=labels,
         pixel_values=_concat_rows(pixels),
         image_grid_thw=torch.cat(grids).long() if grids else None,
+        pixel_values_videos=_concat_rows(vpixels),
+        video_grid_thw=torch.cat(vgrids).long() if vgrids else None,
         keys=[c.key for c in convs],
         num_real_tokens=real,
         num_padded_tokens=ids.numel() - real,

@@ -58,6 +58,7 @@ def packed_forward(
     batch: PackedBatch,
     *,
     image_token_id: int,
+    video_token_id: int | None = None,
     attention_mask: torch.Tensor | None = None,
     use_cache: bool | None = False,
     position_ids: torch.Tensor | None = None,
@@ -74,7 +75,9 @@ def packed_forward(
         input_ids=batch.input_ids,
         pixel_values=batch.pixel_values,
         image_grid_thw=batch.image_grid_thw,
-        mm_token_type_ids=batch.token_type_ids(image_token_id),
+        pixel_values_videos=batch.pixel_values_videos,
+        video_grid_thw=batch.video_grid_thw,
+        mm_token_type_ids=batch.token_type_ids(image_token_id, video_token_id),
         position_ids=position_ids,
         attention_mask=None,
         use_cache=False,
@@ -97,7 +100,9 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Te
     return per_token.double().sum(), int((flat != IGNORE_INDEX).sum())
 
 
-def padded_forward(model, batch, *, image_token_id: int) -> torch.Tensor:
+def padded_forward(
+    model, batch, *, image_token_id: int, video_token_id: int | None = None
+) -> torch.Tensor:
     """Logits (k, Lmax, V) of right-padded rows (packing off): the 2-D mask marks padding
     and HF computes each row's M-RoPE itself."""
     out = model(
@@ -105,7 +110,9 @@ def padded_forward(model, batch, *, image_token_id: int) -> torch.Tensor:
         attention_mask=batch.attention_mask,
         pixel_values=batch.pixel_values,
         image_grid_thw=batch.image_grid_thw,
-        mm_token_type_ids=batch.token_type_ids(image_token_id),
+        pixel_values_videos=batch.pixel_values_videos,
+        video_grid_thw=batch.video_grid_thw,
+        mm_token_type_ids=batch.token_type_ids(image_token_id, video_token_id),
         use_cache=False,
     )
     return out.logits

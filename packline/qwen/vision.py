@@ -19,9 +19,17 @@ import io
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
+from types import SimpleNamespace
 
+import numpy as np
 from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+from transformers.models.qwen3_vl.video_processing_qwen3_vl import (
+    smart_resize as video_smart_resize,
+)
+from transformers.video_utils import VideoMetadata
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -138,6 +146,165 @@ def set_processor_geometry(path: str | Path, **overrides: int) -> None:
                 elif key in params or key == _GEOMETRY_KEYS[name][0]:
                     params[key] = int(value)
         file.write_text(json.dumps(params, indent=2, sort_keys=True) + "\n")
+
+
+@dataclass(frozen=True, kw_only=True)
+class VideoGeometry:
+    """The parameters of the Qwen3-VL video processor that decide a video's token count.
+
+    A video's span in the text follows from its frame count, frame rate and frame size
+    (:class:`packline.video.VideoHeader`), with no pixel decoded:
+
+    1. frames sampled at ``fps`` (at least ``min_frames``, at most ``max_frames`` and the
+       clip's own count), evenly spaced: :meth:`sample_indices`, the processor's own
+       ``sample_frames``;
+    2. one size for every frame of the clip, from the whole clip's pixel budget
+       (``num_frames · h · w`` within ``[min_pixels, max_pixels]``): :meth:`resized`;
+    3. grid ``[ceil(T / temporal_patch_size), h / patch, w / patch]`` (an odd count is padded
+       by repeating the last frame): :meth:`grid_thw`;
+    4. per temporal group, the text ``<{t:.1f} seconds>`` (its mean timestamp) then
+       ``<|vision_start|>``, ``h·w / merge²`` ``<|video_pad|>`` and ``<|vision_end|>``, inside
+       the template's own outer vision start/end: :meth:`placeholder`, the processor's own
+       ``replace_video_token``.
+
+    Worked example (the tiny processor's geometry, a 10-frame 96×64 clip at 4 fps)::
+
+        >>> g = VideoGeometry(min_pixels=64 * 64, max_pixels=1024 * 32 * 32)
+        >>> g.sample_indices(10, 4.0).tolist()
+        [0, 2, 4, 7, 9]
+        >>> g.grid_thw(5, 64, 96)
+        (3, 4, 6)
+        >>> g.placeholder(10, 4.0, 64, 96).count("<|video_pad|>")
+        18
+        >>> g.placeholder(10, 4.0, 64, 96)[:29]
+        '<0.2 seconds><|vision_start|>'
+    """
+
+    patch_size: int = 16
+    merge_size: int = 2
+    temporal_patch_size: int = 2
+    min_pixels: int = 128 * 32 * 32
+    """Lower bound of the whole clip's pixels (``size.shortest_edge``)."""
+    max_pixels: int = 768 * 32 * 32
+    """Upper bound of the whole clip's pixels (``size.longest_edge``)."""
+    fps: float = 2.0
+    """Frames sampled per second of video."""
+    min_frames: int = 4
+    max_frames: int = 768
+    cap_pixels_per_frame: bool = False
+    """The reference (qwen-vl-utils) per-frame cap: at most ``max_video_tokens`` merged
+    patches, or the budget's even share, per frame."""
+    max_video_tokens: int = 768
+
+    @property
+    def factor(self) -> int:
+        return self.patch_size * self.merge_size
+
+    @classmethod
+    def from_config(cls, params: dict) -> VideoGeometry:
+        """From a video processor config (``video_preprocessor_config.json``'s dict)."""
+        size = params.get("size") or {}
+        defaults = cls()
+        return cls(
+            patch_size=int(params.get("patch_size", defaults.patch_size)),
+            merge_size=int(params.get("merge_size", defaults.merge_size)),
+            temporal_patch_size=int(
+                params.get("temporal_patch_size", defaults.temporal_patch_size)
+            ),
+            min_pixels=int(size.get("shortest_edge", defaults.min_pixels)),
+            max_pixels=int(size.get("longest_edge", defaults.max_pixels)),
+            fps=float(params.get("fps") or defaults.fps),
+            min_frames=int(params.get("min_frames", defaults.min_frames)),
+            max_frames=int(params.get("max_frames", defaults.max_frames)),
+            cap_pixels_per_frame=bool(params.get("cap_pixels_per_frame") or False),
+            max_video_tokens=int(params.get("max_video_tokens", defaults.max_video_tokens)),
+        )
+
+    @classmethod
+    def of(cls, video_processor: Qwen3VLVideoProcessor) -> VideoGeometry:
+        """The geometry of a loaded video processor."""
+        return cls.from_config(
+            {
+                "patch_size": video_processor.patch_size,
+                "merge_size": video_processor.merge_size,
+                "temporal_patch_size": video_processor.temporal_patch_size,
+                "size": dict(video_processor.size),
+                "fps": video_processor.fps,
+                "min_frames": video_processor.min_frames,
+                "max_frames": video_processor.max_frames,
+                "cap_pixels_per_frame": video_processor.cap_pixels_per_frame,
+                "max_video_tokens": video_processor.max_video_tokens,
+            }
+        )
+
+    def with_overrides(self, **overrides) -> VideoGeometry:
+        return replace(self, **overrides)
+
+    def sample_indices(self, num_frames: int, fps: float) -> np.ndarray:
+        """Indices of the frames the processor samples from a clip of ``num_frames`` at
+        ``fps`` (its own ``sample_frames``)."""
+        if num_frames < 1:
+            raise ValueError(f"a video needs at least one frame, got {num_frames}")
+        sampler = SimpleNamespace(
+            fps=self.fps, min_frames=self.min_frames, max_frames=self.max_frames
+        )
+        metadata = VideoMetadata(total_num_frames=int(num_frames), fps=float(fps))
+        return Qwen3VLVideoProcessor.sample_frames(sampler, metadata, fps=self.fps)
+
+    def num_sampled(self, num_frames: int, fps: float) -> int:
+        return len(self.sample_indices(num_frames, fps))
+
+    def resized(self, num_frames: int, height: int, width: int) -> tuple[int, int]:
+        """(height, width) of every frame of a clip of ``num_frames`` SAMPLED frames;
+        ``ValueError`` when the processor refuses it (fewer than ``temporal_patch_size``
+        frames, aspect ratio over 200)."""
+        if height <= 0 or width <= 0:
+            raise ValueError(f"video frames have no pixels ({width}x{height})")
+        max_pixels = self.max_pixels
+        if self.cap_pixels_per_frame:  # as Qwen3VLVideoProcessor.resize
+            frame_cap = self.max_video_tokens * self.factor**2
+            per_frame = max(
+                min(frame_cap, self.max_pixels // num_frames), int(self.min_pixels * 1.05)
+            )
+            max_pixels = per_frame * num_frames
+        return video_smart_resize(
+            num_frames,
+            height,
+            width,
+            temporal_factor=self.temporal_patch_size,
+            factor=self.factor,
+            min_pixels=self.min_pixels,
+            max_pixels=max_pixels,
+        )
+
+    def grid_thw(self, num_frames: int, height: int, width: int) -> tuple[int, int, int]:
+        """The processor's ``video_grid_thw`` row for ``num_frames`` sampled frames."""
+        h, w = self.resized(num_frames, height, width)
+        t = -(-num_frames // self.temporal_patch_size)
+        return t, h // self.patch_size, w // self.patch_size
+
+    def visual_tokens(self, num_frames: int, height: int, width: int) -> int:
+        """``<|video_pad|>`` tokens of a clip of ``num_frames`` sampled frames."""
+        t, gh, gw = self.grid_thw(num_frames, height, width)
+        return t * gh * gw // self.merge_size**2
+
+    def placeholder(self, num_frames: int, fps: float, height: int, width: int) -> str:
+        """The text the processor puts in place of the clip's one ``<|video_pad|>``
+        (``num_frames`` and ``fps`` are the FILE's; sampling happens here)."""
+        indices = self.sample_indices(num_frames, fps)
+        grid = self.grid_thw(len(indices), height, width)
+        metadata = VideoMetadata(
+            total_num_frames=int(num_frames), fps=float(fps), frames_indices=indices
+        )
+        renderer = SimpleNamespace(
+            video_processor=self,
+            video_token="<|video_pad|>",
+            vision_start_token="<|vision_start|>",
+            vision_end_token="<|vision_end|>",
+            _calculate_timestamps=lambda *a: Qwen3VLProcessor._calculate_timestamps(None, *a),
+        )
+        inputs = {"video_grid_thw": [np.asarray(grid)], "video_metadata": [metadata]}
+        return Qwen3VLProcessor.replace_video_token(renderer, inputs, 0)
 
 
 def _qwen_vl_utils_size(height: int, width: int) -> tuple[int, int]:
