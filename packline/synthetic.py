@@ -195,6 +195,12 @@ class _Turn:
 # --------------------------------------------------------------------------- images
 
 
+def _palette(background: str) -> list[str]:
+    """The shape colours that stand out on ``background``, in :data:`COLOUR_NAMES` order."""
+    bg_rgb = _BACKGROUNDS[background]
+    return [c for c, rgb in _COLOURS.items() if math.dist(rgb, bg_rgb) >= _MIN_CONTRAST]
+
+
 def _sample_picture(rng: random.Random) -> _Picture:
     tokens = _MIN_TOKENS * (_MAX_TOKENS / _MIN_TOKENS) ** (rng.random() ** _SIZE_SKEW)
     aspect = 2.0 ** rng.uniform(-1.0, 1.0)  # width / height
@@ -212,8 +218,7 @@ def _sample_picture(rng: random.Random) -> _Picture:
     height = hb * _TOKEN_PX + rng.randint(0 if hb == _MIN_SIDE_BLOCKS else -_JITTER, _JITTER)
 
     background = rng.choice(list(_BACKGROUNDS))
-    bg_rgb = _BACKGROUNDS[background]
-    palette = [c for c, rgb in _COLOURS.items() if math.dist(rgb, bg_rgb) >= _MIN_CONTRAST]
+    palette = _palette(background)
     num_shapes = rng.randint(1, 6)
     cells = sorted(rng.sample(range(9), num_shapes))
     cell_w, cell_h = width / 3, height / 3
@@ -251,23 +256,29 @@ def _star_points(cx: int, cy: int, r: float) -> list[tuple[int, int]]:
     return points
 
 
+def _draw_shape(draw: ImageDraw.ImageDraw, kind: str, cx: int, cy: int, size: int, colour: str):
+    """Draw one shape of bounding width ``size`` centred at (``cx``, ``cy``): the one home
+    of a shape's look, for pictures and clip frames alike."""
+    fill = _COLOURS[colour]
+    r = size / 2
+    if kind == "circle":
+        draw.ellipse((cx - r, cy - r, cx + r, cy + r), fill=fill)
+    elif kind == "square":
+        h = r * 0.85
+        draw.rectangle((cx - h, cy - h, cx + h, cy + h), fill=fill)
+    elif kind == "rectangle":
+        draw.rectangle((cx - r, cy - r * 0.5, cx + r, cy + r * 0.5), fill=fill)
+    elif kind == "star":
+        draw.polygon(_star_points(cx, cy, r), fill=fill)
+    else:
+        draw.regular_polygon((cx, cy, r), _SIDES[kind], fill=fill)
+
+
 def _draw_picture(picture: _Picture) -> Image.Image:
     image = Image.new("RGB", (picture.width, picture.height), _BACKGROUNDS[picture.background])
     draw = ImageDraw.Draw(image)
     for s in picture.shapes:
-        fill = _COLOURS[s.colour]
-        r = s.size / 2
-        if s.kind == "circle":
-            draw.ellipse((s.cx - r, s.cy - r, s.cx + r, s.cy + r), fill=fill)
-        elif s.kind == "square":
-            h = r * 0.85
-            draw.rectangle((s.cx - h, s.cy - h, s.cx + h, s.cy + h), fill=fill)
-        elif s.kind == "rectangle":
-            draw.rectangle((s.cx - r, s.cy - r * 0.5, s.cx + r, s.cy + r * 0.5), fill=fill)
-        elif s.kind == "star":
-            draw.polygon(_star_points(s.cx, s.cy, r), fill=fill)
-        else:
-            draw.regular_polygon((s.cx, s.cy, r), _SIDES[s.kind], fill=fill)
+        _draw_shape(draw, s.kind, s.cx, s.cy, s.size, s.colour)
     return image
 
 
