@@ -5,14 +5,31 @@ Accepted row forms (one JSON object per line)::
     {"id": "a1", "images": ["imgs/cat.png"],
      "conversations": [{"role": "user", "content": "<image>\\nWhat is this?"},
                        {"role": "assistant", "content": "A cat."}]}
+    {"id": "v1", "images": ["imgs/cat.png"], "videos": ["clips/walk.mp4"],
+     "conversations": [{"role": "user", "content": "<image><video>\\nSame cat?"},
+                       {"role": "assistant", "content": "Yes."}]}
 
-LLaVA/ShareGPT turns (``{"from": "human"|"gpt"|"system", "value": ...}``) are accepted too.
-``<image>`` markers place the images where they stand, in order; with no markers the images
-go before the first user text. An optional ``"split": "train"|"val"`` pins the split and an
-optional ``"meta"`` object is carried through untouched.
+LLaVA/ShareGPT turns (``{"from": "human"|"gpt"|"system", "value": ...}``) are accepted too,
+and so are HF content part lists (``{"type": "text"|"image"|"video"}``, read back as marker
+text). ``<image>`` and ``<video>`` markers place the images and videos where they stand, each
+kind in its own order; a kind without markers goes before the first user text (images first,
+then videos). Media paths are relative to the folder (absolute or escaping paths are
+refused). An optional ``"split": "train"|"val"`` pins the split and an optional ``"meta"``
+object is carried through untouched.
 
-The result is HF message form, ``[{"role", "content": [{"type": "image"} |
-{"type": "text", "text": ...}]}]``, which the chat template of the processor renders.
+Every image is decoded once and every video is decoded once (:func:`packline.video.probe_video`:
+the header alone can announce frames the file does not hold); a video's recorded
+:class:`~packline.video.VideoHeader` (decoded frame count, rate, upright size) is what its
+length is later computed from, and its frames are checked against the video processor's
+sampling (at least ``temporal_patch_size`` sampled frames) and prepare's limits.
+
+The result is HF message form, ``[{"role", "content": [{"type": "image"} | {"type": "video"}
+| {"type": "text", "text": ...}]}]``, which the chat template of the processor renders; a
+user text ``"<image>Same as<video>?"`` becomes::
+
+    >>> [p.get("text", p["type"]) for p in _text_parts("<image>Same as<video>?")]
+    ['image', 'Same as', 'video', '?']
+
 Every way a row can be bad maps to one reason of ``schemas.tables.REJECT_REASONS``.
 """
 
@@ -28,9 +45,17 @@ from typing import Any
 
 from PIL import Image
 
-from packline.qwen.vision import ImageGeometry, read_image_size
+from packline.qwen.vision import ImageGeometry, VideoGeometry, read_image_size
+from packline.video import VideoError, VideoHeader, probe_video
 
 IMAGE_MARKER = "<image>"
+VIDEO_MARKER = "<video>"
+#: The marker text of each media part type.
+MARKERS = {"image": IMAGE_MARKER, "video": VIDEO_MARKER}
+_MARKER_RE = re.compile(f"({re.escape(IMAGE_MARKER)}|{re.escape(VIDEO_MARKER)})")
+#: File suffixes a video's bytes are stored under (``<key>.vid<k>.<suffix>``); a file with
+#: another suffix (or none) is stored as ``.video``.
+VIDEO_EXT_RE = re.compile(r"^[a-z0-9]{1,8}$")
 ROLE_ALIASES = {
     "system": "system",
     "user": "user",
@@ -62,6 +87,28 @@ class ImageRef:
 
 
 @dataclass
+class VideoRef:
+    """One video of a row: its source path, original bytes, storage extension and the
+    header its frames gave (:func:`packline.video.probe_video`)."""
+
+    path: str
+    data: bytes
+    ext: str
+    header: VideoHeader
+
+
+@dataclass
+class VideoLimits:
+    """What prepare accepts of a row's videos (``prepare.max_videos`` ...), and the video
+    processor whose frame sampling decides how many frames a video gives."""
+
+    geometry: VideoGeometry
+    max_videos: int
+    max_frames_per_video: int
+    max_video_seconds: float
+
+
+@dataclass
 class ConversationRow:
     """A row accepted for the dataset."""
 
@@ -70,6 +117,7 @@ class ConversationRow:
     split: str | None
     conversation: list[dict[str, Any]]
     images: list[ImageRef]
+    videos: list[VideoRef] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -83,7 +131,12 @@ class ConversationRow:
         )
 
     def sample_json(self) -> bytes:
-        doc = {"id": self.id, "conversation": self.conversation, "meta": self.meta}
+        doc = {
+            "id": self.id,
+            "conversation": self.conversation,
+            "meta": self.meta,
+            "videos": [v.header.to_dict() for v in self.videos],
+        }
         return json.dumps(doc, ensure_ascii=False, sort_keys=True).encode()
 
 
@@ -102,11 +155,14 @@ def split_for_id(sample_id: str, val_fraction: float) -> str:
 
 
 def _text_parts(text: str) -> list[dict[str, Any]]:
+    """Text with markers → typed parts, media where their markers stand."""
     parts: list[dict[str, Any]] = []
-    for i, chunk in enumerate(text.split(IMAGE_MARKER)):
-        if i > 0:
+    for chunk in _MARKER_RE.split(text):
+        if chunk == IMAGE_MARKER:
             parts.append({"type": "image"})
-        if chunk:
+        elif chunk == VIDEO_MARKER:
+            parts.append({"type": "video"})
+        elif chunk:
             parts.append({"type": "text", "text": chunk})
     return parts
 
@@ -118,10 +174,12 @@ def _content_text(content: Any, sid: str | None) -> str:
     if isinstance(content, list):
         out = []
         for part in content:
-            if not isinstance(part, dict) or part.get("type") not in ("text", "image"):
-                raise Rejected("malformed", f"content part {part!r} is not text or image", sid)
-            if part["type"] == "image":
-                out.append(IMAGE_MARKER)
+            if not isinstance(part, dict) or part.get("type") not in ("text", *MARKERS):
+                raise Rejected(
+                    "malformed", f"content part {part!r} is not text, image or video", sid
+                )
+            if part["type"] in MARKERS:
+                out.append(MARKERS[part["type"]])
             elif not isinstance(part.get("text"), str):
                 raise Rejected("malformed", "a text part has no string 'text'", sid)
             else:
@@ -151,20 +209,27 @@ def _messages(turns: Any, sid: str) -> list[tuple[str, str]]:
     return out
 
 
-def _load_image(folder: Path, rel: Any, sid: str, geometry: ImageGeometry) -> ImageRef:
+def _media_path(folder: Path, rel: Any, sid: str, kind: str) -> Path:
+    """The file a row's media path names (``kind``: ``image`` or ``video``), refusing paths
+    that are absolute or escape the folder (``<kind>_path_unsafe``) and missing files
+    (``missing_<kind>``)."""
     if not isinstance(rel, str) or not rel:
-        raise Rejected("malformed", f"image path {rel!r} is not a non-empty string", sid)
+        raise Rejected("malformed", f"{kind} path {rel!r} is not a non-empty string", sid)
     if Path(rel).is_absolute():
         raise Rejected(
-            "image_path_unsafe", f"{rel!r} is absolute; paths are relative to the folder", sid
+            f"{kind}_path_unsafe", f"{rel!r} is absolute; paths are relative to the folder", sid
         )
     root = folder.resolve()
     path = (root / rel).resolve()
     if not path.is_relative_to(root):
-        raise Rejected("image_path_unsafe", f"{rel!r} escapes the data folder", sid)
+        raise Rejected(f"{kind}_path_unsafe", f"{rel!r} escapes the data folder", sid)
     if not path.is_file():
-        raise Rejected("missing_image", f"{rel!r} does not exist", sid)
-    data = path.read_bytes()
+        raise Rejected(f"missing_{kind}", f"{kind} {rel!r} does not exist", sid)
+    return path
+
+
+def _load_image(folder: Path, rel: Any, sid: str, geometry: ImageGeometry) -> ImageRef:
+    data = _media_path(folder, rel, sid, "image").read_bytes()
     try:
         width, height = read_image_size(data)
         ext = _decode_fully(data)
@@ -175,6 +240,50 @@ def _load_image(folder: Path, rel: Any, sid: str, geometry: ImageGeometry) -> Im
     except ValueError as exc:
         raise Rejected("image_size_refused", f"{rel!r} ({width}x{height}): {exc}", sid) from None
     return ImageRef(path=rel, data=data, ext=ext, width=width, height=height)
+
+
+def _load_video(folder: Path, rel: Any, sid: str, limits: VideoLimits) -> VideoRef:
+    """Decode the whole video once and check it against the processor and the limits."""
+    path = _media_path(folder, rel, sid, "video")
+    data = path.read_bytes()
+    try:
+        header = probe_video(data)
+    except VideoError as exc:
+        raise Rejected("video_unreadable", f"{rel!r}: {exc}", sid) from None
+    clip = (
+        f"{rel!r} ({header.num_frames} frames at {header.fps:g} fps, "
+        f"{header.width}x{header.height})"
+    )
+    if header.duration > limits.max_video_seconds:
+        raise Rejected(
+            "video_too_long",
+            f"{clip} lasts {header.duration:.1f} s, prepare.max_video_seconds is "
+            f"{limits.max_video_seconds:g}",
+            sid,
+        )
+    geometry = limits.geometry
+    sampled = geometry.num_sampled(header.num_frames, header.fps)
+    if sampled < geometry.temporal_patch_size:
+        raise Rejected(
+            "video_too_short",
+            f"{clip}: the video processor samples {sampled} frame(s), it needs at least "
+            f"{geometry.temporal_patch_size} (temporal_patch_size)",
+            sid,
+        )
+    try:
+        geometry.resized(sampled, header.height, header.width)
+    except ValueError as exc:
+        raise Rejected("video_size_refused", f"{clip}: {exc}", sid) from None
+    if sampled > limits.max_frames_per_video:
+        raise Rejected(
+            "too_many_frames",
+            f"{clip}: the video processor samples {sampled} frames (at {geometry.fps:g} fps), "
+            f"prepare.max_frames_per_video is {limits.max_frames_per_video}",
+            sid,
+        )
+    suffix = path.suffix.lower().lstrip(".")
+    ext = suffix if VIDEO_EXT_RE.match(suffix) else "video"
+    return VideoRef(path=rel, data=data, ext=ext, header=header)
 
 
 def _decode_fully(data: bytes) -> str:
@@ -196,8 +305,10 @@ def parse_row(
     geometry: ImageGeometry,
     max_images: int,
     val_fraction: float,
+    videos: VideoLimits,
 ) -> ConversationRow:
-    """One jsonl line → :class:`ConversationRow`, or raise :class:`Rejected` with the reason."""
+    """One jsonl line → :class:`ConversationRow`, or raise :class:`Rejected` with the reason;
+    ``videos`` holds the video processor and prepare's video limits."""
     try:
         row = json.loads(line)
     except json.JSONDecodeError as exc:
@@ -228,20 +339,36 @@ def parse_row(
         raise Rejected(
             "too_many_images", f"{len(images)} images, prepare.max_images is {max_images}", sid
         )
-    markers = sum(text.count(IMAGE_MARKER) for _, text in messages)
-    if markers and markers != len(images):
+    video_paths = row.get("videos", [])
+    if video_paths is None:
+        video_paths = []
+    if not isinstance(video_paths, list):
+        raise Rejected("malformed", "'videos' must be a list of paths", sid)
+    if len(video_paths) > videos.max_videos:
         raise Rejected(
-            "marker_count_mismatch",
-            f"{markers} {IMAGE_MARKER} markers for {len(images)} images",
+            "too_many_videos",
+            f"{len(video_paths)} videos, prepare.max_videos is {videos.max_videos}",
             sid,
         )
+    media = {"image": images, "video": video_paths}
+    markers = {kind: sum(text.count(MARKERS[kind]) for _, text in messages) for kind in media}
+    for kind, paths in media.items():
+        if markers[kind] and markers[kind] != len(paths):
+            raise Rejected(
+                "marker_count_mismatch",
+                f"{markers[kind]} {MARKERS[kind]} markers for {len(paths)} {kind}s",
+                sid,
+            )
     refs = [_load_image(folder, rel, sid, geometry) for rel in images]
+    video_refs = [_load_video(folder, rel, sid, videos) for rel in video_paths]
+    # Media of a kind without markers go before the first user text, images first.
+    unplaced = [{"type": kind} for kind, paths in media.items() if not markers[kind] for _ in paths]
     conversation: list[dict[str, Any]] = []
-    placed = markers > 0 or not images
+    placed = not unplaced
     for role, text in messages:
         parts = _text_parts(text)
         if not placed and role == "user":
-            parts = [{"type": "image"} for _ in images] + parts
+            parts = unplaced + parts
             placed = True
         if not parts:
             raise Rejected("malformed", f"an empty {role} turn", sid)
@@ -252,5 +379,6 @@ def parse_row(
         split=split if split is not None else split_for_id(sid, val_fraction),
         conversation=conversation,
         images=refs,
+        videos=video_refs,
         meta=meta,
     )

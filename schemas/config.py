@@ -121,6 +121,13 @@ class PrepareConfig(_Section):
     (chosen by a hash of its id, so stable across reruns)."""
     max_images: int = 8
     """Rows with more images are rejected as ``too_many_images``."""
+    max_videos: int = 4
+    """Rows with more videos are rejected as ``too_many_videos``."""
+    max_frames_per_video: int = 64
+    """Videos of which the processor samples more frames (at its ``fps``, within its
+    ``min_frames``/``max_frames``) are rejected as ``too_many_frames``."""
+    max_video_seconds: float = 600.0
+    """Videos longer than this (frames / frame rate) are rejected as ``video_too_long``."""
     max_reject_fraction: float = 0.05
     """The stage fails (exit 2) when rejected rows exceed this share of all rows."""
     num_workers: int = 2
@@ -131,6 +138,17 @@ class PrepareConfig(_Section):
         _check(p, self.samples_per_shard > 0, "prepare.samples_per_shard must be > 0")
         _check(p, 0.0 <= self.val_fraction < 1.0, "prepare.val_fraction must be in [0, 1)")
         _check(p, self.max_images >= 0, "prepare.max_images must be >= 0")
+        _check(p, self.max_videos >= 0, f"prepare.max_videos must be >= 0, got {self.max_videos}")
+        _check(
+            p,
+            self.max_frames_per_video >= 1,
+            f"prepare.max_frames_per_video must be >= 1, got {self.max_frames_per_video}",
+        )
+        _check(
+            p,
+            self.max_video_seconds > 0,
+            f"prepare.max_video_seconds must be > 0, got {self.max_video_seconds}",
+        )
         _check(
             p,
             0.0 <= self.max_reject_fraction <= 1.0,

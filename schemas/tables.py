@@ -22,7 +22,15 @@ REJECT_REASONS = [
     "image_path_unsafe",  # an absolute path, or one that escapes the folder
     "image_size_refused",  # the processor's resize rule refuses the image (e.g. aspect > 200)
     "too_many_images",  # more images than prepare.max_images
-    "marker_count_mismatch",  # number of <image> markers differs from the number of images
+    "marker_count_mismatch",  # number of <image> (<video>) markers differs from images (videos)
+    "missing_video",  # a video path that does not exist
+    "video_path_unsafe",  # a video path that is absolute, or escapes the folder
+    "video_unreadable",  # no decodable video stream, a truncated file, the frame size changes
+    "video_too_short",  # fewer sampled frames than the processor needs (temporal_patch_size)
+    "video_size_refused",  # the video processor's resize rule refuses the frame size
+    "too_many_videos",  # more videos than prepare.max_videos
+    "too_many_frames",  # more sampled frames in a video than prepare.max_frames_per_video
+    "video_too_long",  # a video longer than prepare.max_video_seconds
     "no_assistant_turn",  # nothing to train on
     "unknown_role",  # a role other than system / user / assistant (or LLaVA's human / gpt)
     "duplicate_id",  # the id was seen on an earlier row
@@ -45,10 +53,18 @@ class ManifestModel(pa.DataFrameModel):
     num_assistant_turns: Series[int] = pa.Field(ge=1)
     text_chars: Series[int] = pa.Field(ge=0)
     image_bytes: Series[int] = pa.Field(ge=0)
+    num_videos: Series[int] = pa.Field(ge=0)
+    video_bytes: Series[int] = pa.Field(ge=0)
+    video_frames: Series[int] = pa.Field(ge=0)
+    """Frames in the sample's video files (decoded counts), summed; not the sampled frames."""
 
     class Config:
         strict = True
         coerce = True
+
+    @pa.dataframe_check
+    def videos_have_frames(cls, df: pd.DataFrame) -> Series[bool]:
+        return (df["num_videos"] == 0) == (df["video_frames"] == 0)
 
 
 class RejectsModel(pa.DataFrameModel):

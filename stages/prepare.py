@@ -3,7 +3,9 @@ metadata + ``manifest.parquet`` + ``rejects.jsonl``.
 
 Outputs in ``<work>/prepare/``::
 
-    train-000000.tar ... val-000000.tar ...  WebDataset shards (<key>.json, <key>.img<k>.<ext>)
+    train-000000.tar ... val-000000.tar ...  WebDataset shards (<key>.json, <key>.img<k>.<ext>,
+                       <key>.vid<k>.<ext>: each image's and video's original bytes; the
+                       JSON holds each video's probed header)
     .nv-meta/          Energon index, split.yaml, dataset.yaml (packline's CrudeWebdataset),
                        bridge_dataset.yaml + bridge_sample_loader.py (Bridge's ChatMLWebdataset)
     bridge.yaml        MetadatasetV2 over these shards through bridge_dataset.yaml: what
@@ -12,7 +14,10 @@ Outputs in ``<work>/prepare/``::
     rejects.jsonl      one row per rejected row, with its reason
 
 Every bad row is rejected with a reason and counted; the stage fails (exit 2) only when the
-rejected share exceeds ``prepare.max_reject_fraction``.
+rejected share exceeds ``prepare.max_reject_fraction``. Every video is decoded once; the
+container's caveats that do not make a length wrong (no frame count in the header, fewer
+frames than announced, a variable frame rate, a display rotation) are counted in the metrics
+(``prepare/video_frames_counted`` ...), with the decoded facts recorded.
 """
 
 from __future__ import annotations
@@ -27,9 +32,9 @@ import pandas as pd
 import webdataset as wds
 import yaml
 
-from packline.conversations import ConversationRow, Rejected, parse_row
+from packline.conversations import ConversationRow, Rejected, VideoLimits, parse_row
 from packline.progress import console, progress
-from packline.qwen.vision import ImageGeometry
+from packline.qwen.vision import ImageGeometry, VideoGeometry
 from schemas.config import PipelineConfig
 from schemas.errors import UserError
 from schemas.tables import REJECT_REASONS, ManifestModel, RejectsModel, validate_table
@@ -51,7 +56,10 @@ BRIDGE_DATASET_YAML = {
 #: The file Megatron-Bridge's ``dataset.path`` names (a ``MetadatasetV2`` over the prepare dir).
 BRIDGE_METADATASET = "bridge.yaml"
 #: Bumped when the layout of prepare's outputs changes, so older outputs are rebuilt.
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3  # 3: videos (<key>.vid<k>.<ext>, "videos" headers, manifest video columns)
+#: Geometry fields of ``processor.*`` that a video processor takes too (the pixel bounds of a
+#: video are the whole clip's, not an image's: connect writes them into the image config only).
+VIDEO_GEOMETRY_FIELDS = ("patch_size", "temporal_patch_size", "merge_size")
 
 
 def image_geometry(cfg: PipelineConfig) -> ImageGeometry:
@@ -62,6 +70,55 @@ def image_geometry(cfg: PipelineConfig) -> ImageGeometry:
     else:
         geometry = ImageGeometry()
     return geometry.with_overrides(**cfg.processor.geometry_overrides())
+
+
+def video_geometry(cfg: PipelineConfig) -> VideoGeometry:
+    """The frame sampling and resize rule of the configured processor's video processor
+    (``video_preprocessor_config.json``, or the ``video_processor`` entry of
+    ``processor_config.json``; the video processor's defaults when the dir has neither), the
+    built-in tiny one's by default, with the patch sizes the config sets."""
+    if cfg.processor.path:
+        path = Path(cfg.processor.path).expanduser()
+        params: dict | None = None
+        if (path / "video_preprocessor_config.json").is_file():
+            params = json.loads((path / "video_preprocessor_config.json").read_text())
+        elif (path / "processor_config.json").is_file():
+            params = json.loads((path / "processor_config.json").read_text()).get("video_processor")
+        geometry = VideoGeometry.from_config(params or {})
+    else:
+        geometry = _tiny_video_geometry()
+    overrides = cfg.processor.geometry_overrides()
+    return geometry.with_overrides(
+        **{k: v for k, v in overrides.items() if k in VIDEO_GEOMETRY_FIELDS}
+    )
+
+
+def _tiny_video_geometry() -> VideoGeometry:
+    """The built-in tiny processor's video processor, made as
+    :func:`packline.qwen.processor.build_tiny_processor` makes it (the image geometry's patch
+    sizes and pixel bounds, the class's own sampling defaults), without building the
+    tokenizer."""
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    image = ImageGeometry()
+    video_processor = Qwen3VLVideoProcessor(
+        patch_size=image.patch_size,
+        temporal_patch_size=image.temporal_patch_size,
+        merge_size=image.merge_size,
+        size={"shortest_edge": image.min_pixels, "longest_edge": image.max_pixels},
+        cap_pixels_per_frame=False,
+    )
+    return VideoGeometry.of(video_processor)
+
+
+def video_limits(cfg: PipelineConfig) -> VideoLimits:
+    """What prepare accepts of a row's videos."""
+    return VideoLimits(
+        geometry=video_geometry(cfg),
+        max_videos=cfg.prepare.max_videos,
+        max_frames_per_video=cfg.prepare.max_frames_per_video,
+        max_video_seconds=cfg.prepare.max_video_seconds,
+    )
 
 
 def synthetic_source_dir(cfg: PipelineConfig) -> Path:
@@ -104,7 +161,10 @@ def fingerprint_inputs(cfg: PipelineConfig) -> str:
     if cfg.data.source != "synthetic":
         source = hash_tree(Path(cfg.data.source).expanduser().resolve())
     geometry = image_geometry(cfg)
-    return fingerprint(cfg.section_hash("data", "prepare"), geometry, source, LAYOUT_VERSION)
+    videos = video_geometry(cfg)
+    return fingerprint(
+        cfg.section_hash("data", "prepare"), geometry, videos, source, LAYOUT_VERSION
+    )
 
 
 def _write_shards(rows: list[ConversationRow], out: Path, split: str, per_shard: int) -> list[str]:
@@ -118,6 +178,8 @@ def _write_shards(rows: list[ConversationRow], out: Path, split: str, per_shard:
                 entry: dict[str, object] = {"__key__": row.key, "json": row.sample_json()}
                 for k, img in enumerate(row.images):
                     entry[f"img{k}.{img.ext}"] = img.data
+                for k, video in enumerate(row.videos):
+                    entry[f"vid{k}.{video.ext}"] = video.data
                 sink.write(entry)
     return names
 
@@ -167,6 +229,7 @@ def prepare_dataset(cfg: PipelineConfig, fp: str | None = None) -> StageResult:
     if not jsonl.is_file():
         raise UserError([f"{jsonl} does not exist"], "prepare: no conversations")
     geometry = image_geometry(cfg)
+    videos = video_limits(cfg)
     lines = jsonl.read_text(encoding="utf-8", errors="replace").splitlines()
     accepted: dict[str, list[ConversationRow]] = {"train": [], "val": []}
     rejects: list[dict[str, object]] = []
@@ -187,6 +250,7 @@ def prepare_dataset(cfg: PipelineConfig, fp: str | None = None) -> StageResult:
                     geometry=geometry,
                     max_images=cfg.prepare.max_images,
                     val_fraction=cfg.prepare.val_fraction,
+                    videos=videos,
                 )
                 if row.id in seen_ids or row.key in seen_keys:
                     raise Rejected("duplicate_id", f"id {row.id!r} already seen", row.id)
@@ -252,6 +316,9 @@ def prepare_dataset(cfg: PipelineConfig, fp: str | None = None) -> StageResult:
                     "num_assistant_turns": row.num_assistant_turns,
                     "text_chars": row.text_chars,
                     "image_bytes": sum(len(i.data) for i in row.images),
+                    "num_videos": len(row.videos),
+                    "video_bytes": sum(len(v.data) for v in row.videos),
+                    "video_frames": sum(v.header.num_frames for v in row.videos),
                 }
                 for split, rows in accepted.items()
                 for row in rows
@@ -264,6 +331,7 @@ def prepare_dataset(cfg: PipelineConfig, fp: str | None = None) -> StageResult:
         _energon_prepare(out, shards, cfg.prepare.num_workers)
 
     out_dir = stage_dir(cfg, STAGE)
+    all_videos = [v for rows in accepted.values() for row in rows for v in row.videos]
     metrics = {
         "prepare/rows_total": num_rows,
         "prepare/rows_accepted": num_accepted,
@@ -274,6 +342,13 @@ def prepare_dataset(cfg: PipelineConfig, fp: str | None = None) -> StageResult:
         "prepare/images": int(manifest["num_images"].sum()),
         "prepare/image_bytes": int(manifest["image_bytes"].sum()),
         "prepare/shards": sum(len(v) for v in shards.values()),
+        "prepare/videos": int(manifest["num_videos"].sum()),
+        "prepare/video_bytes": int(manifest["video_bytes"].sum()),
+        "prepare/video_frames": int(manifest["video_frames"].sum()),
+        # The container caveats taken as counted fallbacks (each video once, see the docstring).
+        "prepare/video_frames_counted": sum(v.header.counted for v in all_videos),
+        "prepare/video_variable_rate": sum(v.header.variable_rate for v in all_videos),
+        "prepare/video_rotated": sum(v.header.rotation != 0 for v in all_videos),
     }
     metrics.update({f"prepare/rejected_{r}": by_reason.get(r, 0) for r in REJECT_REASONS})
     result = StageResult(
