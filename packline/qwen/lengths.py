@@ -1,16 +1,22 @@
 """Token counts of one conversation: exact (the real processor) and cheap (no pixels).
 
 Conversations are HF messages, ``[{"role": "system" | "user" | "assistant", "content":
-[{"type": "image"}, {"type": "text", "text": "..."}, ...] | "..."}]``; the i-th image part
-takes the i-th image. Both functions count the same things, so the cheap count can be
-checked against the exact one sample by sample:
+[{"type": "image"}, {"type": "video"}, {"type": "text", "text": "..."}, ...] | "..."}]``;
+the i-th image part takes the i-th image, the i-th video part the i-th video. Both functions
+count the same things, so the cheap count can be checked against the exact one sample by
+sample:
 
-- ``text_tokens``: every token that is not an ``<|image_pad|>`` (chat markup included);
+- ``text_tokens``: every token that is neither an ``<|image_pad|>`` nor a ``<|video_pad|>``
+  (chat markup included, and a video's timestamp text and per-group vision start/end);
 - ``image_tokens``: the ``<|image_pad|>`` tokens, one per merged group of patches;
+- ``video_tokens``: the ``<|video_pad|>`` tokens, one per merged group of patches of each
+  temporal group (two sampled frames);
 - ``loss_tokens``: each assistant reply's tokens and its ``<|im_end|>`` (what training
   learns from), found from the token ids by :func:`assistant_mask` — so any ChatML
   template works, a real Qwen3-VL one without ``{% generation %}`` markers included.
 
+A video is given as its :class:`~packline.video.VideoHeader` (the cheap rule) or as every
+decoded frame plus that header (the exact one: the processor samples the frames itself).
 Both are deterministic, as Energon's buffer restore re-runs them.
 """
 
@@ -22,8 +28,11 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+from transformers.video_utils import VideoMetadata
 
-from packline.qwen.processor import processor_geometry
+from packline.qwen.processor import processor_geometry, processor_video_geometry
+from packline.qwen.vision import VideoGeometry
+from packline.video import VideoHeader
 
 Conversation = list[dict]
 """HF chat messages, see the module docstring."""
@@ -34,15 +43,120 @@ class LengthRecord:
     """Token counts of one conversation."""
 
     text_tokens: int
-    """Tokens that are not ``<|image_pad|>``, chat markup and vision start/end included."""
+    """Tokens that are neither ``<|image_pad|>`` nor ``<|video_pad|>``: chat markup, vision
+    start/end and video timestamps included."""
     image_tokens: int
     """``<|image_pad|>`` tokens: Σ over images of t·h·w / merge²."""
     num_images: int
     """Images in the conversation."""
     total_tokens: int
-    """``text_tokens + image_tokens``: the conversation's length in a packed row."""
+    """``text_tokens + image_tokens + video_tokens``: the length in a packed row."""
     loss_tokens: int
     """Tokens trained on: each assistant reply's content tokens plus its ``<|im_end|>``."""
+    video_tokens: int = 0
+    """``<|video_pad|>`` tokens: Σ over videos of t·h·w / merge²."""
+    num_videos: int = 0
+    """Videos in the conversation."""
+    video_frames: int = 0
+    """Frames sampled from the videos (what the vision tower sees, before an odd count is
+    padded by repeating the last frame)."""
+    video_grids: tuple[tuple[int, int, int], ...] = ()
+    """Each video's ``video_grid_thw`` row, in order."""
+
+
+@dataclass(frozen=True)
+class DecodedVideo:
+    """One video for the exact count: every frame of the file, decoded, and its header."""
+
+    frames: np.ndarray
+    """(num_frames, H, W, 3) uint8, upright."""
+    header: VideoHeader
+
+
+def video_placeholder_ids(tokenizer, geometry: VideoGeometry, header: VideoHeader) -> list[int]:
+    """Token ids the processor puts in place of one video's ``<|video_pad|>``: per temporal
+    group its timestamp text, ``<|vision_start|>``, the pads and ``<|vision_end|>``
+    (:meth:`VideoGeometry.placeholder`). The text sits between special tokens, so it
+    tokenizes the same alone as in context."""
+    text = geometry.placeholder(header.num_frames, header.fps, header.height, header.width)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def expand_placeholders(
+    input_ids: Sequence[int],
+    *,
+    image_token_id: int,
+    image_counts: Sequence[int],
+    video_token_id: int,
+    video_ids: Sequence[Sequence[int]],
+    what: str = "the conversation",
+) -> list[int]:
+    """The template's ids with each ``<|image_pad|>`` repeated to its image's token count
+    and each ``<|video_pad|>`` replaced by its video's ids, in order: the text the processor
+    produces, without pixels. Raises ``ValueError`` when the number of placeholders differs
+    from the number of images or videos (e.g. a pad token written in the text).
+
+    >>> expand_placeholders([7, 1, 8, 2, 9], image_token_id=1, image_counts=[3],
+    ...                     video_token_id=2, video_ids=[[5, 2, 2, 6]])
+    [7, 1, 1, 1, 8, 5, 2, 2, 6, 9]
+    """
+    images, videos = iter(image_counts), iter(video_ids)
+    out: list[int] = []
+    found_images = found_videos = 0
+    for tok in input_ids:
+        if tok == image_token_id:
+            found_images += 1
+            out.extend([tok] * next(images, 1))
+        elif tok == video_token_id:
+            found_videos += 1
+            out.extend(next(videos, [tok]))
+        else:
+            out.append(tok)
+    if found_images != len(image_counts) or found_videos != len(video_ids):
+        raise ValueError(
+            f"{what} renders {found_images} image and {found_videos} video placeholders for "
+            f"{len(image_counts)} images and {len(video_ids)} videos: does its text contain "
+            "<|image_pad|> or <|video_pad|>?"
+        )
+    return out
+
+
+def run_processor(
+    processor: Qwen3VLProcessor,
+    conversation: Conversation,
+    images: Sequence[Image.Image],
+    videos: Sequence[DecodedVideo],
+    return_tensors: str,
+    **kwargs,
+):
+    """The real processor over the rendered chat template, its images and its videos (each
+    video as all its frames plus the file's frame count and rate: the processor samples)."""
+    text = processor.apply_chat_template(conversation, tokenize=False)
+    call: dict = {"text": [text], "return_tensors": return_tensors, **kwargs}
+    if images:
+        call["images"] = list(images)
+    if videos:
+        call["videos"] = [v.frames for v in videos]
+        call["videos_kwargs"] = {
+            "video_metadata": [
+                {"total_num_frames": v.header.num_frames, "fps": v.header.fps} for v in videos
+            ],
+            "do_sample_frames": True,
+            "return_metadata": True,
+        }
+    return processor(**call)
+
+
+def sampled_indices(processor: Qwen3VLProcessor, videos: Sequence[DecodedVideo]) -> list:
+    """The frame indices the loaded video processor samples from each video (its own
+    ``sample_frames`` with its own settings; the processor call does not return them)."""
+    vp = processor.video_processor
+    return [
+        vp.sample_frames(
+            VideoMetadata(total_num_frames=v.header.num_frames, fps=v.header.fps), fps=vp.fps
+        )
+        for v in videos
+    ]
 
 
 def exact_lengths(
@@ -50,40 +164,51 @@ def exact_lengths(
     conversation: Conversation,
     images: Sequence[Image.Image],
     *,
+    videos: Sequence[DecodedVideo] = (),
     turn_newline: bool = False,
 ) -> LengthRecord:
-    """Count by running the real processor (chat template, image processor, tokenizer).
-    ``turn_newline`` counts loss tokens as Megatron-Bridge does (see :func:`assistant_mask`).
+    """Count by running the real processor (chat template, image and video processors,
+    tokenizer). ``turn_newline`` counts loss tokens as Megatron-Bridge does (see
+    :func:`assistant_mask`).
 
-    Raises ``ValueError`` if the number of image parts differs from ``len(images)``, if an
-    assistant message holds an image, or if the chat template cannot mark assistant tokens.
+    Raises ``ValueError`` if the number of image (video) parts differs from ``len(images)``
+    (``len(videos)``), if an assistant message holds media, or if the chat template cannot
+    mark assistant tokens.
     """
-    _check_conversation(processor, conversation, len(images))
-    out = processor.apply_chat_template(
-        bind_images(conversation, images),
-        tokenize=True,
-        return_dict=True,
-        return_tensors="np",
-        # The pixel values are not needed, only their grid: skip the float passes.
-        processor_kwargs={"do_rescale": False, "do_normalize": False},
+    _check_conversation(processor, conversation, len(images), len(videos))
+    # The pixel values are not needed, only their grids: skip the float passes.
+    out = run_processor(
+        processor, conversation, images, videos, "np", do_rescale=False, do_normalize=False
     )
     input_ids = out["input_ids"][0]
+    merge = processor.image_processor.merge_size**2
     image_tokens = int(np.count_nonzero(input_ids == processor.image_token_id))
-    if images:
-        grid_thw = out["image_grid_thw"]  # (num_images, 3): t, h, w in patches
-        merged = int(grid_thw.prod(axis=-1).sum()) // processor.image_processor.merge_size**2
-        assert image_tokens == merged, f"{image_tokens} <|image_pad|> but grids give {merged}"
+    video_tokens = int(np.count_nonzero(input_ids == processor.video_token_id))
+    merged = int(out["image_grid_thw"].prod(axis=-1).sum()) // merge if images else 0
+    assert image_tokens == merged, f"{image_tokens} <|image_pad|> but grids give {merged}"
+    grids: tuple[tuple[int, int, int], ...] = ()
+    frames = 0
+    if videos:
+        grid = out["video_grid_thw"]
+        grids = tuple(tuple(int(v) for v in row) for row in grid.tolist())
+        merged = int(grid.prod(axis=-1).sum()) // processor.video_processor.merge_size**2
+        assert video_tokens == merged, f"{video_tokens} <|video_pad|> but grids give {merged}"
+        frames = sum(map(len, sampled_indices(processor, videos)))
     else:
-        assert image_tokens == 0, f"{image_tokens} <|image_pad|> in a conversation without images"
-    text_tokens = len(input_ids) - image_tokens
+        assert video_tokens == 0, f"{video_tokens} <|video_pad|> in a conversation without video"
+    text_tokens = len(input_ids) - image_tokens - video_tokens
     return LengthRecord(
         text_tokens=text_tokens,
         image_tokens=image_tokens,
         num_images=len(images),
-        total_tokens=text_tokens + image_tokens,
+        total_tokens=len(input_ids),
         loss_tokens=int(
             assistant_mask(input_ids, processor.tokenizer, turn_newline=turn_newline).sum()
         ),
+        video_tokens=video_tokens,
+        num_videos=len(videos),
+        video_frames=frames,
+        video_grids=grids,
     )
 
 
@@ -93,43 +218,59 @@ def cheap_lengths(
     image_sizes: Sequence[tuple[int, int]],
     visual_tokens: Callable[[int, int], int] | None = None,
     *,
+    video_headers: Sequence[VideoHeader] = (),
+    video_geometry: VideoGeometry | None = None,
     turn_newline: bool = False,
 ) -> LengthRecord:
-    """Count without pixels, from each image's ``(width, height)`` (its file header).
+    """Count without pixels, from each image's ``(width, height)`` and each video's header
+    (frame count, rate and size).
 
-    The chat template is tokenized with one ``<|image_pad|>`` per image, which is then
-    replaced by the image's token count from the processor's geometry (or from
-    ``visual_tokens(height, width)`` if given). Equal to :func:`exact_lengths` as long as
-    the geometry is the processor's. Raises ``ValueError`` like :func:`exact_lengths`.
+    The chat template is tokenized with one ``<|image_pad|>`` per image and one
+    ``<|video_pad|>`` per video; each is then expanded (:func:`expand_placeholders`): an
+    image to its token count from the processor's geometry (or ``visual_tokens(height,
+    width)`` if given), a video to its timestamps and groups under the video processor's
+    geometry (or ``video_geometry``). Equal to :func:`exact_lengths` as long as the
+    geometries are the processor's. Raises ``ValueError`` like :func:`exact_lengths`.
     """
-    _check_conversation(processor, conversation, len(image_sizes))
+    _check_conversation(processor, conversation, len(image_sizes), len(video_headers))
     if visual_tokens is None:
         visual_tokens = processor_geometry(processor).visual_tokens
-    out = processor.tokenizer.apply_chat_template(
+    geometry = video_geometry or processor_video_geometry(processor)
+    ids = processor.tokenizer.apply_chat_template(
         conversation,
         chat_template=processor.chat_template,
         tokenize=True,
         return_dict=True,
+    )["input_ids"]
+    image_counts = [visual_tokens(height, width) for width, height in image_sizes]
+    expanded = expand_placeholders(
+        ids,
+        image_token_id=processor.image_token_id,
+        image_counts=image_counts,
+        video_token_id=processor.video_token_id,
+        video_ids=[video_placeholder_ids(processor.tokenizer, geometry, h) for h in video_headers],
+        what="the rendered conversation",
     )
-    input_ids = out["input_ids"]
-    num_pads = input_ids.count(processor.image_token_id)
-    if num_pads != len(image_sizes):
-        raise ValueError(
-            f"the rendered conversation has {num_pads} {processor.image_token} for "
-            f"{len(image_sizes)} images: does its text contain {processor.image_token}?"
-        )
-    image_tokens = sum(visual_tokens(height, width) for width, height in image_sizes)
-    text_tokens = len(input_ids) - num_pads
+    sampled = [geometry.num_sampled(h.num_frames, h.fps) for h in video_headers]
+    grids = tuple(
+        geometry.grid_thw(n, h.height, h.width) for n, h in zip(sampled, video_headers, strict=True)
+    )
+    image_tokens = sum(image_counts)
+    video_tokens = sum(t * gh * gw for t, gh, gw in grids) // geometry.merge_size**2
     return LengthRecord(
-        text_tokens=text_tokens,
+        text_tokens=len(expanded) - image_tokens - video_tokens,
         image_tokens=image_tokens,
         num_images=len(image_sizes),
-        total_tokens=text_tokens + image_tokens,
+        total_tokens=len(expanded),
         loss_tokens=int(
             assistant_mask(
-                np.asarray(input_ids), processor.tokenizer, turn_newline=turn_newline
+                np.asarray(expanded), processor.tokenizer, turn_newline=turn_newline
             ).sum()
         ),
+        video_tokens=video_tokens,
+        num_videos=len(video_headers),
+        video_frames=sum(sampled),
+        video_grids=grids,
     )
 
 
@@ -174,19 +315,28 @@ def assistant_mask(input_ids: np.ndarray, tokenizer, *, turn_newline: bool = Fal
 
 
 def _check_conversation(
-    processor: Qwen3VLProcessor, conversation: Conversation, num_images: int
+    processor: Qwen3VLProcessor, conversation: Conversation, num_images: int, num_videos: int = 0
 ) -> None:
-    num_parts = 0
+    counts = {"image": 0, "video": 0}
     for message in conversation:
         content = message.get("content")
         if isinstance(content, str):
             continue
-        parts = sum(1 for part in content or [] if part.get("type") == "image")
-        if parts and message.get("role") == "assistant":
-            raise ValueError("an assistant message holds an image; images go in user messages")
-        num_parts += parts
-    if num_parts != num_images:
-        raise ValueError(f"the conversation has {num_parts} image parts but {num_images} images")
+        for kind in counts:
+            parts = sum(1 for part in content or [] if part.get("type") == kind)
+            if parts and message.get("role") == "assistant":
+                raise ValueError(
+                    f"an assistant message holds {kind} parts; media go in user messages"
+                )
+            counts[kind] += parts
+    if counts["image"] != num_images:
+        raise ValueError(
+            f"the conversation has {counts['image']} image parts but {num_images} images"
+        )
+    if counts["video"] != num_videos:
+        raise ValueError(
+            f"the conversation has {counts['video']} video parts but {num_videos} videos"
+        )
 
 
 def media_first(conversation: Conversation) -> Conversation:

@@ -48,7 +48,7 @@ from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
 from packline.cache import cache_dir
-from packline.qwen.vision import ImageGeometry
+from packline.qwen.vision import ImageGeometry, VideoGeometry
 from packline.synthetic import (
     BACKGROUND_NAMES,
     COLOUR_NAMES,
@@ -307,7 +307,9 @@ def build_tiny_processor(out_dir: Path) -> Path:
     processor = Qwen3VLProcessor(
         image_processor=Qwen2VLImageProcessor(**shared),
         tokenizer=_build_tiny_tokenizer(),
-        video_processor=Qwen3VLVideoProcessor(**shared),
+        # The whole-clip budget without the reference per-frame cap, said explicitly (the
+        # processor warns when it is left unset). Sampling: its defaults, 2 frames per second.
+        video_processor=Qwen3VLVideoProcessor(**shared, cap_pixels_per_frame=False),
         chat_template=CHAT_TEMPLATE,
     )
     return _save_like_a_checkpoint(processor, Path(out_dir))
@@ -483,3 +485,9 @@ def processor_geometry(processor: Qwen3VLProcessor) -> ImageGeometry:
         min_pixels=int(size["shortest_edge"]),
         max_pixels=int(size["longest_edge"]),
     )
+
+
+def processor_video_geometry(processor: Qwen3VLProcessor) -> VideoGeometry:
+    """The video geometry (frame sampling, whole-clip pixel bounds, patch sizes) of a loaded
+    processor's video processor."""
+    return VideoGeometry.of(processor.video_processor)

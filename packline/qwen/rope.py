@@ -29,11 +29,16 @@ class RopeIndex:
         input_ids: torch.Tensor,
         mm_token_type_ids: torch.Tensor,
         image_grid_thw: torch.Tensor | None,
+        video_grid_thw: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """(3, L) temporal/height/width positions of one conversation (1-D ``input_ids``)."""
+        """(3, L) temporal/height/width positions of one conversation (1-D ``input_ids``;
+        ``mm_token_type_ids`` 1 on image pads, 2 on video pads). Each temporal group of a
+        video is its own run of video pads (timestamp text lies between), positioned as the
+        model does: one grid row ``(1, h, w)`` per group."""
         pos, _ = self.get_rope_index(
             input_ids.view(1, -1),
             mm_token_type_ids.view(1, -1),
             image_grid_thw if image_grid_thw is not None and len(image_grid_thw) else None,
+            video_grid_thw if video_grid_thw is not None and len(video_grid_thw) else None,
         )
         return pos[:, 0, :]
