@@ -11,6 +11,15 @@ The count is the **useful** work of a step, read off an HF ``Qwen3VLConfig`` or
   what ``torch.utils.flop_counter.FlopCounterMode`` counts for eager and SDPA attention;
 - embedding lookups, norms, activations, RoPE, softmax and the loss are 0 FLOPs (elementwise
   or gathers; ``FlopCounterMode`` does not count them either);
+- the ViT runs per grid ``(t, h, w)`` in patches. An image is ``t = 1`` (the processor
+  repeats it into the Conv3d's 2-frame depth). A video is ``t`` temporal groups of
+  ``temporal_patch_size = 2`` sampled frames, an odd count padded by repeating the last
+  frame, so that frame costs a whole group. The patch embedding, the blocks' linears and the
+  mergers (final and DeepStack) run on every patch; attention runs within each group
+  (``cu_seqlens`` of ``h·w``, ``t`` times: no attention across frames). A video grid
+  therefore costs exactly ``t`` image grids ``(1, h, w)``. HF encodes a row's images and its
+  videos in two passes of the same ViT; FLOPs add, so the ``vision_*`` parts cover both and
+  :attr:`FlopsBreakdown.video_vision` says how much of them the videos cost;
 - a multiply-accumulate is 2 FLOPs, and a bias add is free (``addmm`` counts as ``mm``).
 
 Backward follows what autograd executes. For ``y = x·W`` it computes ``dx = dy·Wᵀ`` only when
@@ -89,9 +98,13 @@ class PackShape:
     """What one packed row holds, as far as FLOPs are concerned."""
 
     seq_lens: tuple[int, ...]
-    """Real tokens of each conversation in the row, image tokens included."""
+    """Real tokens of each conversation in the row, image and video tokens included."""
     image_grids: tuple[tuple[int, int, int], ...] = ()
     """``image_grid_thw`` rows ``(t, h, w)`` in patches, for every image of the row."""
+    video_grids: tuple[tuple[int, int, int], ...] = ()
+    """``video_grid_thw`` rows ``(t, h, w)`` for every video of the row: ``t`` temporal
+    groups of 2 sampled frames (an odd count padded, ``t = ceil(frames / 2)``), ``h, w`` in
+    patches."""
     padded_len: int
     """Physical row length T: real tokens plus alignment gaps and tail padding."""
     loss_tokens: int
@@ -99,9 +112,9 @@ class PackShape:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "seq_lens", tuple(int(n) for n in self.seq_lens))
-        object.__setattr__(
-            self, "image_grids", tuple(tuple(int(v) for v in g) for g in self.image_grids)
-        )
+        for name in ("image_grids", "video_grids"):
+            grids = tuple(tuple(int(v) for v in g) for g in getattr(self, name))
+            object.__setattr__(self, name, grids)
         if not self.seq_lens or any(n <= 0 for n in self.seq_lens):
             raise ValueError(f"seq_lens must be one or more positive lengths, got {self.seq_lens}")
         if self.padded_len < self.num_tokens:
@@ -114,9 +127,10 @@ class PackShape:
                 f"loss_tokens ({self.loss_tokens}) must lie in [0, {self.num_tokens}] "
                 "(the real tokens of the row)"
             )
-        for grid in self.image_grids:
-            if len(grid) != 3 or any(v <= 0 for v in grid):
-                raise ValueError(f"an image grid is three positive ints (t, h, w), got {grid}")
+        for what, grids in (("an image", self.image_grids), ("a video", self.video_grids)):
+            for grid in grids:
+                if len(grid) != 3 or any(v <= 0 for v in grid):
+                    raise ValueError(f"{what} grid is three positive ints (t, h, w), got {grid}")
 
     @property
     def num_tokens(self) -> int:
@@ -159,13 +173,16 @@ class FlopsBreakdown:
     vision_blocks: Flops
     """ViT block linears: qkv, proj, fc1, fc2."""
     vision_attention: Flops
-    """ViT attention, within each image (per temporal slice for video)."""
+    """ViT attention, within each image and within each temporal group of a video."""
     vision_merger: Flops
     """The 2x2 patch merger feeding the LLM."""
     vision_deepstack: Flops
     """The DeepStack mergers (one per ``deepstack_visual_indexes`` entry)."""
     lora_adapters: Flops
     """LoRA A/B matmuls, and the per-step ``W + B·A`` fold of adapted MoE experts."""
+    video_vision: Flops = Flops()
+    """Of the ``vision_*`` parts above, what the video grids cost (already counted in them,
+    not a part of its own: :attr:`forward` and :attr:`total` do not add it again)."""
 
     @property
     def lm(self) -> Flops:
@@ -194,16 +211,22 @@ class FlopsBreakdown:
         return self.forward + self.backward
 
     def as_dict(self) -> dict[str, int]:
-        """Flat ``{"<part>/forward": ..., "<part>/backward": ..., "total": ...}`` for logging."""
+        """Flat ``{"<part>/forward": ..., "<part>/backward": ..., "total": ...}`` for logging;
+        ``video_vision/*`` is the videos' share of the ``vision_*`` parts (not to be summed
+        with them)."""
         out: dict[str, int] = {}
-        for f in fields(self):
-            part: Flops = getattr(self, f.name)
-            out[f"{f.name}/forward"] = part.forward
-            out[f"{f.name}/backward"] = part.backward
+        for name in (*_PARTS, "video_vision"):
+            part: Flops = getattr(self, name)
+            out[f"{name}/forward"] = part.forward
+            out[f"{name}/backward"] = part.backward
         out["forward"] = self.forward
         out["backward"] = self.backward
         out["total"] = self.total
         return out
+
+
+_PARTS = tuple(f.name for f in fields(FlopsBreakdown) if f.name != "video_vision")
+"""The parts of a step that add up to its total."""
 
 
 def _matmul(fwd: int, *, weight_grad: bool, input_grad: bool) -> Flops:
@@ -217,12 +240,15 @@ class _Tally:
 
     def __init__(self, include_backward: bool) -> None:
         self.include_backward = include_backward
-        self.parts: dict[str, Flops] = {f.name: Flops() for f in fields(FlopsBreakdown)}
+        self.parts: dict[str, Flops] = {name: Flops() for name in _PARTS}
 
     def add(self, part: str, flops: Flops) -> None:
         if not self.include_backward:
             flops = Flops(flops.forward, 0)
         self.parts[part] = self.parts[part] + flops
+
+    def total(self) -> Flops:
+        return sum(self.parts.values(), Flops())
 
 
 def _normalise_targets(targets: Iterable[str]) -> frozenset[str]:
@@ -297,21 +323,27 @@ def step_flops(
     text, vision = _text_and_vision(config)
 
     merge = vision.spatial_merge_size
-    for t, h, w in pack.image_grids:
-        if h % merge or w % merge:
-            raise ValueError(
-                f"image grid {(t, h, w)} is not a multiple of spatial_merge_size={merge}"
-            )
-    image_tokens = sum(t * h * w for t, h, w in pack.image_grids) // merge**2
-    if image_tokens > pack.num_tokens:
+    for what, grids in (("image", pack.image_grids), ("video", pack.video_grids)):
+        for t, h, w in grids:
+            if h % merge or w % merge:
+                raise ValueError(
+                    f"{what} grid {(t, h, w)} is not a multiple of spatial_merge_size={merge}"
+                )
+    visual_tokens = sum(t * h * w for t, h, w in pack.image_grids + pack.video_grids) // merge**2
+    if visual_tokens > pack.num_tokens:
         raise ValueError(
-            f"the images need {image_tokens} LLM tokens but the row has only "
+            f"the images and videos need {visual_tokens} LLM tokens but the row has only "
             f"{pack.num_tokens} real tokens"
         )
 
     tally = _Tally(include_backward)
     train_vision = mode == "full" and not freeze_vision
+    # Two passes of the same ViT, as HF runs them (get_image_features, get_video_features).
     _vision_flops(vision, pack.image_grids, trainable=train_vision, tally=tally)
+    videos = _Tally(include_backward)
+    _vision_flops(vision, pack.video_grids, trainable=train_vision, tally=videos)
+    for part, flops in videos.parts.items():
+        tally.add(part, flops)
     _lm_flops(
         text,
         pack.seq_lens,
@@ -320,7 +352,7 @@ def step_flops(
         rank=lora_rank,
         tally=tally,
     )
-    return FlopsBreakdown(**tally.parts)
+    return FlopsBreakdown(**tally.parts, video_vision=videos.total())
 
 
 def _vision_flops(vision, grids, *, trainable: bool, tally: _Tally) -> None:
@@ -336,8 +368,10 @@ def _vision_flops(vision, grids, *, trainable: bool, tally: _Tally) -> None:
     # grad); every later matmul has a trainable weight and an input that requires grad.
     later = dict(weight_grad=trainable, input_grad=trainable)
     for t, h, w in grids:
+        # t = 1 for an image; a video's t temporal groups of 2 frames (the last one padded
+        # for an odd frame count) each run as one image would.
         patches = t * h * w
-        per_slice = h * w  # attention runs within one temporal slice of one image
+        per_slice = h * w  # attention runs within one temporal group
         merged = patches // vision.spatial_merge_size**2
         # 2 FLOPs per multiply-accumulate throughout.
         tally.add(
@@ -348,7 +382,7 @@ def _vision_flops(vision, grids, *, trainable: bool, tally: _Tally) -> None:
         block = 2 * patches * (4 * d * d + 2 * d * inter)
         tally.add("vision_blocks", _matmul(vision.depth * block, **later))
         # Per block: QKᵀ and AV over S×S scores for all heads (heads·head_dim = d): 2·2·S²·d
-        # for each of the t slices.
+        # for each of the t groups.
         attention = 4 * t * per_slice**2 * d
         tally.add("vision_attention", _matmul(vision.depth * attention, **later))
         # Merger: fc1 (m²d→m²d) then fc2 (m²d→out) on N/m² merged tokens; the LayerNorm and

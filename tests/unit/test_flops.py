@@ -5,12 +5,18 @@ The oracle for a packed row is the sum of ``FlopCounterMode`` over its conversat
 one packed row would compute the full T x T scores. MoE models run with
 ``experts_implementation="eager"``: ``FlopCounterMode`` does not see the default
 ``grouped_mm`` experts at all.
+
+Videos are real clips through the tiny processor's video processor (frame sampling at its
+2 fps, the whole-clip resize, odd sampled counts padded by the processor itself), and the
+model gets them as training does: ``pixel_values_videos``, ``video_grid_thw`` and
+``mm_token_type_ids``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
@@ -20,6 +26,7 @@ from transformers import Qwen3VLForConditionalGeneration, Qwen3VLMoeForCondition
 
 from packline.flops import (
     PEAK_BF16_DENSE_TFLOPS,
+    Flops,
     PackShape,
     lm_num_params,
     mfu,
@@ -27,7 +34,11 @@ from packline.flops import (
     step_flops,
 )
 from packline.qwen.model import build_tiny_model, tiny_config
-from packline.qwen.processor import copy_tiny_processor, load_processor
+from packline.qwen.processor import (
+    copy_tiny_processor,
+    load_processor,
+    processor_video_geometry,
+)
 from packline.qwen.real_configs import QWEN3_VL_CONFIGS, real_config
 
 LORA_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -47,11 +58,23 @@ CONVERSATIONS = [
     (((160, 96), (64, 64)), "Which image has more triangles?", "The first one has two."),
     ((), "Count to five.", "One, two, three, four, five."),
 ]
+# (clip (frames, fps, (height, width)), image sizes, question, answer), indices 6, 7, 8. The
+# processor samples at 2 fps: 5 frames at 2 fps -> all 5 (odd: padded to 6, grid (3, 4, 6));
+# 6 frames at 4 fps -> 4 sampled, grid (2, 6, 8); 9 frames at 2 fps -> all 9 (odd, grid
+# (5, 4, 6)), in a conversation that also holds a 64x64 image.
+VIDEO_CONVERSATIONS = [
+    ((5, 2.0, (64, 96)), (), "Which way does the circle move?", "To the left."),
+    ((6, 4.0, (96, 128)), (), "What appears second?", "A blue square."),
+    ((9, 2.0, (64, 96)), ((64, 64),), "Is the star of the picture in the clip?", "Yes."),
+]
+VIDEO_GRIDS = {6: (3, 4, 6), 7: (2, 6, 8), 8: (5, 4, 6)}
 PACKS = {
     "1 conversation, text only": [0],
     "2 conversations, 1 image": [1, 2],
     "3 conversations, 3 images": [3, 4, 5],
     "4 conversations, 2 images": [0, 1, 2, 3],
+    "video, image, text only": [6, 1, 2],
+    "2 videos, 1 image": [7, 8],
 }
 
 
@@ -76,7 +99,35 @@ def conversations(processor) -> list[dict]:
                 messages, tokenize=True, return_dict=True, return_tensors="pt"
             )
         )
+    for clip, sizes, question, answer in VIDEO_CONVERSATIONS:
+        out.append(_video_conversation(processor, clip, sizes, question, answer))
     return out
+
+
+def _clip(num_frames: int, height: int, width: int) -> np.ndarray:
+    """(T, H, W, 3) uint8 frames, different every frame."""
+    rng = np.random.default_rng(num_frames * height + width)
+    return rng.integers(0, 256, (num_frames, height, width, 3), dtype=np.uint8)
+
+
+def _video_conversation(processor, clip, image_sizes, question, answer):
+    """One conversation with a video (and images), as the processor encodes it."""
+    num_frames, fps, (height, width) = clip
+    images = [Image.new("RGB", size, (200, 60, 90)) for size in image_sizes]
+    content = [{"type": "video"}, *({"type": "image"} for _ in images)]
+    content.append({"type": "text", "text": question})
+    messages = [
+        {"role": "user", "content": content},
+        {"role": "assistant", "content": answer},
+    ]
+    text = processor.apply_chat_template(messages, tokenize=False)
+    return processor(
+        text=[text],
+        images=images or None,
+        videos=[_clip(num_frames, height, width)],
+        videos_kwargs={"video_metadata": [{"total_num_frames": num_frames, "fps": fps}]},
+        return_tensors="pt",
+    )
 
 
 def _build(processor, variant: str):
@@ -121,6 +172,8 @@ def measure(processor, conversations):
                     input_ids=batch["input_ids"],
                     pixel_values=batch.get("pixel_values"),
                     image_grid_thw=batch.get("image_grid_thw"),
+                    pixel_values_videos=batch.get("pixel_values_videos"),
+                    video_grid_thw=batch.get("video_grid_thw"),
                     mm_token_type_ids=batch["mm_token_type_ids"],
                     labels=batch["input_ids"],
                     use_cache=False,
@@ -142,15 +195,19 @@ def measure(processor, conversations):
 
 def _pack(conversations, indices, padding: int = 13) -> PackShape:
     seq_lens = tuple(conversations[i]["input_ids"].shape[1] for i in indices)
-    grids = tuple(
-        tuple(grid.tolist())
-        for i in indices
-        if "image_grid_thw" in conversations[i]
-        for grid in conversations[i]["image_grid_thw"]
-    )
+
+    def grids(key: str) -> tuple[tuple[int, int, int], ...]:
+        return tuple(
+            tuple(grid.tolist())
+            for i in indices
+            if key in conversations[i]
+            for grid in conversations[i][key]
+        )
+
     return PackShape(
         seq_lens=seq_lens,
-        image_grids=grids,
+        image_grids=grids("image_grid_thw"),
+        video_grids=grids("video_grid_thw"),
         padded_len=sum(seq_lens) + padding,
         loss_tokens=sum(seq_lens) // 2,
     )
@@ -178,6 +235,7 @@ ORACLE_CASES = [
 ] + [
     ("dense-full-frozen-vision", "3 conversations, 3 images"),
     ("dense-lora-head", "3 conversations, 3 images"),
+    ("dense-full-frozen-vision", "2 videos, 1 image"),
 ]
 
 
@@ -213,7 +271,8 @@ def _tiny_expert_fold(processor) -> int:
     return text.num_hidden_layers * per_layer  # 6,291,456
 
 
-@pytest.mark.parametrize("index", [0, 3, 4])  # text only, one image, two images
+# text only, one image, two images, a video, a video and an image
+@pytest.mark.parametrize("index", [0, 3, 4, 6, 8])
 def test_moe_lora_matches_flop_counter_per_conversation_except_peft_validation_fold(
     processor, conversations, measure, index
 ):
@@ -253,6 +312,86 @@ def test_vision_flops_match_flop_counter_for_video_grid_per_temporal_slice(proce
     # Attention is per 8x8 slice: 2 blocks x 4·(3·64² + 24²)·64 = 6,586,368, not 4·192²·64·2.
     flops = step_flops(model.config, pack, mode="lora", lora_rank=RANK)
     assert flops.vision_attention.forward == 2 * 4 * (3 * 64**2 + 24**2) * 64 == 6_586_368
+
+
+def test_video_conversations_carry_the_video_processors_sampled_and_padded_frames(
+    processor, conversations
+):
+    geometry = processor_video_geometry(processor)
+    video_token_id = processor.tokenizer.convert_tokens_to_ids("<|video_pad|>")
+    for index, (clip, *_) in zip(VIDEO_GRIDS, VIDEO_CONVERSATIONS, strict=True):
+        num_frames, fps, (height, width) = clip
+        batch = conversations[index]
+        sampled = geometry.num_sampled(num_frames, fps)
+        t, h, w = VIDEO_GRIDS[index]
+        assert batch["video_grid_thw"].tolist() == [[t, h, w]]
+        assert geometry.grid_thw(sampled, height, width) == (t, h, w)
+        assert t == -(-sampled // 2)  # temporal groups of 2 frames, an odd count rounded up
+        assert batch["pixel_values_videos"].shape == (t * h * w, 3 * 2 * 16 * 16)
+        assert int((batch["input_ids"] == video_token_id).sum()) == t * h * w // 4
+        assert int((batch["mm_token_type_ids"] == 2).sum()) == t * h * w // 4
+        # Each patch row is (channel, frame of the group, 16, 16): an odd sampled count
+        # repeats the last frame into the last group, which still runs through the ViT.
+        last = batch["pixel_values_videos"][(t - 1) * h * w :].view(-1, 3, 2, 256)
+        assert torch.equal(last[:, :, 0], last[:, :, 1]) == (sampled % 2 == 1)
+    assert [geometry.num_sampled(n, fps) for (n, fps, _), *_ in VIDEO_CONVERSATIONS] == [5, 4, 9]
+
+
+@pytest.mark.parametrize("trainable", [False, True])
+def test_vit_flops_of_a_video_grid_are_those_of_t_image_grids_under_flop_counter(
+    processor, trainable
+):
+    model = build_tiny_model(processor, attn="eager")
+    visual = model.model.visual.requires_grad_(trainable)
+
+    def counted(grids) -> int:
+        patches = sum(t * h * w for t, h, w in grids)
+        pixels = torch.randn(patches, 3 * 2 * 16 * 16, generator=torch.Generator().manual_seed(0))
+        counter = FlopCounterMode(display=False)
+        with counter, torch.set_grad_enabled(trainable):
+            out = visual(pixels, grid_thw=torch.tensor(grids))
+            if trainable:  # every output the LM consumes: the merger and the DeepStack mergers
+                loss = out.pooler_output.sum() + sum(f.sum() for f in out.deepstack_features)
+                loss.backward()
+        return counter.get_total_flops()
+
+    video = counted([(5, 4, 6)])
+    assert video == counted([(1, 4, 6)] * 5)  # 5 temporal groups cost 5 images of (4, 6)
+    pack = PackShape(seq_lens=(40,), video_grids=((5, 4, 6),), padded_len=40, loss_tokens=1)
+    mode = dict(mode="full") if trainable else dict(mode="lora", lora_rank=RANK)
+    flops = step_flops(model.config, pack, **mode)
+    assert flops.vision.total == flops.video_vision.total == video
+    assert (flops.vision.backward > 0) == trainable
+
+
+def test_video_flops_are_the_image_flops_of_each_temporal_group_and_split_out(processor):
+    config = _config(processor, "dense-full")
+    video = PackShape(seq_lens=(80,), video_grids=((3, 4, 6),), padded_len=80, loss_tokens=9)
+    images = PackShape(seq_lens=(80,), image_grids=((1, 4, 6),) * 3, padded_len=80, loss_tokens=9)
+    both = PackShape(
+        seq_lens=(80,),
+        image_grids=((1, 4, 6),) * 3,
+        video_grids=((3, 4, 6),),
+        padded_len=80,
+        loss_tokens=9,
+    )
+    as_video, as_images, mixed = (step_flops(config, p, mode="full") for p in (video, images, both))
+    assert as_video.vision == as_images.vision == as_video.video_vision
+    assert as_images.video_vision == Flops()
+    assert as_video.total == as_images.total  # the LM sees the same 80 tokens
+    # Images and videos: two ViT passes, the parts cover both, video_vision is the video's.
+    assert mixed.vision == as_images.vision + as_video.vision
+    assert mixed.video_vision == as_video.vision
+    logged = mixed.as_dict()
+    assert logged["video_vision/forward"] == as_video.vision.forward
+    parts = [k for k in logged if k.endswith("/forward") and not k.startswith("video_vision")]
+    assert sum(logged[k] for k in parts) == logged["forward"] == mixed.forward
+    # 5 sampled frames are padded to 6: the same grid (3, 4, 6), the same FLOPs, which 4
+    # frames (grid (2, 4, 6)) do not have.
+    geometry = processor_video_geometry(processor)
+    assert geometry.grid_thw(5, 64, 96) == geometry.grid_thw(6, 64, 96) == (3, 4, 6)
+    four = PackShape(seq_lens=(80,), video_grids=((2, 4, 6),), padded_len=80, loss_tokens=9)
+    assert step_flops(config, four, mode="full").vision.forward * 3 == as_video.vision.forward * 2
 
 
 def test_attention_follows_sum_of_squared_lengths_when_same_tokens_split_differently():
@@ -423,6 +562,14 @@ def test_step_flops_rejects_invalid_input():
     with pytest.raises(ValueError, match="need 25 LLM tokens"):
         images = PackShape(seq_lens=(10,), image_grids=((1, 10, 10),), padded_len=16, loss_tokens=1)
         step_flops(config, images, mode="full")
+    with pytest.raises(ValueError, match="images and videos need 50 LLM tokens"):
+        videos = PackShape(seq_lens=(49,), video_grids=((2, 10, 10),), padded_len=49, loss_tokens=1)
+        step_flops(config, videos, mode="full")
+    with pytest.raises(ValueError, match="video grid .* spatial_merge_size=2"):
+        odd = PackShape(seq_lens=(99,), video_grids=((2, 3, 4),), padded_len=99, loss_tokens=1)
+        step_flops(config, odd, mode="full")
+    with pytest.raises(ValueError, match="a video grid is three positive ints"):
+        PackShape(seq_lens=(10,), video_grids=((0, 2, 2),), padded_len=16, loss_tokens=1)
     with pytest.raises(ValueError, match="padded_len"):
         PackShape(seq_lens=(10, 10), padded_len=16, loss_tokens=5)
     with pytest.raises(ValueError, match="seq_lens"):
