@@ -95,14 +95,22 @@ class LengthsModel(pa.DataFrameModel):
     """JSON list of each image's (t, h, w) patch grid, in order."""
     images_moved: Series[bool]
     """Megatron-Bridge's encoder moves some image of this sample before its turn's text."""
+    video_tokens: Series[int] = pa.Field(ge=0)
+    """``<|video_pad|>`` tokens (timestamps and per-group vision start/end are text)."""
+    num_videos: Series[int] = pa.Field(ge=0)
+    video_frames: Series[int] = pa.Field(ge=0)
+    """Frames the video processor samples from the sample's videos (before odd counts are
+    padded)."""
+    video_grids: Series[str] = pa.Field(str_startswith="[")
+    """JSON list of each video's (t, h, w) patch grid (t: temporal groups), in order."""
 
     class Config:
         strict = True
         coerce = True
 
     @pa.dataframe_check
-    def total_is_text_plus_image(cls, df: pd.DataFrame) -> Series[bool]:
-        return df["total_tokens"] == df["text_tokens"] + df["image_tokens"]
+    def total_is_text_plus_media(cls, df: pd.DataFrame) -> Series[bool]:
+        return df["total_tokens"] == df["text_tokens"] + df["image_tokens"] + df["video_tokens"]
 
     @pa.dataframe_check
     def loss_within_text(cls, df: pd.DataFrame) -> Series[bool]:
@@ -111,6 +119,11 @@ class LengthsModel(pa.DataFrameModel):
     @pa.dataframe_check
     def images_have_tokens(cls, df: pd.DataFrame) -> Series[bool]:
         return (df["num_images"] == 0) == (df["image_tokens"] == 0)
+
+    @pa.dataframe_check
+    def videos_have_tokens_and_frames(cls, df: pd.DataFrame) -> Series[bool]:
+        no_video = df["num_videos"] == 0
+        return (no_video == (df["video_tokens"] == 0)) & (no_video == (df["video_frames"] == 0))
 
 
 def validate_table(model: type[pa.DataFrameModel], df: pd.DataFrame, name: str) -> pd.DataFrame:

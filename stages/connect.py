@@ -64,6 +64,10 @@ LENGTH_COLUMNS = [
     "loss_tokens",
     "image_grids",
     "images_moved",
+    "video_tokens",
+    "num_videos",
+    "video_frames",
+    "video_grids",
 ]
 VisualRule = Callable[[int, int], int]
 
@@ -76,6 +80,9 @@ class LengthReader(ConversationReader):
     processor resizes them once. ``bridge=True`` (``train.backend: megatron``): each turn's
     images move before its text and each image first goes through qwen-vl-utils'
     ``fetch_image``, as Megatron-Bridge's Qwen-VL encoder does.
+
+    Videos: the exact count gets every decoded frame of the file and its probed frame count
+    and rate (the processor samples), the cheap one the probed header only.
     """
 
     def __init__(
@@ -101,8 +108,9 @@ class LengthReader(ConversationReader):
     def encode_sample(self, sample: ConversationSample) -> dict[str, Any]:
         from PIL import Image
 
-        from packline.qwen.lengths import cheap_lengths, exact_lengths, media_first
+        from packline.qwen.lengths import DecodedVideo, cheap_lengths, exact_lengths, media_first
         from packline.qwen.vision import bridge_fetch_image
+        from packline.video import VideoHeader, decode_frames
 
         processor = self.processor
         sizes = [read_image_size(b) for b in sample.images]
@@ -110,25 +118,47 @@ class LengthReader(ConversationReader):
         rendered = media_first(sample.conversation)
         moved = rendered != sample.conversation
         conversation = sample.conversation
+        headers = [VideoHeader.from_dict(h) for h in sample.video_headers]
         if self.bridge:
+            if headers:
+                raise ValueError(
+                    f"{sample.__key__}: video samples are not measured for train.backend: "
+                    "megatron yet (Bridge re-samples and resizes frames its own way)"
+                )
             conversation = rendered
             images = [bridge_fetch_image(image) for image in images]
-        exact = exact_lengths(processor, conversation, images, turn_newline=self.bridge)
+        videos = [
+            DecodedVideo(decode_frames(data, range(h.num_frames), rotation=h.rotation), h)
+            for data, h in zip(sample.videos, headers, strict=True)
+        ]
+        exact = exact_lengths(
+            processor, conversation, images, videos=videos, turn_newline=self.bridge
+        )
         cheap = cheap_lengths(
             processor,
             conversation,
             sizes,
             visual_tokens=self.visual_tokens or self._geometry.visual_tokens,
+            video_headers=headers,
             turn_newline=self.bridge,
         )
         grids = [list(self._geometry.grid_thw(h, w)) for w, h in sizes]
         return {
             "key": sample.__key__,
-            "exact": asdict(exact),
-            "cheap": asdict(cheap),
+            "exact": _record(exact),
+            "cheap": _record(cheap),
             "image_grids": json.dumps(grids),
             "images_moved": moved,
+            "video_grids": json.dumps([list(g) for g in exact.video_grids]),
         }
+
+
+def _record(lengths) -> dict[str, int]:
+    """A :class:`~packline.qwen.lengths.LengthRecord` as the table's count columns (its
+    video grids go in their own JSON column)."""
+    out = asdict(lengths)
+    out.pop("video_grids")
+    return out
 
 
 def renders_for_bridge(cfg: PipelineConfig) -> bool:
@@ -452,6 +482,7 @@ def connect_processor(
                     **rec["exact"],
                     "image_grids": rec["image_grids"],
                     "images_moved": rec["images_moved"],
+                    "video_grids": rec["video_grids"],
                 }
                 for split, rec in records
             ]

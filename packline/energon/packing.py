@@ -5,11 +5,13 @@ Hook order per loader worker (Energon): ``preencode_sample`` (or ``encode_sample
 of each chosen group → ``pack_selected_samples`` → ``batch``.
 
 - :class:`LazyQwenPackingEncoder`: before selection only the exact length is computed
-  (tokenized text + image sizes from the file headers); images are decoded and processed
-  only for the conversations of a chosen group. The buffer holds token ids and encoded
-  image bytes.
+  (tokenized text + image sizes from the file headers + each video's probed header);
+  images are decoded and processed only for the conversations of a chosen group, and of a
+  video only the frames the processor samples. The buffer holds token ids and encoded
+  image and video bytes.
 - :class:`EagerQwenPackingEncoder`: the full processor runs before selection, as
-  Megatron-Bridge's encoder does; the buffer holds pixel tensors. Kept as the baseline.
+  Megatron-Bridge's encoder does (every frame of a video decoded); the buffer holds pixel
+  tensors. Kept as the baseline.
 
 Rules kept here: ``select_samples_to_pack`` returns every sample it is given (Energon
 clears the buffer each round and drops whatever is not in a group); an overlength
@@ -168,6 +170,7 @@ class _QwenPackingEncoder(
             pad_to_max_length=self.settings.pad_to_max_length,
             pad_token_id=enc.pad_token_id,
             image_token_id=enc.image_token_id,
+            video_token_id=enc.video_token_id,
             merge_size=enc.geometry.merge_size,
             dropped=dict(dropped),
             seen=self._pending_seen,
@@ -198,7 +201,13 @@ class LazyQwenPackingEncoder(_QwenPackingEncoder):
     def preencode_sample(self, sample: ConversationSample) -> QwenConversation:
         self._pending_seen += 1
         try:
-            tok = self.encoder.tokenize(sample.__key__, sample.conversation, sample.images)
+            tok = self.encoder.tokenize(
+                sample.__key__,
+                sample.conversation,
+                sample.images,
+                sample.videos,
+                sample.video_headers,
+            )
         except Exception:
             self._malformed(sample.__key__)
             raise
@@ -230,7 +239,13 @@ class EagerQwenPackingEncoder(_QwenPackingEncoder):
     def encode_sample(self, sample: ConversationSample) -> QwenConversation:
         self._pending_seen += 1
         try:
-            enc = self.encoder.encode_eager(sample.__key__, sample.conversation, sample.images)
+            enc = self.encoder.encode_eager(
+                sample.__key__,
+                sample.conversation,
+                sample.images,
+                sample.videos,
+                sample.video_headers,
+            )
         except Exception:
             self._malformed(sample.__key__)
             raise
@@ -259,15 +274,19 @@ def buffered_sample_bytes(
     image_bytes: int,
     num_patches: int,
     patch_dim: int,
+    num_videos: int = 0,
+    video_bytes: int = 0,
+    num_video_patches: int = 0,
 ) -> int:
     """Tensor bytes one conversation holds while it waits in a worker's packing buffer
     (payload only, not Python object overhead), per encoder mode:
 
     - ``lazy`` (:class:`~packline.qwen.encode.Tokenized`): ``input_ids`` (int64) and the
-      target mask (bool) per token, plus its images still as encoded file bytes;
+      target mask (bool) per token, plus its images and videos still as encoded file bytes;
     - ``eager`` (:class:`~packline.packing.thd.EncodedConversation`): the same ids and mask,
-      3 M-RoPE rows (int64) per token, ``pixel_values`` (float32, ``patch_dim`` values per
-      patch) and ``image_grid_thw`` (3 int64 per image).
+      3 M-RoPE rows (int64) per token, ``pixel_values`` and ``pixel_values_videos``
+      (float32, ``patch_dim`` values per patch; a video's patches are its sampled frames',
+      two frames per temporal patch) and the grids (3 int64 per image or video).
 
     Worked example (patch 16, temporal patch 2 → ``patch_dim`` = 3·2·16·16 = 1,536): 300
     tokens with one 32 KB image of 1,024 patches take 300·9 + 32,768 = 35,468 B lazy and
@@ -275,7 +294,13 @@ def buffered_sample_bytes(
     """
     ids_and_mask = num_tokens * (8 + 1)
     if mode == "lazy":
-        return ids_and_mask + image_bytes
+        return ids_and_mask + image_bytes + video_bytes
     if mode == "eager":
-        return ids_and_mask + num_tokens * 3 * 8 + num_patches * patch_dim * 4 + num_images * 24
+        patches = num_patches + num_video_patches
+        return (
+            ids_and_mask
+            + num_tokens * 3 * 8
+            + patches * patch_dim * 4
+            + (num_images + num_videos) * 24
+        )
     raise ValueError(f"unknown encoder mode {mode!r}: use 'lazy' or 'eager'")
