@@ -2,7 +2,9 @@
 
 Two FLOPs figures per row, both exact (:func:`packline.flops.step_flops`):
 
-- **useful**: over the real tokens — linear layers on Σ len, attention Σ len², images once;
+- **useful**: over the real tokens — linear layers on Σ len, attention Σ len², images and
+  videos once (a video per temporal group of 2 frames, an odd frame padded as the model
+  pads it);
   this is the work the model must do whatever the layout, and what TFLOP/s and MFU use;
 - **executed**: over the physical layout — alignment gaps and tail padding run through the
   linear layers, each padded segment attends over its padded length;
@@ -41,19 +43,22 @@ class FlopsModel:
             lora_targets=self.lora_targets,
         ).total
 
-    def useful(self, seq_lens, image_grids, padded_len: int, loss_tokens: int = 0) -> int:
+    def useful(
+        self, seq_lens, image_grids, padded_len: int, loss_tokens: int = 0, video_grids=()
+    ) -> int:
         if not seq_lens:
             return 0
         return self._flops(
             PackShape(
                 seq_lens=tuple(seq_lens),
                 image_grids=tuple(image_grids),
+                video_grids=tuple(video_grids),
                 padded_len=padded_len,
                 loss_tokens=loss_tokens,
             )
         )
 
-    def executed(self, segment_lens, image_grids, loss_tokens: int = 0) -> int:
+    def executed(self, segment_lens, image_grids, loss_tokens: int = 0, video_grids=()) -> int:
         """Padding counted as tokens: each segment at its physical length."""
         if not segment_lens:
             return 0
@@ -61,6 +66,7 @@ class FlopsModel:
             PackShape(
                 seq_lens=tuple(segment_lens),
                 image_grids=tuple(image_grids),
+                video_grids=tuple(video_grids),
                 padded_len=sum(segment_lens),
                 loss_tokens=loss_tokens,
             )
@@ -70,10 +76,20 @@ class FlopsModel:
         return nominal_flops(self.config, capacity_tokens)
 
 
-def _grids(batch: PackedBatch) -> list[tuple[int, int, int]]:
-    if batch.image_grid_thw is None:
+def _rows(grid_thw) -> list[tuple[int, int, int]]:
+    if grid_thw is None:
         return []
-    return [tuple(int(v) for v in row) for row in batch.image_grid_thw.tolist()]
+    return [tuple(int(v) for v in row) for row in grid_thw.tolist()]
+
+
+def _grids(batch) -> list[tuple[int, int, int]]:
+    """``image_grid_thw`` rows of a packed (or padded) batch."""
+    return _rows(batch.image_grid_thw)
+
+
+def _video_grids(batch) -> list[tuple[int, int, int]]:
+    """``video_grid_thw`` rows of a packed (or padded) batch: t temporal groups, h, w."""
+    return _rows(batch.video_grid_thw)
 
 
 @dataclass
@@ -87,6 +103,10 @@ class PackCounts:
     conversations: int = 0
     images: int = 0
     image_tokens: int = 0
+    videos: int = 0
+    video_tokens: int = 0
+    video_frames: int = 0
+    """Frames sampled from the videos, before an odd count is padded to a whole group."""
     flops_useful: int = 0
     flops_executed: int = 0
     flops_nominal: int = 0
@@ -95,7 +115,7 @@ class PackCounts:
     def of(cls, batch: PackedBatch, model: FlopsModel, capacity: int) -> PackCounts:
         if batch.num_conversations == 0:  # a row that only carries ledger entries
             return cls()
-        grids = _grids(batch)
+        grids, video_grids = _grids(batch), _video_grids(batch)
         segments = (batch.cu_seqlens_padded[1:] - batch.cu_seqlens_padded[:-1]).tolist()
         return cls(
             rows=1,
@@ -105,10 +125,19 @@ class PackCounts:
             conversations=batch.num_conversations,
             images=batch.num_images,
             image_tokens=batch.num_image_tokens,
+            videos=batch.num_videos,
+            video_tokens=batch.num_video_tokens,
+            video_frames=batch.num_video_frames,
             flops_useful=model.useful(
-                batch.seq_lens, grids, batch.input_ids.shape[1], batch.num_loss_tokens
+                batch.seq_lens,
+                grids,
+                batch.input_ids.shape[1],
+                batch.num_loss_tokens,
+                video_grids=video_grids,
             ),
-            flops_executed=model.executed(segments, grids, batch.num_loss_tokens),
+            flops_executed=model.executed(
+                segments, grids, batch.num_loss_tokens, video_grids=video_grids
+            ),
             flops_nominal=model.nominal(capacity),
         )
 
@@ -166,7 +195,8 @@ def layout_counts(
     counts.flops_executed = sum(
         flops_model.executed(
             [m.input_ids.shape[1]] * m.input_ids.shape[0],
-            [tuple(g) for g in (m.image_grid_thw.tolist() if m.image_grid_thw is not None else [])],
+            _grids(m),
+            video_grids=_video_grids(m),
         )
         for m in micro
     )

@@ -55,6 +55,11 @@ TRAIN_LOSS_TOKENS = "train/loss_tokens"
 TRAIN_CONVERSATIONS = "train/conversations"
 TRAIN_IMAGES = "train/images"
 TRAIN_IMAGE_TOKENS = "train/image_tokens"
+TRAIN_VIDEOS = "train/videos"
+TRAIN_VIDEO_TOKENS = "train/video_tokens"
+"""``<|video_pad|>`` tokens: one per merged group of patches of every temporal group."""
+TRAIN_VIDEO_FRAMES = "train/video_frames"
+"""Frames sampled from the videos (before an odd count is padded to a whole group)."""
 TRAIN_FLOPS_USEFUL = "train/flops_useful"
 """Exact FLOPs over the real tokens (the work whatever the layout)."""
 TRAIN_FLOPS_EXECUTED = "train/flops_executed"
@@ -69,6 +74,9 @@ TRAIN_COUNTERS = (
     TRAIN_CONVERSATIONS,
     TRAIN_IMAGES,
     TRAIN_IMAGE_TOKENS,
+    TRAIN_VIDEOS,
+    TRAIN_VIDEO_TOKENS,
+    TRAIN_VIDEO_FRAMES,
     TRAIN_FLOPS_USEFUL,
     TRAIN_FLOPS_EXECUTED,
     TRAIN_FLOPS_NOMINAL,
