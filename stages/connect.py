@@ -363,20 +363,29 @@ def forecast_flops(
     model = flops_model_for(cfg, load_processor(processor_dir))
     p = cfg.packing
     rows = [
-        (int(n), [tuple(g) for g in json.loads(grids)], int(loss))
-        for n, grids, loss in zip(
-            train["total_tokens"], train["image_grids"], train["loss_tokens"], strict=True
+        (
+            int(n),
+            [tuple(g) for g in json.loads(grids)],
+            int(loss),
+            [tuple(g) for g in json.loads(vg)],
+        )
+        for n, grids, loss, vg in zip(
+            train["total_tokens"],
+            train["image_grids"],
+            train["loss_tokens"],
+            train["video_grids"],
+            strict=True,
         )
     ]
     ordered = [rows[i] for i in stream_order(len(rows), cfg.train.seed)]
     simulated = simulate_packing(
-        [align_up(n, p.alignment) for n, _, _ in ordered],
+        [align_up(n, p.alignment) for n, *_ in ordered],
         capacity=p.seq_length,
         buffer_size=p.packing_buffer_size,
         **forecast_settings(cfg),
     )
     stream = [row for row in ordered if align_up(row[0], p.alignment) <= p.seq_length]
-    useful = sum(model.useful([n], grids, n, loss) for n, grids, loss in stream)
+    useful = sum(model.useful([n], grids, n, loss, video_grids=vg) for n, grids, loss, vg in stream)
 
     packed_exec = packed_rows = packed_real = 0
     for g in (g for r in simulated.rounds for g in r.groups):
@@ -384,7 +393,8 @@ def forecast_flops(
         if p.pad_to_max_length:
             segments[-1] += p.seq_length - sum(segments)
         grids = [grid for i in g for grid in ordered[i][1]]
-        packed_exec += model.executed(segments, grids)
+        video_grids = [grid for i in g for grid in ordered[i][3]]
+        packed_exec += model.executed(segments, grids, video_grids=video_grids)
         packed_rows += 1
         packed_real += sum(ordered[i][0] for i in g)
 
@@ -392,9 +402,10 @@ def forecast_flops(
     unpacked_exec = unpacked_rows = unpacked_capacity = 0
     for start in range(0, len(stream), k):
         chunk = stream[start : start + k]
-        longest = max(n for n, _, _ in chunk)
-        grids = [grid for _, gs, _ in chunk for grid in gs]
-        unpacked_exec += model.executed([longest] * len(chunk), grids)
+        longest = max(n for n, *_ in chunk)
+        grids = [grid for _, gs, _, _ in chunk for grid in gs]
+        video_grids = [grid for *_, vgs in chunk for grid in vgs]
+        unpacked_exec += model.executed([longest] * len(chunk), grids, video_grids=video_grids)
         unpacked_rows += len(chunk)
         unpacked_capacity += longest * len(chunk)
 

@@ -127,11 +127,15 @@ def run_processor(
     images: Sequence[Image.Image],
     videos: Sequence[DecodedVideo],
     return_tensors: str,
+    *,
+    add_generation_prompt: bool = False,
     **kwargs,
 ):
     """The real processor over the rendered chat template, its images and its videos (each
     video as all its frames plus the file's frame count and rate: the processor samples)."""
-    text = processor.apply_chat_template(conversation, tokenize=False)
+    text = processor.apply_chat_template(
+        conversation, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
     call: dict = {"text": [text], "return_tensors": return_tensors, **kwargs}
     if images:
         call["images"] = list(images)

@@ -17,8 +17,9 @@ from packline.energon.packing import PackingSettings, make_encoder
 from packline.energon.sample import ConversationReader
 from packline.packing.thd import to_device
 from packline.qwen.forward import packed_forward, token_loss_sum
-from packline.qwen.lengths import bind_images
+from packline.qwen.lengths import DecodedVideo, run_processor
 from packline.synthetic import answer_matches, normalize_answer
+from packline.video import VideoHeader, decode_frames
 
 
 @torch.no_grad()
@@ -30,6 +31,7 @@ def eval_loss(
     *,
     buffer: int,
     image_token_id: int,
+    video_token_id: int | None = None,
 ) -> tuple[float, int]:
     """(mean token loss, target tokens) over the whole val split, packed."""
     model.eval()
@@ -43,7 +45,9 @@ def eval_loss(
         batch = to_device(pack.batch, device)
         if not batch.num_conversations:
             continue
-        logits = packed_forward(model, batch, image_token_id=image_token_id)
+        logits = packed_forward(
+            model, batch, image_token_id=image_token_id, video_token_id=video_token_id
+        )
         loss, n = token_loss_sum(logits, batch.labels)
         total += loss.double().cpu()
         targets += n
@@ -99,23 +103,19 @@ def eval_accuracy(
     correct: Counter[str] = Counter()
     for sample, first in _val_questions(dataset_dir, max_samples):
         prompt = sample.conversation[: first["turn"]]
-        n_images = sum(
-            1
-            for m in prompt
-            for p in m["content"]
-            if isinstance(p, dict) and p.get("type") == "image"
-        )
+        parts = [p for m in prompt for p in m["content"] if isinstance(p, dict)]
+        n_images = sum(1 for p in parts if p.get("type") == "image")
+        n_videos = sum(1 for p in parts if p.get("type") == "video")
         images = []
         for data in sample.images[:n_images]:
             with Image.open(io.BytesIO(data)) as img:
                 images.append(img.convert("RGB"))
-        inputs = processor.apply_chat_template(
-            bind_images(prompt, images),
-            add_generation_prompt=True,
-            tokenize=True,
-            return_dict=True,
-            return_tensors="pt",
-        )
+        videos = []
+        for data, doc in zip(sample.videos[:n_videos], sample.video_headers, strict=False):
+            header = VideoHeader.from_dict(doc)
+            frames = decode_frames(data, range(header.num_frames), rotation=header.rotation)
+            videos.append(DecodedVideo(frames, header))
+        inputs = run_processor(processor, prompt, images, videos, "pt", add_generation_prompt=True)
         out = model.generate(
             **{k: v.to(device) for k, v in inputs.items() if k != "token_type_ids"},
             max_new_tokens=max_new_tokens,
@@ -162,6 +162,7 @@ class Evaluator:
         packing_buffer_size: int,
         image_token_id: int,
         eval_samples: int,
+        video_token_id: int | None = None,
     ):
         self.dataset_dir = Path(dataset_dir)
         self.processor_dir = Path(processor_dir)
@@ -169,6 +170,7 @@ class Evaluator:
         self.packing = packing
         self.packing_buffer_size = packing_buffer_size
         self.image_token_id = image_token_id
+        self.video_token_id = video_token_id
         self.eval_samples = eval_samples
 
     def chance(self) -> tuple[float, dict[str, float]]:
@@ -183,6 +185,7 @@ class Evaluator:
             self.packing,
             buffer=self.packing_buffer_size,
             image_token_id=self.image_token_id,
+            video_token_id=self.video_token_id,
         )
         acc, asked, by_kind = eval_accuracy(
             model, self.processor, self.dataset_dir, max_samples=self.eval_samples

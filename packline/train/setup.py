@@ -141,6 +141,7 @@ def build_trainer(
         model = model.to(device)
     settings = TrainerSettings.from_config(cfg, packed=packed)
     image_token_id = int(processor.image_token_id)
+    video_token_id = int(processor.video_token_id)
     evaluator = Evaluator(
         dataset_dir=dataset_dir,
         processor_dir=processor_dir,
@@ -148,6 +149,7 @@ def build_trainer(
         packing=settings.packing,
         packing_buffer_size=settings.stream.packing_buffer_size,
         image_token_id=image_token_id,
+        video_token_id=video_token_id,
         eval_samples=settings.eval_samples,
     )
     device = device or torch.device("cpu")
@@ -159,6 +161,7 @@ def build_trainer(
         run_dir=run_dir,
         flops_model=flops_model_for(cfg, processor),
         image_token_id=image_token_id,
+        video_token_id=video_token_id,
         pad_token_id=int(processor.tokenizer.pad_token_id),
         evaluator=evaluator,
         tracker=tracker,

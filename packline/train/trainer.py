@@ -227,6 +227,7 @@ class Trainer:
         image_token_id: int,
         pad_token_id: int,
         evaluator: Evaluator | None = None,
+        video_token_id: int | None = None,
         tracker: Tracker | None = None,
         device_name: str = "cpu",
     ):
@@ -242,6 +243,7 @@ class Trainer:
         self.rows_per_rank = settings.global_batch_size // self.world
         self.flops_model = flops_model
         self.image_token_id = image_token_id
+        self.video_token_id = video_token_id
         self.pad_token_id = pad_token_id
         self.evaluator = evaluator
         self.tracker = tracker or Tracker.disabled()
@@ -445,7 +447,12 @@ class Trainer:
         for m in micro:
             m = to_device(m, self.device)
             with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
-                logits = forward(self.model, m, image_token_id=self.image_token_id)
+                logits = forward(
+                    self.model,
+                    m,
+                    image_token_id=self.image_token_id,
+                    video_token_id=self.video_token_id,
+                )
             loss_sum, _ = token_loss_sum(logits, m.labels)
             (loss_sum / global_targets).backward()
             loss_total += loss_sum.detach().double()
