@@ -1,12 +1,14 @@
 """The built-in ``shapes`` conversation set: deterministic, seeded, and checkable.
 
-Every row is a chat about flat, PIL-drawn pictures of 1-6 coloured shapes (circle, square,
-triangle, rectangle, star, pentagon, hexagon) on a plain background. Each shape sits inside its
-own cell of a 3x3 grid, so shapes never overlap and every count, colour and position has one
-right answer. The mix is made to exercise a packing pipeline, not to be hard:
+Every row is a chat about flat, PIL-drawn pictures (or a short clip) of 1-6 coloured shapes
+(circle, square, triangle, rectangle, star, pentagon, hexagon) on a plain background. Each
+shape sits inside its own cell of a grid, so shapes never overlap and every count, colour
+and position has one right answer. The mix is made to exercise a packing pipeline, not to be
+hard:
 
-* **Modality** - about 75% single-image rows, 10% multi-image rows (2-3 images) and 15%
-  text-only rows (shape trivia, or counting shapes described in words).
+* **Modality** - about 15% video rows (:data:`VIDEO_SHARE`, see below); of the others,
+  about 75% single-image rows, 10% multi-image rows (2-3 images) and 15% text-only rows
+  (shape trivia, or counting shapes described in words).
 * **Image size** - the visual-token count (one token per 32x32 pixel block, the Qwen3-VL
   merge size) is skewed log-uniform over 16..1,024 with aspect ratios 1:2..2:1; most images
   are small, a long tail is large. Sides are at least 128 px and lie up to 24 px off the
@@ -24,11 +26,31 @@ the dataset directory, and the user text holds one ``<image>`` marker per image,
                        {"role": "assistant", "content": "3"}],
      "meta": {"answers": [{"turn": 1, "kind": "count", "answer": "3"}]}}
 
+A video row holds one clip, ``clips/<id>.mp4`` (H.264, 6-16 frames at 4 fps, sides of
+64-160 px on the 32 px grid), drawn with the same shapes: one shape moving left, right, up or
+down past static ones; 2-4 shapes appearing one after another (one may vanish again); or a
+shape changing colour. Its questions ask the direction (``direction``), which shape appears
+first/second/.../last (``order``), how many shapes there are at the start or end or appear in
+all (``count_time``), and what colour a shape turns (``colour_change``), with ``count`` and
+``colour`` follow-ups; the user text holds one ``<video>`` marker::
+
+    {"id": "shapes-train-000003", "split": "train", "images": [],
+     "videos": ["clips/shapes-train-000003.mp4"],
+     "conversations": [{"role": "user", "content": "<video>\\nWhich way does the red circle move?"},
+                       {"role": "assistant", "content": "left"}],
+     "meta": {"answers": [{"turn": 1, "kind": "direction", "answer": "left"}],
+              "clip": {"kind": "move", "num_frames": 9, "fps": 4.0}}}
+
+Every event lasts at least 3 frames, so the processor's default sampling (2 fps, about every
+other frame, always the first and the last) shows what the answer says.
+
 ``meta.answers[i].turn`` indexes the assistant message whose content holds ``answer``;
 ``kind`` (one of :data:`ANSWER_KINDS`) tells :func:`answer_matches` how to grade a generated
 reply. Every row draws from its own ``random.Random`` keyed by ``(seed, split, index)``, so a
 row does not depend on the rows around it: a smaller set is a prefix of a larger one, the
-same arguments give byte-identical files, and ``val`` rows are a held-out stream.
+same arguments give byte-identical files, and ``val`` rows are a held-out stream. Whether a
+row is a video row is a draw of its own, so the image and text rows are the same whatever
+the video share.
 """
 
 from __future__ import annotations
@@ -43,23 +65,41 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 from PIL import Image, ImageDraw
+
+from packline.video import write_video
 
 __all__ = [
     "ANSWER_KINDS",
     "BACKGROUND_NAMES",
+    "CLIP_FPS",
+    "CLIP_KINDS",
     "COLOUR_NAMES",
+    "DIRECTION_NAMES",
     "NUMBER_WORDS",
     "ORDINALS",
     "POSITION_NAMES",
     "SHAPE_NAMES",
     "SIZE_WORDS",
+    "VIDEO_SHARE",
     "answer_matches",
     "normalize_answer",
     "write_shapes_dataset",
 ]
 
-ANSWER_KINDS = ("count", "colour", "position", "describe", "compare", "text")
+ANSWER_KINDS = (
+    "count",
+    "colour",
+    "position",
+    "describe",
+    "compare",
+    "text",
+    "direction",
+    "order",
+    "count_time",
+    "colour_change",
+)
 """What an answer checks; selects the rule :func:`answer_matches` applies."""
 
 _COLOURS: dict[str, tuple[int, int, int]] = {
@@ -148,6 +188,33 @@ _SYSTEM_PROMPTS = (
 # Fixed PNG options keep the bytes identical across runs; level 1 is fast and flat colours
 # still compress well.
 _PNG_OPTIONS = {"format": "PNG", "compress_level": 1, "optimize": False}
+
+VIDEO_SHARE = 0.15
+"""Share of the rows that are video conversations (one clip each), by default."""
+CLIP_KINDS = ("move", "appear", "colour")
+"""What happens in a clip: one shape moves across, shapes appear one after another, or a
+shape's colour changes."""
+DIRECTION_NAMES = ("left", "right", "up", "down")
+"""Directions a shape moves in, as answered to "Which way does ... move?"."""
+CLIP_FPS = 4.0
+"""Frame rate of every clip. The processor samples 2 frames a second by default (at least
+4), so about every other frame is seen."""
+_CLIP_FRAMES = (6, 16)  # frames per clip, both ends included (1.5 to 4 seconds)
+# Frames between two events of an "appear" clip (a shape appearing or vanishing). At 2 fps
+# from a 4-fps clip of 6-16 frames, sampled indices are at most 3 apart and always include
+# the first and last frame, so every run of 3 frames holds a sampled one: the order and the
+# counts the questions ask about are the ones the sampled frames show.
+_EVENT_GAP = 3
+_MARGIN = 4  # px between a clip's shapes and the frame's edge
+# The two colours of a colour change are at least this far apart in RGB, so the change
+# survives the lossy encode (yellow -> orange, 75 apart, would not be asked).
+_MIN_CHANGE_CONTRAST = 120.0
+_VIDEO_TURN_WEIGHTS = (0.55, 0.30, 0.15)  # 1, 2, 3 user turns
+_VIDEO_SYSTEM_PROMPTS = (
+    "You are a helpful assistant.",
+    "Answer briefly and precisely.",
+    "You are a careful visual assistant. Watch the whole clip before you answer.",
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -643,6 +710,393 @@ def _text_turns(rng: random.Random, num_turns: int) -> tuple[str, list[_Turn]]:
     return preamble, turns
 
 
+# --------------------------------------------------------------------------- clips
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Sprite:
+    """One shape in one frame of a clip; ``cx``/``cy``/``size`` are in pixels."""
+
+    kind: str
+    colour: str
+    cx: int
+    cy: int
+    size: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Clip:
+    """One short video: the shapes of every frame, drawn in order.
+
+    In ``move`` and ``colour`` clips the last sprite of every frame is the subject (the shape
+    that moves, or changes colour); the facts the questions ask about are read off
+    ``frames``, so what is asked is what is drawn."""
+
+    kind: str
+    """One of :data:`CLIP_KINDS`."""
+    width: int
+    height: int
+    background: str
+    frames: tuple[tuple[_Sprite, ...], ...]
+    fps: float = CLIP_FPS
+
+    @property
+    def num_frames(self) -> int:
+        return len(self.frames)
+
+
+def _clip_frames_count(rng: random.Random) -> int:
+    return rng.randint(*_CLIP_FRAMES)
+
+
+def _sample_move(rng: random.Random, num_frames: int, background: str) -> _Clip:
+    """One shape crossing the frame (left, right, up or down) in a straight line at a steady
+    speed, and 0-2 static shapes beside its lane (never in its way)."""
+    direction = rng.choice(DIRECTION_NAMES)
+    vertical = direction in ("up", "down")
+    if vertical:
+        height, width = rng.choice((128, 160)), rng.choice((64, 96, 128))
+    else:
+        height, width = rng.choice((64, 96, 128)), rng.choice((128, 160))
+    along, across = (height, width) if vertical else (width, height)
+    palette = _palette(background)
+    colour, kind = rng.choice(palette), rng.choice(SHAPE_NAMES)
+    size = max(20, int(min(height, width) * rng.uniform(0.28, 0.4)))
+    # From near one edge to near the other: 48+ px in all, 3+ px a frame.
+    free = along - size - 2 * _MARGIN
+    travel = int(free * rng.uniform(0.7, 1.0))
+    start = _MARGIN + size // 2 + rng.randint(0, free - travel)
+    end = start + travel
+    if direction in ("left", "up"):
+        start, end = along - start, along - end
+
+    room = across - size - 3 * _MARGIN  # what is left beside the mover's lane
+    num_static = rng.choice((0, 1, 1, 2)) if room >= 20 else 0
+    lo = 0  # where the static shapes' side begins, across the lane
+    if num_static:
+        near_side = rng.random() < 0.5
+        lane = _MARGIN + size // 2 if near_side else across - _MARGIN - size // 2
+        lo = size + 2 * _MARGIN if near_side else _MARGIN
+    else:
+        lane = rng.randint(_MARGIN + size // 2, across - _MARGIN - size // 2)
+    statics = []
+    others = [c for c in palette if c != colour]
+    segment = along / max(num_static, 1)
+    for i in range(num_static):
+        d_size = max(16, min(int(room * rng.uniform(0.7, 1.0)), int(segment - 2 * _MARGIN)))
+        d_across = lo + d_size // 2 + rng.randint(0, max(0, room - d_size))
+        slack = max(0.0, (segment - d_size) / 2 - _MARGIN)
+        d_along = int(segment * i + segment / 2 + rng.uniform(-1.0, 1.0) * slack)
+        cx, cy = (d_across, d_along) if vertical else (d_along, d_across)
+        d_kind = rng.choice(SHAPE_NAMES)
+        statics.append(_Sprite(kind=d_kind, colour=rng.choice(others), cx=cx, cy=cy, size=d_size))
+
+    frames = []
+    for t in range(num_frames):
+        pos = round(start + (end - start) * t / (num_frames - 1))
+        cx, cy = (lane, pos) if vertical else (pos, lane)
+        mover = _Sprite(kind=kind, colour=colour, cx=cx, cy=cy, size=size)
+        frames.append((*statics, mover))
+    return _Clip(
+        kind="move", width=width, height=height, background=background, frames=tuple(frames)
+    )
+
+
+def _sample_appear(rng: random.Random, num_frames: int, background: str) -> _Clip:
+    """2-4 shapes of different kinds appearing one after another in cells of a 2x3 grid,
+    each event at least :data:`_EVENT_GAP` frames after the one before; sometimes one shape
+    vanishes again afterwards, so the count at the end differs from the count that
+    appeared."""
+    height, width = rng.choice((96, 128)), rng.choice((128, 160))
+    palette = _palette(background)
+    first = rng.choice((0, 1))  # the first shape is there from the start, or one frame later
+    # The last shape appears at least two frames before the end (the last frame is sampled).
+    most = min(4, 1 + (num_frames - 2 - first) // _EVENT_GAP)
+    num_shapes = rng.randint(2, most)
+    slack = num_frames - 2 - first - _EVENT_GAP * (num_shapes - 1)
+    times = [first]
+    for _ in range(num_shapes - 1):
+        extra = rng.randint(0, slack)
+        slack -= extra
+        times.append(times[-1] + _EVENT_GAP + extra)
+    vanish_at, vanisher = num_frames, -1  # none
+    if times[-1] + _EVENT_GAP <= num_frames - 1 and rng.random() < 0.4:
+        vanish_at = rng.randint(times[-1] + _EVENT_GAP, num_frames - 1)
+        vanisher = rng.randrange(num_shapes)
+
+    cell_w, cell_h = width / 3, height / 2
+    kinds = rng.sample(SHAPE_NAMES, num_shapes)
+    shapes = []
+    for kind, cell in zip(kinds, rng.sample(range(6), num_shapes), strict=True):
+        row, col = divmod(cell, 3)
+        size = int(min(cell_w, cell_h) * rng.uniform(0.65, 0.85))
+        slack_x, slack_y = (cell_w - size) / 2, (cell_h - size) / 2
+        cx = int(col * cell_w + cell_w / 2 + rng.uniform(-0.6, 0.6) * slack_x)
+        cy = int(row * cell_h + cell_h / 2 + rng.uniform(-0.6, 0.6) * slack_y)
+        shapes.append(_Sprite(kind=kind, colour=rng.choice(palette), cx=cx, cy=cy, size=size))
+    frames = tuple(
+        tuple(
+            s
+            for i, s in enumerate(shapes)
+            if times[i] <= t and not (i == vanisher and t >= vanish_at)
+        )
+        for t in range(num_frames)
+    )
+    return _Clip(kind="appear", width=width, height=height, background=background, frames=frames)
+
+
+def _sample_colour_change(rng: random.Random, num_frames: int, background: str) -> _Clip:
+    """One large shape whose colour changes once, from one strong colour to another far from
+    it, with 0-2 static shapes of other kinds and colours beside it."""
+    height, width = rng.choice((64, 96, 128)), rng.choice((96, 128, 160))
+    palette = _palette(background)
+    pairs = [
+        (a, b)
+        for a in palette
+        for b in palette
+        if a != b and math.dist(_COLOURS[a], _COLOURS[b]) >= _MIN_CHANGE_CONTRAST
+    ]
+    before, after = rng.choice(pairs)
+    change_at = rng.randint(2, num_frames - 2)  # each colour shows for 2+ frames
+    num_cols = rng.choice([n for n in (1, 2, 3) if width / n >= 48])
+    cell_w = width / num_cols
+    main_col = rng.randrange(num_cols)
+    kind = rng.choice(SHAPE_NAMES)
+    other_kinds = [k for k in SHAPE_NAMES if k != kind]
+    other_colours = [c for c in palette if c not in (before, after)]
+    statics, subject = [], None
+    for col in range(num_cols):
+        is_main = col == main_col
+        if is_main:
+            size = int(min(cell_w, height) * rng.uniform(0.6, 0.85))
+        elif other_colours:
+            size = int(min(cell_w, height) * rng.uniform(0.45, 0.7))
+        else:
+            continue
+        slack_x, slack_y = (cell_w - size) / 2, (height - size) / 2
+        cx = int(col * cell_w + cell_w / 2 + rng.uniform(-0.6, 0.6) * slack_x)
+        cy = int(height / 2 + rng.uniform(-0.6, 0.6) * slack_y)
+        if is_main:
+            subject = (cx, cy, size)
+        else:
+            statics.append(
+                _Sprite(
+                    kind=rng.choice(other_kinds),
+                    colour=rng.choice(other_colours),
+                    cx=cx,
+                    cy=cy,
+                    size=size,
+                )
+            )
+    assert subject is not None
+    cx, cy, size = subject
+    frames = tuple(
+        (
+            *statics,
+            _Sprite(kind=kind, colour=before if t < change_at else after, cx=cx, cy=cy, size=size),
+        )
+        for t in range(num_frames)
+    )
+    return _Clip(kind="colour", width=width, height=height, background=background, frames=frames)
+
+
+_CLIP_SAMPLERS: dict[str, Callable[[random.Random, int, str], _Clip]] = {
+    "move": _sample_move,
+    "appear": _sample_appear,
+    "colour": _sample_colour_change,
+}
+
+
+def _sample_clip(rng: random.Random) -> _Clip:
+    """A clip of a kind drawn evenly from :data:`CLIP_KINDS`, 6-16 frames at
+    :data:`CLIP_FPS`, every side a multiple of 32 px (so the processor does not resize),
+    large shapes in strong colours (so what happens survives the lossy encode)."""
+    kind = rng.choice(CLIP_KINDS)
+    num_frames = _clip_frames_count(rng)
+    background = rng.choice(list(_BACKGROUNDS))
+    return _CLIP_SAMPLERS[kind](rng, num_frames, background)
+
+
+def _draw_clip(clip: _Clip) -> np.ndarray:
+    """The clip's frames as one ``(T, H, W, 3)`` uint8 RGB array, drawn with
+    :func:`_draw_shape` as pictures are."""
+    out = np.empty((clip.num_frames, clip.height, clip.width, 3), dtype=np.uint8)
+    for t, sprites in enumerate(clip.frames):
+        image = Image.new("RGB", (clip.width, clip.height), _BACKGROUNDS[clip.background])
+        draw = ImageDraw.Draw(image)
+        for s in sprites:
+            _draw_shape(draw, s.kind, s.cx, s.cy, s.size, s.colour)
+        out[t] = np.asarray(image)
+    return out
+
+
+# ----------------------------------------------------------------- clip questions
+
+
+def _direction(first: _Sprite, last: _Sprite) -> str:
+    dx, dy = last.cx - first.cx, last.cy - first.cy
+    if abs(dx) >= abs(dy):
+        return "right" if dx > 0 else "left"
+    return "down" if dy > 0 else "up"
+
+
+def _appearance_order(clip: _Clip) -> list[_Sprite]:
+    """The clip's shapes in the order they first show (kinds are distinct in an ``appear``
+    clip)."""
+    seen: dict[str, _Sprite] = {}
+    for sprites in clip.frames:
+        for s in sprites:
+            seen.setdefault(s.kind, s)
+    return list(seen.values())
+
+
+_TOWARDS = {"left": "to the left", "right": "to the right", "up": "up", "down": "down"}
+_OPPOSITE = {"left": "right", "right": "left", "up": "down", "down": "up"}
+
+
+def _q_direction(rng: random.Random, clip: _Clip) -> _Turn | None:
+    first, last = clip.frames[0][-1], clip.frames[-1][-1]
+    direction = _direction(first, last)
+    unique_kind = sum(s.kind == first.kind for s in clip.frames[0]) == 1
+    name = first.kind if unique_kind and rng.random() < 0.4 else f"{first.colour} {first.kind}"
+    q = rng.choice(
+        (
+            f"Which way does the {name} move?",
+            f"In which direction does the {name} move?",
+            f"Does the {name} move left, right, up or down?",
+        )
+    )
+    r = rng.random()
+    if r < 0.6:
+        reply = direction
+    elif r < 0.8 or direction in ("up", "down"):
+        reply = f"The {name} moves {_TOWARDS[direction]}."
+    else:
+        reply = f"The {name} moves from {_OPPOSITE[direction]} to {direction}."
+    return _Turn(question=q, reply=reply, kind="direction", answer=direction, topic="direction")
+
+
+def _q_order(rng: random.Random, clip: _Clip) -> _Turn | None:
+    order = _appearance_order(clip)
+    i = rng.randrange(len(order))
+    last = i == len(order) - 1
+    word = "last" if last and (i >= len(ORDINALS) or rng.random() < 0.6) else ORDINALS[i]
+    s = order[i]
+    q = rng.choice((f"Which shape appears {word}?", f"Which shape appears {word} in the video?"))
+    r = rng.random()
+    if r < 0.55:
+        reply = s.kind
+    elif r < 0.8:
+        reply = f"The {s.kind} appears {word}."
+    else:
+        reply = f"The {s.colour} {s.kind}."
+    return _Turn(question=q, reply=reply, kind="order", answer=s.kind, topic=f"order:{i}")
+
+
+def _q_count_time(rng: random.Random, clip: _Clip) -> _Turn | None:
+    r = rng.random()
+    if r < 0.6:
+        n = len(clip.frames[-1])
+        q = rng.choice(
+            (
+                "How many shapes are there at the end?",
+                "How many shapes are there at the end of the video?",
+                "How many shapes can you see in the last frame?",
+            )
+        )
+        where, topic = " at the end", "count_time:end"
+    elif r < 0.8:
+        n = len(clip.frames[0])
+        q = rng.choice(
+            ("How many shapes are there at the start?", "How many shapes are in the first frame?")
+        )
+        where, topic = " at the start", "count_time:start"
+    else:
+        n = len({s.kind for sprites in clip.frames for s in sprites})
+        q = rng.choice(
+            ("How many shapes appear in the video?", "How many shapes appear one after another?")
+        )
+        where, topic = " in all", "count_time:all"
+    return _Turn(
+        question=q,
+        reply=_count_reply(rng, n, "shape", where),
+        kind="count_time",
+        answer=str(n),
+        topic=topic,
+    )
+
+
+def _q_colour_change(rng: random.Random, clip: _Clip) -> _Turn | None:
+    first, last = clip.frames[0][-1], clip.frames[-1][-1]
+    kind = first.kind
+    q = rng.choice(
+        (
+            f"What colour does the {kind} turn?",
+            f"What colour does the {kind} change to?",
+            f"What colour is the {kind} at the end?",
+        )
+    )
+    r = rng.random()
+    if r < 0.6:
+        reply = last.colour
+    elif r < 0.8:
+        reply = f"It turns {last.colour}."
+    else:
+        reply = f"The {kind} turns from {first.colour} to {last.colour}."
+    return _Turn(
+        question=q, reply=reply, kind="colour_change", answer=last.colour, topic="colour:end"
+    )
+
+
+def _q_colour_start(rng: random.Random, clip: _Clip) -> _Turn | None:
+    first = clip.frames[0][-1]
+    q = rng.choice(
+        (
+            f"What colour is the {first.kind} at the start?",
+            f"What colour is the {first.kind} in the first frame?",
+        )
+    )
+    reply = first.colour if rng.random() < 0.6 else f"The {first.kind} is {first.colour} at first."
+    return _Turn(question=q, reply=reply, kind="colour", answer=first.colour, topic="colour:start")
+
+
+def _q_clip_count(rng: random.Random, clip: _Clip) -> _Turn | None:
+    n = len(clip.frames[0])  # the same in every frame of a move or colour clip
+    q = rng.choice(("How many shapes are there?", "How many shapes are in the video?"))
+    return _Turn(
+        question=q, reply=_count_reply(rng, n, "shape"), kind="count", answer=str(n), topic="count"
+    )
+
+
+_ClipQuestionFn = Callable[[random.Random, _Clip], _Turn | None]
+
+# Per clip kind: (weight, builder) of the first question, and of the follow-ups.
+_CLIP_QUESTIONS: dict[str, tuple[tuple[tuple[float, _ClipQuestionFn], ...], ...]] = {
+    "move": (((1.0, _q_direction),), ((1.0, _q_clip_count),)),
+    "appear": (
+        ((0.55, _q_order), (0.45, _q_count_time)),
+        ((0.55, _q_order), (0.45, _q_count_time)),
+    ),
+    "colour": (((1.0, _q_colour_change),), ((0.6, _q_colour_start), (0.4, _q_clip_count))),
+}
+
+
+def _clip_turns(rng: random.Random, clip: _Clip, num_turns: int) -> list[_Turn]:
+    firsts, follow_ups = _CLIP_QUESTIONS[clip.kind]
+    turns: list[_Turn] = []
+    asked: set[str] = set()
+    for t in range(num_turns):
+        table = firsts if t == 0 else firsts + follow_ups
+        for _attempt in range(12):
+            fn = rng.choices([f for _, f in table], weights=[w for w, _ in table])[0]
+            turn = fn(rng, clip)
+            if turn is not None and turn.topic not in asked:
+                asked.add(turn.topic)
+                turns.append(turn)
+                break
+    return turns
+
+
 # --------------------------------------------------------------------------- rows
 
 
@@ -699,21 +1153,75 @@ def _make_row(seed: int, split: str, index: int, out_dir: Path) -> dict:
     }
 
 
+def _video_rng(seed: int, split: str, index: int) -> random.Random:
+    return random.Random(f"packline-shapes-video:{seed}:{split}:{index}")
+
+
+def _is_video_row(seed: int, split: str, index: int, video_share: float) -> bool:
+    """Whether row ``index`` is a video conversation: a draw of its own, apart from the row's
+    RNG, so the other rows do not change with ``video_share`` (and a larger share only turns
+    more rows into video rows)."""
+    return video_share > 0 and _video_rng(seed, split, index).random() < video_share
+
+
+def _row_clip(seed: int, split: str, index: int) -> tuple[random.Random, _Clip]:
+    """The clip of video row ``index``, and the RNG its conversation goes on drawing from."""
+    rng = _video_rng(seed, split, index)
+    rng.random()  # the draw _is_video_row made
+    return rng, _sample_clip(rng)
+
+
+def _make_video_row(seed: int, split: str, index: int, out_dir: Path) -> dict:
+    rng, clip = _row_clip(seed, split, index)
+    row_id = f"shapes-{split}-{index:06d}"
+    rel = f"clips/{row_id}.mp4"
+    write_video(out_dir / rel, _draw_clip(clip), clip.fps)
+
+    num_turns = rng.choices(range(1, len(_VIDEO_TURN_WEIGHTS) + 1), weights=_VIDEO_TURN_WEIGHTS)[0]
+    system = rng.choice(_VIDEO_SYSTEM_PROMPTS) if rng.random() < _SYSTEM_FRACTION else None
+    turns = _clip_turns(rng, clip, num_turns)
+    if rng.random() < 0.2:
+        first = f"{turns[0].question}\n<video>"
+    else:
+        first = f"<video>\n{turns[0].question}"
+    conversations = [{"role": "system", "content": system}] if system else []
+    answers = []
+    for t, turn in enumerate(turns):
+        conversations.append({"role": "user", "content": first if t == 0 else turn.question})
+        answers.append({"turn": len(conversations), "kind": turn.kind, "answer": turn.answer})
+        conversations.append({"role": "assistant", "content": turn.reply})
+    return {
+        "id": row_id,
+        "split": split,
+        "images": [],
+        "videos": [rel],
+        "conversations": conversations,
+        "meta": {
+            "answers": answers,
+            "clip": {"kind": clip.kind, "num_frames": clip.num_frames, "fps": clip.fps},
+        },
+    }
+
+
 def write_shapes_dataset(
     out_dir: Path,
     *,
     num_train: int = 2000,
     num_val: int = 200,
     seed: int = 0,
+    video_share: float = VIDEO_SHARE,
     progress: Callable[[int], None] | None = None,
 ) -> Path:
     """Write the ``shapes`` set to ``out_dir`` and return ``out_dir``.
 
     Writes ``out_dir/conversations.jsonl`` (``num_train`` train rows, then ``num_val`` val
-    rows) and one PNG per image under ``out_dir/images/``. The same arguments give
-    byte-identical files; row ``i`` of a split depends only on ``(seed, split, i)``, so
-    changing ``num_train`` does not change the rows both sets share. Files of an earlier run
-    with the same names are overwritten; other files in ``out_dir`` are left alone.
+    rows), one PNG per image under ``out_dir/images/`` and one H.264 MP4 per video row under
+    ``out_dir/clips/``. About ``video_share`` of the rows are video conversations (0 writes
+    none: the image and text rows are the same either way). The same arguments give
+    byte-identical files; row ``i`` of a split depends only on ``(seed, split, i)`` (and
+    ``video_share``), so changing ``num_train`` does not change the rows both sets share.
+    Files of an earlier run with the same names are overwritten; other files in ``out_dir``
+    are left alone.
     ``progress(n)`` is called with the number of rows just finished (``n == 1`` per row).
 
     Example::
@@ -728,14 +1236,21 @@ def write_shapes_dataset(
         raise ValueError(f"num_train and num_val must be >= 0, got {num_train} and {num_val}")
     if num_train + num_val == 0:
         raise ValueError("num_train + num_val must be at least 1 to write a dataset")
+    if not 0.0 <= video_share <= 1.0:
+        raise ValueError(f"video_share must be within [0, 1], got {video_share}")
     out_dir = Path(out_dir)
     (out_dir / "images").mkdir(parents=True, exist_ok=True)
+    if video_share > 0:
+        (out_dir / "clips").mkdir(exist_ok=True)
     final = out_dir / "conversations.jsonl"
     tmp = out_dir / "conversations.jsonl.tmp"
     with tmp.open("w", encoding="utf-8", newline="\n") as f:
         for split, count in (("train", num_train), ("val", num_val)):
             for index in range(count):
-                row = _make_row(seed, split, index, out_dir)
+                if _is_video_row(seed, split, index, video_share):
+                    row = _make_video_row(seed, split, index, out_dir)
+                else:
+                    row = _make_row(seed, split, index, out_dir)
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
                 if progress is not None:
                     progress(1)
@@ -789,6 +1304,26 @@ _ORDINAL_INDEX = {
 }
 
 
+# Directions as replies word them; "top"/"bottom" name where a shape goes ("to the top").
+_DIRECTION_WORDS = {
+    **{d: d for d in DIRECTION_NAMES},
+    **{d + "ward": d for d in DIRECTION_NAMES},
+    **{d + "wards": d for d in DIRECTION_NAMES},
+    "top": "up",
+    "bottom": "down",
+}
+_SHAPE_RE = re.compile(r"\b(" + "|".join(SHAPE_NAMES) + r")s?\b")
+
+
+def _where_to(norm: str, names: list[str]) -> list[str]:
+    """The ``names`` a reply gives as where something ends, in order: "from X to Y" and
+    "X to Y" keep Y only, and "from X" alone is dropped (a reply may say where it began)."""
+    alt = "|".join(sorted(names, key=len, reverse=True))
+    norm = re.sub(rf"\b(?:from )?(?:the )?({alt}) (?:to|into) (?:the )?({alt})\b", r"\2", norm)
+    norm = re.sub(rf"\bfrom (?:the )?({alt})\b", " ", norm)
+    return re.findall(rf"\b({alt})\b", norm)
+
+
 def normalize_answer(text: str) -> str:
     """Lower-case words with the common variants mapped (see :func:`answer_matches`)."""
     words = re.sub(r"[^a-z0-9]+", " ", text.lower()).split()
@@ -828,10 +1363,22 @@ def answer_matches(expected: str, generated: str, kind: str) -> bool:
       ("first", "2nd", "image 3", ...) is the expected one and no tie is claimed.
     * ``text``: the number rule for numeric answers, the colour rule for colours, else the
       expected words (optionally plural) appear in the reply.
+    * ``direction``: the reply names the expected direction and no other, where
+      "leftwards"/"to the left" is left, "to the top" is up, and a starting point ("from
+      right to left", "from the bottom") does not count.
+    * ``order``: the first shape kind the reply names (singular or plural) is the expected
+      one.
+    * ``count_time``: the number rule.
+    * ``colour_change``: the colour rule on the colour the reply ends at ("from red to
+      blue" names blue).
 
     >>> answer_matches("3", "There are three shapes.", "count")
     True
     >>> answer_matches("top left", "It is in the upper-left corner.", "position")
+    True
+    >>> answer_matches("left", "The red circle moves from right to left.", "direction")
+    True
+    >>> answer_matches("blue", "The square turns from red to blue.", "colour_change")
     True
     """
     if kind not in ANSWER_KINDS:
@@ -844,7 +1391,15 @@ def answer_matches(expected: str, generated: str, kind: str) -> bool:
             kind = "colour"
         else:
             return bool(exp) and re.search(rf"\b{re.escape(exp)}s?\b", gen) is not None
-    if kind == "count":
+    if kind == "direction":
+        named = {_DIRECTION_WORDS[w] for w in _where_to(gen, list(_DIRECTION_WORDS))}
+        return exp in DIRECTION_NAMES and named == {exp}
+    if kind == "order":
+        found = _SHAPE_RE.search(gen)
+        return found is not None and found.group(1) == exp
+    if kind == "colour_change":
+        return exp in _COLOURS and set(_where_to(gen, list(_COLOURS))) == {exp}
+    if kind in ("count", "count_time"):
         want = _first_number(exp)
         return want is not None and _first_number(gen) == want
     if kind == "colour":

@@ -4,22 +4,49 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import random
+import re
 import statistics
 from pathlib import Path
 
+import numpy as np
 import pytest
 from PIL import Image
 
-from packline.qwen.vision import ImageGeometry
-from packline.synthetic import answer_matches, write_shapes_dataset
+from packline.qwen.vision import ImageGeometry, VideoGeometry
+from packline.synthetic import (
+    _BACKGROUNDS,
+    _CLIP_FRAMES,
+    _CLIP_QUESTIONS,
+    _CLIP_SAMPLERS,
+    _COLOURS,
+    _EVENT_GAP,
+    ANSWER_KINDS,
+    CLIP_FPS,
+    CLIP_KINDS,
+    VIDEO_SHARE,
+    _Clip,
+    _draw_clip,
+    _row_clip,
+    answer_matches,
+    write_shapes_dataset,
+)
+from packline.video import decode_frames, probe_video, write_video
 
-GOLDEN_JSONL_SHA256 = "314153fc515c389dda0738f132a07fdd16a159dc3d9cd869190f69a5661a6f52"
+# The tiny processor's video geometry (its sampling: 2 fps, at least 4 frames).
+VIDEO_GEOMETRY = VideoGeometry().with_overrides(min_pixels=64 * 64, max_pixels=1024 * 32 * 32)
+
+GOLDEN_JSONL_SHA256 = "5044760b68f8412b8e49fa1a10b59f15508ff264dfe4b184598b9b9966c6e82b"
+# The same rows without video (video_share=0): the image and text rows as they were before
+# the video rows came.
+GOLDEN_NO_VIDEO_JSONL_SHA256 = "314153fc515c389dda0738f132a07fdd16a159dc3d9cd869190f69a5661a6f52"
 
 
 def _digest(out_dir: Path) -> str:
-    """sha256 over conversations.jsonl and every image file, in name order."""
+    """sha256 over conversations.jsonl and every image and clip file, in name order."""
     h = hashlib.sha256((out_dir / "conversations.jsonl").read_bytes())
-    for path in sorted((out_dir / "images").iterdir()):
+    for path in sorted([*(out_dir / "images").iterdir(), *(out_dir / "clips").iterdir()]):
         h.update(path.name.encode())
         h.update(path.read_bytes())
     return h.hexdigest()
@@ -41,6 +68,7 @@ def test_digest_identical_same_seed(tmp_path: Path) -> None:
     b = write_shapes_dataset(tmp_path / "b", num_train=60, num_val=10, seed=3)
     assert _digest(a) == _digest(b)
     assert len(_rows(a)) == 70
+    assert len(list((a / "clips").iterdir())) == sum(bool(r.get("videos")) for r in _rows(a)) > 0
 
 
 def test_digest_differs_different_seed(tmp_path: Path) -> None:
@@ -78,9 +106,38 @@ def test_write_rejects_negative_count(tmp_path: Path) -> None:
         write_shapes_dataset(tmp_path, num_train=0, num_val=0)
 
 
+def test_write_rejects_video_share_outside_unit_interval(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="video_share"):
+        write_shapes_dataset(tmp_path, num_train=1, video_share=1.5)
+
+
+def test_video_share_within_band(big_set: tuple[Path, list[dict]]) -> None:
+    _, rows = big_set
+    share = sum(bool(r.get("videos")) for r in rows) / len(rows)
+    assert VIDEO_SHARE - 0.05 <= share <= VIDEO_SHARE + 0.05
+    assert {r["meta"]["clip"]["kind"] for r in rows if r.get("videos")} == set(CLIP_KINDS)
+
+
+def test_video_share_leaves_other_rows_unchanged(tmp_path: Path) -> None:
+    none = _rows(write_shapes_dataset(tmp_path / "n", num_train=40, num_val=10, video_share=0))
+    some = _rows(write_shapes_dataset(tmp_path / "s", num_train=40, num_val=10))
+    more = _rows(write_shapes_dataset(tmp_path / "m", num_train=40, num_val=10, video_share=0.5))
+    assert not any(r.get("videos") for r in none)
+    assert not (tmp_path / "n" / "clips").exists()
+    video_some = {r["id"] for r in some if r.get("videos")}
+    video_more = {r["id"] for r in more if r.get("videos")}
+    assert video_some and video_some < video_more  # a larger share adds video rows
+    for a, b in zip(none, some, strict=True):
+        if b["id"] not in video_some:
+            assert a == b
+    for a, b in zip(some, more, strict=True):
+        if a["id"] in video_some:
+            assert a == b
+
+
 def test_modality_fractions_within_band(big_set: tuple[Path, list[dict]]) -> None:
     _, rows = big_set
-    train = [r for r in rows if r["split"] == "train"]
+    train = [r for r in rows if r["split"] == "train" and not r.get("videos")]
     text_only = sum(not r["images"] for r in train) / len(train)
     multi = sum(len(r["images"]) > 1 for r in train) / len(train)
     system = sum(r["conversations"][0]["role"] == "system" for r in train) / len(train)
@@ -96,6 +153,17 @@ def test_rows_consistent_markers_images_answers(big_set: tuple[Path, list[dict]]
         conv = row["conversations"]
         markers = sum(m["content"].count("<image>") for m in conv if m["role"] == "user")
         assert markers == len(row["images"]), row["id"]
+        videos = sum(m["content"].count("<video>") for m in conv if m["role"] == "user")
+        assert videos == len(row.get("videos", [])) <= 1, row["id"]
+        if videos:  # one clip, in the first user message
+            assert not row["images"], row["id"]
+            assert "<video>" in next(m for m in conv if m["role"] == "user")["content"]
+            assert row["videos"] == [f"clips/{row['id']}.mp4"]
+            header = probe_video(out / row["videos"][0])
+            assert header.num_frames == row["meta"]["clip"]["num_frames"], row["id"]
+            assert _CLIP_FRAMES[0] <= header.num_frames <= _CLIP_FRAMES[1]
+            assert header.fps == row["meta"]["clip"]["fps"] == CLIP_FPS
+            assert header.width % 32 == 0 and header.height % 32 == 0
         roles = [m["role"] for m in conv if m["role"] != "system"]
         assert roles == ["user", "assistant"] * (len(roles) // 2), row["id"]
         assert 1 <= len(roles) // 2 <= 4
@@ -116,7 +184,7 @@ def test_rows_consistent_markers_images_answers(big_set: tuple[Path, list[dict]]
 def test_answer_kinds_all_present(big_set: tuple[Path, list[dict]]) -> None:
     _, rows = big_set
     kinds = {a["kind"] for r in rows for a in r["meta"]["answers"]}
-    assert kinds == {"count", "colour", "position", "describe", "compare", "text"}
+    assert kinds == set(ANSWER_KINDS)
 
 
 def test_visual_tokens_span_long_tail(big_set: tuple[Path, list[dict]]) -> None:
@@ -201,7 +269,190 @@ def test_answer_matches_rejects_unknown_kind() -> None:
 
 def test_small_set_matches_golden_hash(tmp_path: Path) -> None:
     """Pins the generator's text output: a change to the built-in set must be deliberate.
-    (The image bytes depend on zlib, so only conversations.jsonl is pinned.)"""
-    write_shapes_dataset(tmp_path, num_train=20, num_val=4, seed=0)
-    digest = hashlib.sha256((tmp_path / "conversations.jsonl").read_bytes()).hexdigest()
+    (The image and clip bytes depend on zlib and libx264, so only conversations.jsonl is
+    pinned.)"""
+    write_shapes_dataset(tmp_path / "v", num_train=20, num_val=4, seed=0)
+    digest = hashlib.sha256((tmp_path / "v" / "conversations.jsonl").read_bytes()).hexdigest()
     assert digest == GOLDEN_JSONL_SHA256
+    write_shapes_dataset(tmp_path / "n", num_train=20, num_val=4, seed=0, video_share=0)
+    digest = hashlib.sha256((tmp_path / "n" / "conversations.jsonl").read_bytes()).hexdigest()
+    assert digest == GOLDEN_NO_VIDEO_JSONL_SHA256
+
+
+# --------------------------------------------------------------------------- video
+
+
+def test_answer_matches_direction_variants() -> None:
+    assert answer_matches("left", "left", "direction")
+    assert answer_matches("left", "It moves to the left.", "direction")
+    assert answer_matches("left", "The red circle moves from right to left.", "direction")
+    assert answer_matches("up", "Upwards, to the top.", "direction")
+    assert answer_matches("down", "It goes from the top to the bottom.", "direction")
+    assert not answer_matches("left", "right", "direction")
+    assert not answer_matches("left", "left or right", "direction")
+    assert not answer_matches("up", "It does not move.", "direction")
+
+
+def test_answer_matches_order_first_shape_named() -> None:
+    assert answer_matches("circle", "The red circle appears first.", "order")
+    assert answer_matches("star", "Stars.", "order")
+    assert not answer_matches("circle", "The square, then the circle.", "order")
+    assert not answer_matches("circle", "I cannot tell.", "order")
+
+
+def test_answer_matches_count_time_uses_number_rule() -> None:
+    assert answer_matches("2", "There are two shapes at the end.", "count_time")
+    assert answer_matches("0", "There are none at the start.", "count_time")
+    assert not answer_matches("2", "3", "count_time")
+
+
+def test_answer_matches_colour_change_names_end_colour() -> None:
+    assert answer_matches("blue", "blue", "colour_change")
+    assert answer_matches("blue", "It turns blue.", "colour_change")
+    assert answer_matches("blue", "The square turns from red to blue.", "colour_change")
+    assert answer_matches("blue", "It changes from red into blue.", "colour_change")
+    assert not answer_matches("blue", "It turns red.", "colour_change")
+    assert not answer_matches("blue", "red and blue", "colour_change")
+    assert not answer_matches("blue", "It turns from blue to red.", "colour_change")
+
+
+def test_sampled_frames_catch_every_event_gap() -> None:
+    """The clips' timing rests on this: at the default 2-fps sampling of a 4-fps clip of
+    6-16 frames, the first and last frames are sampled and any _EVENT_GAP consecutive frames
+    hold a sampled one."""
+    for num_frames in range(_CLIP_FRAMES[0], _CLIP_FRAMES[1] + 1):
+        idx = VIDEO_GEOMETRY.sample_indices(num_frames, CLIP_FPS)
+        assert idx[0] == 0 and idx[-1] == num_frames - 1
+        assert np.diff(idx).max() <= _EVENT_GAP, (num_frames, idx)
+        assert len(idx) < num_frames  # the processor really drops frames
+
+
+_PALETTE_RGB = {**_COLOURS, **{f"bg:{k}": v for k, v in _BACKGROUNDS.items()}}
+
+
+def _nearest_colour(rgb: np.ndarray) -> str:
+    return min(_PALETTE_RGB, key=lambda name: math.dist(_PALETTE_RGB[name], rgb))
+
+
+def _colour_at(frame: np.ndarray, cx: int, cy: int) -> str:
+    """The palette colour (or ``bg:<background>``) closest to a 3x3 patch's mean."""
+    patch = frame[cy - 1 : cy + 2, cx - 1 : cx + 2].reshape(-1, 3).astype(float)
+    return _nearest_colour(patch.mean(axis=0))
+
+
+def _pixel_facts(clip: _Clip, frames: np.ndarray, indices: np.ndarray) -> dict:
+    """What the decoded, sampled frames show; the clip gives only where to look (shape
+    centres) and which colour the subject starts with."""
+    facts: dict = {}
+    if clip.kind == "move":
+        mover = clip.frames[0][-1]
+        want = np.asarray(_COLOURS[mover.colour], dtype=float)
+        centroids = []
+        for frame in frames:
+            mask = np.linalg.norm(frame.astype(float) - want, axis=-1) < 50
+            assert mask.sum() > 50
+            ys, xs = np.nonzero(mask)
+            centroids.append((xs.mean(), ys.mean()))
+        (x0, y0), (x1, y1) = centroids[0], centroids[-1]
+        dx, dy = x1 - x0, y1 - y0
+        if abs(dx) >= abs(dy):
+            facts["direction"] = "right" if dx > 0 else "left"
+            steps = np.diff([c[0] for c in centroids]) * np.sign(dx)
+            assert abs(dx) >= 20 and abs(dy) <= 3, (dx, dy)
+        else:
+            facts["direction"] = "down" if dy > 0 else "up"
+            steps = np.diff([c[1] for c in centroids]) * np.sign(dy)
+            assert abs(dy) >= 20 and abs(dx) <= 3, (dx, dy)
+        assert steps.min() > 0  # a steady move, every sampled frame further on
+    if clip.kind == "appear":
+        sprites = {s.kind: s for sprites in clip.frames for s in sprites}
+        shown = {
+            kind: [_colour_at(f, s.cx, s.cy) == s.colour for f in frames]
+            for kind, s in sprites.items()
+        }
+        first_seen = {kind: seen.index(True) for kind, seen in shown.items()}
+        assert len(set(first_seen.values())) == len(first_seen)  # no two appear together
+        facts["order"] = sorted(first_seen, key=first_seen.get)
+        facts["count_start"] = sum(seen[0] for seen in shown.values())
+        facts["count_end"] = sum(seen[-1] for seen in shown.values())
+        facts["count_all"] = len(first_seen)
+    else:  # a move or colour clip: the same shapes in every frame
+        counts = {
+            sum(_colour_at(frames[j], s.cx, s.cy) == s.colour for s in clip.frames[t])
+            for j, t in enumerate(indices)
+        }
+        assert len(counts) == 1, counts
+        facts["count"] = counts.pop()
+    if clip.kind == "colour":
+        s = clip.frames[0][-1]
+        facts["colour_start"] = _colour_at(frames[0], s.cx, s.cy)
+        facts["colour_end"] = _colour_at(frames[-1], s.cx, s.cy)
+        assert facts["colour_start"] != facts["colour_end"]
+    return facts
+
+
+def _expected(question: str, kind: str, facts: dict) -> str:
+    """The answer the sampled frames give to ``question``."""
+    if kind == "direction":
+        return facts["direction"]
+    if kind == "order":
+        word = re.search(r"appears (first|second|third|last)", question).group(1)
+        order = facts["order"]
+        return order[-1] if word == "last" else order[("first", "second", "third").index(word)]
+    if kind == "count_time":
+        if "end" in question or "last frame" in question:
+            return str(facts["count_end"])
+        if "start" in question or "first frame" in question:
+            return str(facts["count_start"])
+        return str(facts["count_all"])
+    if kind == "colour_change":
+        return facts["colour_end"]
+    if kind == "colour":
+        return facts["colour_start"]
+    assert kind == "count", kind
+    return str(facts["count"])
+
+
+def _decode_sampled(path: Path, clip: _Clip) -> tuple[np.ndarray, np.ndarray]:
+    indices = VIDEO_GEOMETRY.sample_indices(clip.num_frames, clip.fps)
+    return decode_frames(path, indices), indices
+
+
+@pytest.mark.parametrize("kind", CLIP_KINDS)
+def test_clip_answers_match_decoded_sampled_frames(tmp_path: Path, kind: str) -> None:
+    """Every question a clip kind asks, on clips of every frame count, is answered by what
+    the processor's sampled frames show after the H.264 round trip."""
+    checked = 0
+    for i in range(2 * (_CLIP_FRAMES[1] - _CLIP_FRAMES[0] + 1)):
+        num_frames = _CLIP_FRAMES[0] + i % (_CLIP_FRAMES[1] - _CLIP_FRAMES[0] + 1)
+        rng = random.Random(f"clip-test:{kind}:{i}")
+        clip = _CLIP_SAMPLERS[kind](rng, num_frames, rng.choice(list(_BACKGROUNDS)))
+        pixels = _draw_clip(clip)
+        assert pixels.shape == (num_frames, clip.height, clip.width, 3)
+        path = write_video(tmp_path / f"{kind}-{i}.mp4", pixels, clip.fps)
+        frames, indices = _decode_sampled(path, clip)
+        facts = _pixel_facts(clip, frames, indices)
+        firsts, follow_ups = _CLIP_QUESTIONS[kind]
+        for _, fn in firsts + follow_ups:
+            for j in range(4):
+                turn = fn(random.Random(j), clip)
+                assert turn.answer == _expected(turn.question, turn.kind, facts), turn
+                assert answer_matches(turn.answer, turn.reply, turn.kind), turn
+                checked += 1
+    assert checked >= 100
+
+
+def test_video_rows_answers_match_their_clips(tmp_path: Path) -> None:
+    """Rows of an all-video set: each answer in ``meta`` is what the row's own clip file
+    shows at the processor's sampled frames."""
+    out = write_shapes_dataset(tmp_path, num_train=36, num_val=6, seed=5, video_share=1.0)
+    rows = _rows(out)
+    assert all(r["videos"] and not r["images"] for r in rows)
+    for row in rows:
+        split, index = row["split"], int(row["id"].rsplit("-", 1)[1])
+        _, clip = _row_clip(5, split, index)
+        frames, indices = _decode_sampled(out / row["videos"][0], clip)
+        facts = _pixel_facts(clip, frames, indices)
+        for ans in row["meta"]["answers"]:
+            question = row["conversations"][ans["turn"] - 1]["content"]
+            assert ans["answer"] == _expected(question, ans["kind"], facts), row["id"]
