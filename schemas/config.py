@@ -397,6 +397,8 @@ class ValidateConfig(_Section):
     """Warn when one loader worker's packing buffer is estimated to hold more (GiB)."""
     min_forecast_fill: float = 0.7
     """Warn when the forecast fill at ``packing.packing_buffer_size`` is lower."""
+    max_visual_tokens: int = 16384
+    """Warn when a sample has more visual tokens (its images' and videos' together)."""
 
     def rules(self) -> list[str]:
         p: list[str] = []
@@ -404,6 +406,7 @@ class ValidateConfig(_Section):
         _check(
             p, 0.0 <= self.min_forecast_fill <= 1.0, "validate.min_forecast_fill must be in [0, 1]"
         )
+        _check(p, self.max_visual_tokens >= 1, "validate.max_visual_tokens must be >= 1")
         return p
 
 

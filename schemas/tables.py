@@ -103,6 +103,8 @@ class LengthsModel(pa.DataFrameModel):
     padded)."""
     video_grids: Series[str] = pa.Field(str_startswith="[")
     """JSON list of each video's (t, h, w) patch grid (t: temporal groups), in order."""
+    video_frame_counts: Series[str] = pa.Field(str_startswith="[")
+    """JSON list of each video's sampled frames, in order."""
 
     class Config:
         strict = True

@@ -68,6 +68,7 @@ LENGTH_COLUMNS = [
     "num_videos",
     "video_frames",
     "video_grids",
+    "video_frame_counts",
 ]
 VisualRule = Callable[[int, int], int]
 
@@ -150,6 +151,7 @@ class LengthReader(ConversationReader):
             "image_grids": json.dumps(grids),
             "images_moved": moved,
             "video_grids": json.dumps([list(g) for g in exact.video_grids]),
+            "video_frame_counts": json.dumps(list(exact.video_frame_counts)),
         }
 
 
@@ -158,6 +160,7 @@ def _record(lengths) -> dict[str, int]:
     video grids go in their own JSON column)."""
     out = asdict(lengths)
     out.pop("video_grids")
+    out["video_frame_counts"] = list(out["video_frame_counts"])
     return out
 
 
@@ -494,6 +497,7 @@ def connect_processor(
                     "image_grids": rec["image_grids"],
                     "images_moved": rec["images_moved"],
                     "video_grids": rec["video_grids"],
+                    "video_frame_counts": rec["video_frame_counts"],
                 }
                 for split, rec in records
             ]

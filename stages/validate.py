@@ -304,6 +304,58 @@ def _images_per_sample(x: Inputs) -> list[Issue]:
 
 
 @DATA_RULES.rule(
+    "data.frames_per_video",
+    "data",
+    "no video has more sampled frames than prepare.max_frames_per_video",
+)
+def _frames_per_video(x: Inputs) -> list[Issue] | None:
+    counts = [n for doc in x.lengths["video_frame_counts"] for n in json.loads(doc)]
+    if not counts:
+        return None
+    limit = x.cfg.prepare.max_frames_per_video
+    x.facts["frames_per_video"] = {"max": max(counts), "videos": len(counts)}
+    n = sum(1 for c in counts if c > limit)
+    if n == 0:
+        return []
+    return [
+        error(
+            "prepare.max_frames_per_video",
+            f"{n} videos have more than prepare.max_frames_per_video {limit} sampled frames "
+            f"(up to {max(counts)}): the dataset was prepared under another limit",
+            "rebuild the dataset with this limit: packline run --from prepare",
+        )
+    ]
+
+
+@DATA_RULES.rule(
+    "data.visual_tokens_per_sample",
+    "data",
+    "no sample has more visual tokens (images and videos) than validate.max_visual_tokens",
+)
+def _visual_tokens_per_sample(x: Inputs) -> list[Issue]:
+    visual = x.lengths["image_tokens"] + x.lengths["video_tokens"]
+    limit = x.cfg.validate.max_visual_tokens
+    x.facts["visual_tokens_per_sample"] = {
+        "max": int(visual.max()) if len(visual) else 0,
+        "video_max": int(x.lengths["video_tokens"].max()) if len(visual) else 0,
+    }
+    n = int((visual > limit).sum())
+    if n == 0:
+        return []
+    return [
+        warning(
+            "validate.max_visual_tokens",
+            f"{n} samples have more than validate.max_visual_tokens {limit} visual tokens (up "
+            f"to {int(visual.max())}): the vision tower attends over each image and each pair "
+            "of video frames at once, so its memory grows with the square of a frame's tokens",
+            "lower the processor's pixel bounds (processor.max_pixels; a video processor's "
+            "size.longest_edge bounds a whole clip) or its fps, or raise "
+            "validate.max_visual_tokens",
+        )
+    ]
+
+
+@DATA_RULES.rule(
     "megatron.encoder_limits",
     "megatron",
     "no sample exceeds the image and visual-token limits of Megatron-Bridge's encoder, which "
@@ -410,10 +462,18 @@ def buffered_bytes(x: Inputs) -> dict[str, list[int]]:
     geometry = processor_geometry(x.processor)
     patch_dim = 3 * geometry.temporal_patch_size * geometry.patch_size**2  # RGB patch values
     train = x.lengths[x.lengths["split"] == "train"]
-    image_bytes = x.manifest.drop_duplicates("key").set_index("key")["image_bytes"]
+    manifest = x.manifest.drop_duplicates("key").set_index("key")
+    image_bytes = manifest["image_bytes"]
+    video_bytes = manifest["video_bytes"] if "video_bytes" in manifest else {}
     out: dict[str, list[int]] = {"lazy": [], "eager": []}
-    for key, tokens, num_images, grids in zip(
-        train["key"], train["total_tokens"], train["num_images"], train["image_grids"], strict=True
+    for key, tokens, num_images, grids, num_videos, video_grids in zip(
+        train["key"],
+        train["total_tokens"],
+        train["num_images"],
+        train["image_grids"],
+        train["num_videos"],
+        train["video_grids"],
+        strict=True,
     ):
         args = dict(
             num_tokens=int(tokens),
@@ -421,6 +481,10 @@ def buffered_bytes(x: Inputs) -> dict[str, list[int]]:
             image_bytes=int(image_bytes.get(key, 0)),
             num_patches=sum(t * h * w for t, h, w in json.loads(grids)),
             patch_dim=patch_dim,
+            num_videos=int(num_videos),
+            video_bytes=int(video_bytes.get(key, 0)),
+            # A video patch spans temporal_patch_size sampled frames (an odd count padded).
+            num_video_patches=sum(t * h * w for t, h, w in json.loads(video_grids)),
         )
         for mode in out:
             out[mode].append(buffered_sample_bytes(mode, **args))
@@ -454,7 +518,11 @@ def _worker_memory(x: Inputs) -> list[Issue] | None:
     if per_worker[mode] <= limit * GIB:
         return []
     fitting = max(1, math.floor(limit * GIB / mean[mode]))
-    held = "pixel tensors" if mode == "eager" else "token ids and encoded images"
+    held = (
+        "pixel tensors of images and sampled video frames"
+        if mode == "eager"
+        else "token ids and encoded images and videos"
+    )
     fix = f"lower packing.packing_buffer_size to {fitting}"
     if mode == "eager":
         fix = (

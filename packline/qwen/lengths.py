@@ -62,6 +62,8 @@ class LengthRecord:
     padded by repeating the last frame)."""
     video_grids: tuple[tuple[int, int, int], ...] = ()
     """Each video's ``video_grid_thw`` row, in order."""
+    video_frame_counts: tuple[int, ...] = ()
+    """Each video's sampled frames, in order (their sum is ``video_frames``)."""
 
 
 @dataclass(frozen=True)
@@ -191,13 +193,14 @@ def exact_lengths(
     merged = int(out["image_grid_thw"].prod(axis=-1).sum()) // merge if images else 0
     assert image_tokens == merged, f"{image_tokens} <|image_pad|> but grids give {merged}"
     grids: tuple[tuple[int, int, int], ...] = ()
-    frames = 0
+    frames, counts = 0, ()
     if videos:
         grid = out["video_grid_thw"]
         grids = tuple(tuple(int(v) for v in row) for row in grid.tolist())
         merged = int(grid.prod(axis=-1).sum()) // processor.video_processor.merge_size**2
         assert video_tokens == merged, f"{video_tokens} <|video_pad|> but grids give {merged}"
-        frames = sum(map(len, sampled_indices(processor, videos)))
+        counts = tuple(map(len, sampled_indices(processor, videos)))
+        frames = sum(counts)
     else:
         assert video_tokens == 0, f"{video_tokens} <|video_pad|> in a conversation without video"
     text_tokens = len(input_ids) - image_tokens - video_tokens
@@ -213,6 +216,7 @@ def exact_lengths(
         num_videos=len(videos),
         video_frames=frames,
         video_grids=grids,
+        video_frame_counts=counts,
     )
 
 
@@ -275,6 +279,7 @@ def cheap_lengths(
         num_videos=len(video_headers),
         video_frames=sum(sampled),
         video_grids=grids,
+        video_frame_counts=tuple(sampled),
     )
 
 
