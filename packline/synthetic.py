@@ -71,6 +71,7 @@ from PIL import Image, ImageDraw
 from packline.video import write_video
 
 __all__ = [
+    "ANSWER_CHOICES",
     "ANSWER_KINDS",
     "BACKGROUND_NAMES",
     "CLIP_FPS",
@@ -80,6 +81,7 @@ __all__ = [
     "NUMBER_WORDS",
     "ORDINALS",
     "POSITION_NAMES",
+    "SHAPES_VERSION",
     "SHAPE_NAMES",
     "SIZE_WORDS",
     "VIDEO_SHARE",
@@ -153,6 +155,8 @@ _PREPOSITION = {
     "bottom right": "at the bottom right",
 }
 
+DIRECTION_NAMES = ("left", "right", "up", "down")
+"""Directions a shape moves in, as answered to "Which way does ... move?"."""
 ORDINALS = ("first", "second", "third")
 """How the images of a multi-image row are named ("the second image")."""
 NUMBER_WORDS = tuple(
@@ -164,6 +168,21 @@ NUMBER_WORDS = tuple(
 """Numbers as words (index = value), in questions and as accepted answers."""
 SIZE_WORDS = ("small", "medium", "large")
 """A shape's size in the detailed descriptions, by its share of its grid cell."""
+
+ANSWER_CHOICES: dict[str, tuple[str, ...]] = {
+    "colour": COLOUR_NAMES,
+    "position": POSITION_NAMES,
+    "direction": DIRECTION_NAMES,
+    "order": SHAPE_NAMES,
+    "count_time": ("0", "1", "2", "3", "4"),
+    "colour_change": COLOUR_NAMES,
+}
+"""Every answer a question of these kinds can have (the kinds with a closed set), e.g. for
+the chance of guessing: ``1 / len(ANSWER_CHOICES[kind])``."""
+
+SHAPES_VERSION = 2
+"""Bumped when what :func:`write_shapes_dataset` writes for the same arguments changes (2:
+video rows), so a generated copy kept on disk can tell it is stale."""
 
 _MIN_TOKENS, _MAX_TOKENS = 16, 1024
 _TOKEN_PX = 32  # one LLM token per 32x32 block (16 px ViT patches, 2x2 merge)
@@ -194,8 +213,6 @@ VIDEO_SHARE = 0.15
 CLIP_KINDS = ("move", "appear", "colour")
 """What happens in a clip: one shape moves across, shapes appear one after another, or a
 shape's colour changes."""
-DIRECTION_NAMES = ("left", "right", "up", "down")
-"""Directions a shape moves in, as answered to "Which way does ... move?"."""
 CLIP_FPS = 4.0
 """Frame rate of every clip. The processor samples 2 frames a second by default (at least
 4), so about every other frame is seen."""

@@ -22,6 +22,7 @@ from packline.synthetic import (
     _CLIP_SAMPLERS,
     _COLOURS,
     _EVENT_GAP,
+    ANSWER_CHOICES,
     ANSWER_KINDS,
     CLIP_FPS,
     CLIP_KINDS,
@@ -164,6 +165,9 @@ def test_rows_consistent_markers_images_answers(big_set: tuple[Path, list[dict]]
             assert _CLIP_FRAMES[0] <= header.num_frames <= _CLIP_FRAMES[1]
             assert header.fps == row["meta"]["clip"]["fps"] == CLIP_FPS
             assert header.width % 32 == 0 and header.height % 32 == 0
+            sampled = VIDEO_GEOMETRY.num_sampled(header.num_frames, header.fps)
+            size = (header.height, header.width)
+            assert VIDEO_GEOMETRY.resized(sampled, *size) == size  # the processor keeps it
         roles = [m["role"] for m in conv if m["role"] != "system"]
         assert roles == ["user", "assistant"] * (len(roles) // 2), row["id"]
         assert 1 <= len(roles) // 2 <= 4
@@ -179,6 +183,7 @@ def test_rows_consistent_markers_images_answers(big_set: tuple[Path, list[dict]]
             assert msg["role"] == "assistant", row["id"]
             assert ans["answer"].lower() in msg["content"].lower(), row["id"]
             assert answer_matches(ans["answer"], msg["content"], ans["kind"]), row["id"]
+            assert ans["answer"] in ANSWER_CHOICES.get(ans["kind"], (ans["answer"],))
 
 
 def test_answer_kinds_all_present(big_set: tuple[Path, list[dict]]) -> None:
