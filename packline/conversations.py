@@ -250,10 +250,8 @@ def _load_video(folder: Path, rel: Any, sid: str, limits: VideoLimits) -> VideoR
         header = probe_video(data)
     except VideoError as exc:
         raise Rejected("video_unreadable", f"{rel!r}: {exc}", sid) from None
-    clip = (
-        f"{rel!r} ({header.num_frames} frames at {header.fps:g} fps, "
-        f"{header.width}x{header.height})"
-    )
+    frames = f"{header.num_frames} frame" + ("s" if header.num_frames != 1 else "")
+    clip = f"{rel!r} ({frames} at {header.fps:g} fps, {header.width}x{header.height})"
     if header.duration > limits.max_video_seconds:
         raise Rejected(
             "video_too_long",

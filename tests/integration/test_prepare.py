@@ -1,16 +1,29 @@
 from __future__ import annotations
 
 import json
+import tarfile
 from pathlib import Path
 
 import pandas as pd
+import pytest
 from megatron.energon import WorkerConfig, get_loader, get_train_dataset
 from PIL import Image
 
+from packline.conversations import parse_row
 from packline.energon.sample import ConversationReader
+from packline.qwen.processor import copy_tiny_processor
+from packline.qwen.vision import VideoGeometry
+from packline.video import VideoHeader, probe_video, write_video
 from pipelines.cli import main
-from stages.prepare import prepare_dataset
+from schemas.errors import UserError
+from stages.prepare import image_geometry, prepare_dataset, video_geometry, video_limits
 from tests.conftest import make_config
+from tests.integration.video_folder import (
+    VIDEO_LIMITS,
+    decodable_frames,
+    make_video_folder,
+    moving_square,
+)
 
 
 def _png(path: Path, size: tuple[int, int], colour: str = "red") -> str:
@@ -160,3 +173,192 @@ def test_prepare_fails_with_exit_2_when_rejects_exceed_the_limit(tmp_path: Path,
     assert "Traceback" not in err
     assert not (tmp_path / "work" / "prepare" / "_COMPLETE.json").exists()
     assert len((tmp_path / "work" / "prepare.rejects.jsonl").read_text().splitlines()) == 12
+
+
+# --- videos ---------------------------------------------------------------------------------
+
+
+def _video_prepare(tmp_path: Path):
+    vf = make_video_folder(tmp_path)
+    cfg = make_config(
+        tmp_path / "work",
+        f"data.source={vf.folder}",
+        "prepare.val_fraction=0",
+        "prepare.max_reject_fraction=1.0",
+        *VIDEO_LIMITS,
+    )
+    return vf, prepare_dataset(cfg)
+
+
+def _shard_members(out: Path) -> dict[str, bytes]:
+    members: dict[str, bytes] = {}
+    for shard in sorted(out.glob("*.tar")):
+        with tarfile.open(shard) as tar:
+            for info in tar.getmembers():
+                members[info.name] = tar.extractfile(info).read()
+    return members
+
+
+def test_prepare_keeps_good_video_rows_and_rejects_each_bad_video_kind(tmp_path: Path):
+    vf, result = _video_prepare(tmp_path)
+    out = result.out_dir
+
+    rejects = {
+        r["id"]: r for r in map(json.loads, (out / "rejects.jsonl").read_text().splitlines())
+    }
+    assert {rid: r["reason"] for rid, r in rejects.items()} == {
+        rid: reason for rid, (reason, _) in vf.bad.items()
+    }
+    for rid, (_, detail) in vf.bad.items():
+        assert detail in rejects[rid]["detail"], (rid, rejects[rid]["detail"])
+    m = result.metrics
+    assert m["prepare/rejected_video_path_unsafe"] == 2
+    assert m["prepare/rejected_video_unreadable"] == 2
+    for reason in ("missing_video", "video_too_short", "too_many_videos", "too_many_frames"):
+        assert m[f"prepare/rejected_{reason}"] == 1
+    assert m["prepare/rejected_video_too_long"] == m["prepare/rejected_marker_count_mismatch"] == 1
+
+    manifest = pd.read_parquet(out / "manifest.parquet").set_index("id")
+    assert set(manifest.index) == set(vf.good)
+    for rid, videos in vf.good.items():
+        row = manifest.loc[rid]
+        assert row["num_videos"] == len(videos)
+        assert row["video_frames"] == sum(frames for _, frames in videos)
+        assert row["video_bytes"] == sum((vf.folder / p).stat().st_size for p, _ in videos)
+    assert manifest.loc["v_mixed", "num_images"] == 1
+    assert m["prepare/videos"] == 10
+    assert m["prepare/video_frames"] == manifest["video_frames"].sum()
+    assert m["prepare/video_bytes"] == manifest["video_bytes"].sum()
+    # Counted from the decoded frames: Matroska, WebM (no count in the header), the cut file.
+    assert m["prepare/video_frames_counted"] == 3
+    assert m["prepare/video_rotated"] == 1
+    assert m["prepare/video_variable_rate"] == 0
+
+    # The shards hold each video's original bytes and, in the JSON, its probed header.
+    members = _shard_members(out)
+    for rid, videos in vf.good.items():
+        key = manifest.loc[rid, "key"]
+        doc = json.loads(members[f"{key}.json"])
+        assert [h["num_frames"] for h in doc["videos"]] == [f for _, f in videos]
+        for k, (path, _) in enumerate(videos):
+            ext = Path(path).suffix.lstrip(".")
+            assert members[f"{key}.vid{k}.{ext}"] == (vf.folder / path).read_bytes()
+            assert doc["videos"][k] == probe_video(vf.folder / path).to_dict()
+    assert "v_mp4.vid0.mp4" in members
+    rotated = VideoHeader.from_dict(json.loads(members["v_rot.json"])["videos"][0])
+    assert (rotated.rotation, rotated.width, rotated.height) == (90, 48, 64)
+    mkv = VideoHeader.from_dict(json.loads(members["v_mkv.json"])["videos"][0])
+    assert mkv.counted and mkv.num_frames == 10
+    # Cut short: the decoded count, never the 20 frames the header announces.
+    path, announced = vf.truncated
+    cut = VideoHeader.from_dict(json.loads(members["v_cut.json"])["videos"][0])
+    decoded = decodable_frames((vf.folder / path).read_bytes())
+    assert 0 < decoded < announced
+    assert (cut.num_frames, cut.counted, cut.announced_frames) == (decoded, True, announced)
+    assert cut.duration == decoded / cut.fps
+
+    # Energon's loader gives the bytes back as ConversationSample.videos, in order.
+    ds = get_train_dataset(
+        out,
+        split_part="train",
+        worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0),
+        batch_size=1,
+        shuffle_buffer_size=None,
+        max_samples_per_sequence=None,
+        task_encoder=ConversationReader(),
+        repeat=False,
+    )
+    by_id = {s.sample_id: s for batch in get_loader(ds) for s in batch}
+    assert set(by_id) == set(vf.good)
+    for rid, videos in vf.good.items():
+        sample = by_id[rid]
+        assert sample.videos == [(vf.folder / p).read_bytes() for p, _ in videos]
+        assert [h["num_frames"] for h in sample.video_headers] == [f for _, f in videos]
+    assert by_id["v_mp4"].images == []
+    user = {rid: s.conversation[0]["content"] for rid, s in by_id.items()}
+    assert user["v_mp4"][0] == {"type": "video"}
+    # No marker: the video before the user's text.
+    assert user["v_mkv"] == [{"type": "video"}, {"type": "text", "text": "Which way does it move?"}]
+    assert [p["type"] for p in user["v_mixed"]] == ["video", "text", "image", "text"]
+    assert len(by_id["v_mixed"].images) == 1 and len(by_id["v_mixed"].videos) == 1
+    assert [p["type"] for p in user["v_parts"]] == ["video", "text", "video", "text"]
+
+
+def test_video_rows_without_markers_go_after_the_images_before_the_user_text(tmp_path: Path):
+    folder = tmp_path / "data"
+    (folder / "img").mkdir(parents=True)
+    Image.new("RGB", (64, 64), "red").save(folder / "img" / "red.png")
+    write_video(folder / "a.mp4", moving_square(10), 4.0)
+    row = {
+        "id": "nomarkers",
+        "images": ["img/red.png"],
+        "videos": ["a.mp4"],
+        "conversations": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Same colour?"},
+            {"role": "assistant", "content": "no"},
+        ],
+    }
+    cfg = make_config(tmp_path / "work")
+    limits = video_limits(cfg)
+    parsed = parse_row(
+        json.dumps(row),
+        folder,
+        geometry=image_geometry(cfg),
+        max_images=8,
+        val_fraction=0.0,
+        videos=limits,
+    )
+    assert parsed.conversation[1]["content"] == [
+        {"type": "image"},
+        {"type": "video"},
+        {"type": "text", "text": "Same colour?"},
+    ]
+    assert parsed.videos[0].ext == "mp4" and parsed.videos[0].header.num_frames == 10
+    doc = json.loads(parsed.sample_json())
+    assert doc["videos"] == [parsed.videos[0].header.to_dict()]
+    # A text-only row's document still says it has no videos.
+    row = {"id": "t", "conversations": row["conversations"]}
+    text_only = parse_row(
+        json.dumps(row),
+        folder,
+        geometry=image_geometry(cfg),
+        max_images=8,
+        val_fraction=0.0,
+        videos=limits,
+    )
+    assert json.loads(text_only.sample_json())["videos"] == []
+
+
+def test_video_geometry_is_the_tiny_processors_and_a_processor_dirs_own(tmp_path: Path):
+    tiny = copy_tiny_processor(tmp_path / "tiny")
+    saved = json.loads((tiny / "video_preprocessor_config.json").read_text())
+    cfg = make_config(tmp_path / "work")
+    assert video_geometry(cfg) == VideoGeometry.from_config(saved)
+    # A processor dir: its own sampling; the config's patch sizes, not its pixel bounds.
+    saved.update(fps=4, min_frames=2)
+    (tiny / "video_preprocessor_config.json").write_text(json.dumps(saved))
+    cfg = make_config(
+        tmp_path / "work",
+        f"processor.path={tiny}",
+        "processor.temporal_patch_size=4",
+        "processor.max_pixels=8192",
+    )
+    geometry = video_geometry(cfg)
+    assert (geometry.fps, geometry.min_frames, geometry.temporal_patch_size) == (4.0, 2, 4)
+    assert geometry.max_pixels == saved["size"]["longest_edge"]
+
+
+def test_prepare_video_limits_out_of_range_are_config_errors(tmp_path: Path):
+    with pytest.raises(UserError) as err:
+        make_config(
+            tmp_path / "work",
+            "prepare.max_videos=-1",
+            "prepare.max_frames_per_video=0",
+            "prepare.max_video_seconds=0",
+        )
+    assert err.value.problems == [
+        "prepare.max_videos must be >= 0, got -1",
+        "prepare.max_frames_per_video must be >= 1, got 0",
+        "prepare.max_video_seconds must be > 0, got 0.0",
+    ]
