@@ -95,10 +95,18 @@ class DataConfig(_Section):
     """Synthetic set: number of held-out validation conversations."""
     seed: int = 0
     """Synthetic set: seed; the same seed gives byte-identical data."""
+    video_share: float = 0.15
+    """Synthetic set: share of the conversations that are about a video clip (0: images and
+    text only)."""
 
     def rules(self) -> list[str]:
         p: list[str] = []
         _check(p, self.num_train > 0, f"data.num_train must be > 0, got {self.num_train}")
+        _check(
+            p,
+            0.0 <= self.video_share <= 1.0,
+            f"data.video_share must be in [0, 1], got {self.video_share}",
+        )
         _check(p, self.num_val >= 0, f"data.num_val must be >= 0, got {self.num_val}")
         if self.source != "synthetic":
             _check(

@@ -122,8 +122,13 @@ def video_limits(cfg: PipelineConfig) -> VideoLimits:
 
 
 def synthetic_source_dir(cfg: PipelineConfig) -> Path:
+    """Where the built-in set of these settings is generated once (the generator's version in
+    the name: a copy an older packline wrote is not reused)."""
+    from packline.synthetic import SHAPES_VERSION
+
     d = cfg.data
-    return cfg.work_path / "source" / f"shapes-seed{d.seed}-train{d.num_train}-val{d.num_val}"
+    name = f"shapes-v{SHAPES_VERSION}-seed{d.seed}-train{d.num_train}-val{d.num_val}"
+    return cfg.work_path / "source" / f"{name}-video{d.video_share:g}"
 
 
 def resolve_source(cfg: PipelineConfig) -> Path:
@@ -146,6 +151,7 @@ def resolve_source(cfg: PipelineConfig) -> Path:
             num_train=cfg.data.num_train,
             num_val=cfg.data.num_val,
             seed=cfg.data.seed,
+            video_share=cfg.data.video_share,
             progress=lambda n: bar.advance(task, n),
         )
     (tmp / SOURCE_DONE).write_text("ok\n")

@@ -52,6 +52,7 @@ from packline.qwen.vision import ImageGeometry, VideoGeometry
 from packline.synthetic import (
     BACKGROUND_NAMES,
     COLOUR_NAMES,
+    DIRECTION_NAMES,
     NUMBER_WORDS,
     ORDINALS,
     POSITION_NAMES,
@@ -62,11 +63,12 @@ from packline.synthetic import (
 TINY_VOCAB_SIZE = 4096
 """Ids in the tiny tokenizer, special tokens included."""
 
-TINY_LAYOUT_VERSION = 3
+TINY_LAYOUT_VERSION = 4
 """Bumped when what :func:`build_tiny_processor` writes changes (2: a standard
 ``Qwen3VLProcessor`` dir with image and video processors; 3: the tokenizer's corpus takes the
-shapes set's words from :mod:`packline.synthetic`), so that stages fingerprinting the
-built-in processor rebuild it."""
+shapes set's words from :mod:`packline.synthetic`; 4: the video questions' words, and the
+video processor's ``cap_pixels_per_frame`` said explicitly), so that stages fingerprinting
+the built-in processor rebuild it."""
 
 SPECIAL_TOKENS = (
     "<|endoftext|>",
@@ -135,6 +137,11 @@ _SHAPES_WORDS = (
     *SHAPE_NAMES,
     *SIZE_WORDS,
     *ORDINALS,
+    *DIRECTION_NAMES,
+    *(
+        "video clip moves move appears appear disappears first last turns turn changes start "
+        "end beginning"
+    ).split(),
     *(
         "tiny about pixels across centred near background sides side drawing poster box holds "
         "shows shape shapes Image Colours Shapes total together same number each most in all "

@@ -18,7 +18,7 @@ from packline.energon.sample import ConversationReader
 from packline.packing.thd import to_device
 from packline.qwen.forward import packed_forward, token_loss_sum
 from packline.qwen.lengths import DecodedVideo, run_processor
-from packline.synthetic import answer_matches, normalize_answer
+from packline.synthetic import ANSWER_CHOICES, answer_matches, normalize_answer
 from packline.video import VideoHeader, decode_frames
 
 
@@ -76,9 +76,10 @@ def _val_questions(dataset_dir: Path, max_samples: int):
 
 
 def chance_accuracy(dataset_dir: Path, *, max_samples: int) -> tuple[float, dict[str, float]]:
-    """Accuracy of guessing uniformly among the distinct answers a question kind has, on
-    the questions :func:`eval_accuracy` asks: (Σ 1/|answers of the question's kind| / N,
-    that per kind)."""
+    """Accuracy of guessing uniformly among the answers a question kind can have, on the
+    questions :func:`eval_accuracy` asks: (Σ 1/|answers of the question's kind| / N, that
+    per kind). A kind's answers are those the built-in set can give it
+    (:data:`~packline.synthetic.ANSWER_CHOICES`), or at least the distinct ones asked."""
     kinds = [
         (q["kind"], normalize_answer(q["answer"]))
         for _, q in _val_questions(dataset_dir, max_samples)
@@ -86,7 +87,9 @@ def chance_accuracy(dataset_dir: Path, *, max_samples: int) -> tuple[float, dict
     if not kinds:
         return float("nan"), {}
     distinct = Counter(kind for kind, _ in set(kinds))
-    by_kind = {kind: 1 / n for kind, n in sorted(distinct.items())}
+    by_kind = {
+        kind: 1 / max(n, len(ANSWER_CHOICES.get(kind, ()))) for kind, n in sorted(distinct.items())
+    }
     return sum(by_kind[kind] for kind, _ in kinds) / len(kinds), by_kind
 
 

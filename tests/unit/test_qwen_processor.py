@@ -39,9 +39,10 @@ from packline.synthetic import (
     SIZE_WORDS,
 )
 
-# sha256 of the tiny tokenizer.json since its corpus takes the shapes set's words from
-# packline.synthetic (layout 3): every token id, so every length and loss, depends on it.
-TINY_TOKENIZER_SHA256 = "cb50c93ea99edf6c124fda2828897b0dbadf8f2966f3d0153f94655c38190649"
+# sha256 of the tiny tokenizer.json since its corpus takes the shapes set's words, the video
+# questions' included, from packline.synthetic (layout 4): every token id, so every length
+# and loss, depends on it.
+TINY_TOKENIZER_SHA256 = "e1480c9598e9d653edcec5fc29c1a51cae50f0822db0734f3611b1960e6c8349"
 
 # What a real Qwen3-VL HF dir holds in preprocessor_config.json (Qwen/Qwen3-VL-8B-Instruct):
 # it names the torchvision image processor by its legacy name.
