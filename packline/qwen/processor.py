@@ -294,29 +294,39 @@ def _build_tiny_tokenizer() -> Qwen2Tokenizer:
     return tokenizer
 
 
-def build_tiny_processor(out_dir: Path) -> Path:
-    """Build the built-in tiny processor into ``out_dir`` (created) and return it.
-
-    Offline and deterministic: the same inputs give byte-identical files. Load it back with
-    :func:`load_processor` (or ``AutoProcessor`` / ``Qwen3VLProcessor.from_pretrained``).
-    """
+def _tiny_media_kwargs() -> dict:
+    """What the tiny image and video processors share: the default geometry's patch, merge
+    and temporal patch sizes, normalisation and pixel bounds."""
     geometry = ImageGeometry()
-    shared = {
+    return {
         "patch_size": geometry.patch_size,
         "temporal_patch_size": geometry.temporal_patch_size,
         "merge_size": geometry.merge_size,
         "image_mean": [0.5, 0.5, 0.5],
         "image_std": [0.5, 0.5, 0.5],
         # Images: each within [min_pixels, max_pixels]. Videos: a clip's sampled frames
-        # together within the same bounds, so about 512 visual tokens at most.
+        # together within the same bounds, so about 1,024 visual tokens at most.
         "size": {"shortest_edge": geometry.min_pixels, "longest_edge": geometry.max_pixels},
     }
+
+
+def tiny_video_processor() -> Qwen3VLVideoProcessor:
+    """The tiny processor's video processor (no tokenizer is built): the whole-clip budget
+    without the reference per-frame cap, said explicitly (the processor warns when it is
+    left unset); sampling at the class's defaults, 2 frames per second."""
+    return Qwen3VLVideoProcessor(**_tiny_media_kwargs(), cap_pixels_per_frame=False)
+
+
+def build_tiny_processor(out_dir: Path) -> Path:
+    """Build the built-in tiny processor into ``out_dir`` (created) and return it.
+
+    Offline and deterministic: the same inputs give byte-identical files. Load it back with
+    :func:`load_processor` (or ``AutoProcessor`` / ``Qwen3VLProcessor.from_pretrained``).
+    """
     processor = Qwen3VLProcessor(
-        image_processor=Qwen2VLImageProcessor(**shared),
+        image_processor=Qwen2VLImageProcessor(**_tiny_media_kwargs()),
         tokenizer=_build_tiny_tokenizer(),
-        # The whole-clip budget without the reference per-frame cap, said explicitly (the
-        # processor warns when it is left unset). Sampling: its defaults, 2 frames per second.
-        video_processor=Qwen3VLVideoProcessor(**shared, cap_pixels_per_frame=False),
+        video_processor=tiny_video_processor(),
         chat_template=CHAT_TEMPLATE,
     )
     return _save_like_a_checkpoint(processor, Path(out_dir))
