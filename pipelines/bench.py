@@ -56,9 +56,12 @@ def _measuring(as_json: bool) -> Iterator[None]:
         yield
 
 
-def _default_set(work_dir: Path, config: str | Path | None) -> tuple[Path, Path, list[int]]:
-    """Prepare and connect the default set under ``work_dir`` (skipped when up to date):
-    the dataset dir, the processor dir and the train lengths."""
+def _default_set(
+    work_dir: Path, config: str | Path | None, overrides: list[str] | None = None
+) -> tuple[Path, Path, list[int]]:
+    """Prepare and connect the default set (``config`` with ``overrides``, e.g.
+    ``data.video_share=1.0`` for a set of video conversations) under ``work_dir`` (skipped
+    when up to date): the dataset dir, the processor dir and the train lengths."""
     import pandas as pd
 
     # The stages are the only way to a prepared dataset; this entry point may use them.
@@ -66,7 +69,7 @@ def _default_set(work_dir: Path, config: str | Path | None) -> tuple[Path, Path,
     from stages.base import stage_dir
     from stages.runner import run_stage
 
-    cfg = load_config(config, [f"work_dir={work_dir}", "mlflow.enabled=false"])
+    cfg = load_config(config, [*(overrides or []), f"work_dir={work_dir}", "mlflow.enabled=false"])
     run_stage(cfg, "prepare")
     run_stage(cfg, "connect")
     df = pd.read_parquet(stage_dir(cfg, "connect") / "lengths.parquet")
@@ -79,6 +82,7 @@ def bench_packing(
     as_json: bool = False,
     work_dir: str | Path | None = None,
     config: str | Path | None = None,
+    overrides: list[str] | None = None,
     seed: int = 0,
     num_vlm_samples: int = 20_000,
     num_select_lengths: int = 100_000,
@@ -101,7 +105,7 @@ def bench_packing(
     work_dir = Path(work_dir) if work_dir is not None else Path("runs") / "bench"
     with _measuring(as_json):
         console.log(f"bench packing: default set under {work_dir}")
-        dataset_dir, processor_dir, default_lengths = _default_set(work_dir, config)
+        dataset_dir, processor_dir, default_lengths = _default_set(work_dir, config, overrides)
 
         result: dict[str, Any] = {}
         vlm = vlm_sft_lengths(num_vlm_samples, seed=seed)
@@ -144,17 +148,21 @@ def bench_loader(
     as_json: bool = False,
     work_dir: str | Path | None = None,
     config: str | Path | None = None,
+    overrides: list[str] | None = None,
     throughput_samples: int | None = None,
     throughput_rounds: int = 4,
 ) -> dict[str, Any]:
     """The loader part of :func:`bench_packing` alone: worker RSS, the measured fill of
-    lazy_ffd@256 through the real Energon loader, throughput and packing overhead."""
+    lazy_ffd@256 through the real Energon loader, throughput and packing overhead.
+    ``overrides`` change the set it runs on: ``data.video_share=1.0`` measures the eager
+    and lazy workers on a buffer of video conversations (every frame decoded and its
+    sampled patches held in eager mode, the encoded file held in lazy mode)."""
     from packline.bench.loader import measure_loader
 
     work_dir = Path(work_dir) if work_dir is not None else Path("runs") / "bench"
     with _measuring(as_json):
         console.log(f"bench loader: default set under {work_dir}")
-        dataset_dir, processor_dir, lengths = _default_set(work_dir, config)
+        dataset_dir, processor_dir, lengths = _default_set(work_dir, config, overrides)
         result, loader_runs, throughput = measure_loader(
             dataset_dir,
             processor_dir,

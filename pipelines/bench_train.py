@@ -31,6 +31,7 @@ def bench_train(
     as_json: bool = False,
     work_dir: str | Path | None = None,
     config: str | Path | None = None,
+    overrides: list[str] | None = None,
     eval_every: int = 10,
 ) -> dict[str, Any]:
     """Train packing on and off from scratch on the default set (``config``, default
@@ -44,6 +45,7 @@ def bench_train(
     cfg = load_config(
         config,
         [
+            *(overrides or []),
             f"work_dir={work_dir}",
             "mlflow.enabled=false",
             "train.compare_packing=true",

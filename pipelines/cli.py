@@ -2,7 +2,7 @@
 
     packline run [CONFIG] [key=value ...] [--executor local|slurm] [--from STAGE] [--dryrun]
     packline stage NAME [CONFIG] [key=value ...]
-    packline bench {packing,loader,train} [--json] [--config PATH] [--work-dir DIR]
+    packline bench {packing,loader,train} [key=value ...] [--json] [--config PATH] [--work-dir DIR]
     packline compare [CONFIG] [key=value ...] [--experiment NAME] [--run RUN_ID]
     packline ui [CONFIG] [key=value ...] [--port N]
 
@@ -56,18 +56,19 @@ def cmd_stage(ns: argparse.Namespace) -> int:
 
 
 def cmd_bench(ns: argparse.Namespace) -> int:
+    common = dict(as_json=ns.json, config=ns.config, work_dir=ns.work_dir, overrides=ns.overrides)
     if ns.what == "packing":
         from pipelines.bench import bench_packing
 
-        bench_packing(as_json=ns.json, config=ns.config, work_dir=ns.work_dir)
+        bench_packing(**common)
     elif ns.what == "loader":
         from pipelines.bench import bench_loader
 
-        bench_loader(as_json=ns.json, config=ns.config, work_dir=ns.work_dir)
+        bench_loader(**common)
     else:
         from pipelines.bench_train import bench_train
 
-        bench_train(as_json=ns.json, config=ns.config, work_dir=ns.work_dir)
+        bench_train(**common)
     return 0
 
 
@@ -110,6 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["packing", "loader", "train"],
         help="packing: fill, loader, selection; loader: the real loader's memory, throughput "
         "and overhead alone; train: training packing on vs off",
+    )
+    b.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="config overrides of the set it runs on, e.g. data.video_share=1.0",
     )
     b.add_argument("--json", action="store_true", help="print JSON instead of a table")
     b.add_argument("--config", help="pipeline config of the default set (default: tiny_cpu)")
