@@ -24,8 +24,10 @@ from packline.energon.loader import train_loader
 from packline.energon.packing import PackingSettings, make_encoder
 from packline.progress import progress
 
-#: Packed loader runs whose worker RSS is sampled: (encoder mode, buffer size).
-RSS_RUNS = (("eager", 16), ("lazy", 256), ("lazy", 1024))
+#: Packed loader runs whose worker RSS is sampled: (encoder mode, buffer size). eager@16 is
+#: the small buffer an eager encoder affords; eager@256 and lazy@256 hold the same samples,
+#: as pixel tensors (every image's patches, every video's sampled frames) or as encoded files.
+RSS_RUNS = (("eager", 16), ("eager", 256), ("lazy", 256), ("lazy", 1024))
 #: Packing buffer of the packed throughput runs.
 THROUGHPUT_BUFFER = 256
 

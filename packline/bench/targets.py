@@ -47,8 +47,9 @@ def packing_targets(result: dict[str, Any]) -> dict[str, Target]:
 
 
 def loader_targets(result: dict[str, Any]) -> dict[str, Target]:
-    """The targets of ``bench loader``: lazy_ffd@256's worker RSS against eager_ffd@16's,
-    and the packing overhead.
+    """The targets of ``bench loader``: lazy_ffd@256's worker RSS against eager_ffd@16's
+    (and against eager_ffd@256's, the same buffer, when measured), and the packing
+    overhead.
 
     >>> t = loader_targets(
     ...     {"worker_rss_mb": {"eager_ffd@16": 700.0, "lazy_ffd@256": 350.0},
@@ -58,6 +59,11 @@ def loader_targets(result: dict[str, Any]) -> dict[str, Target]:
     (0.5, True)
     >>> t["packing_overhead"]["held"], t["packing_overhead"]["rule"]
     (False, '<= 0.05')
+    >>> loader_targets(
+    ...     {"worker_rss_mb": {"eager_ffd@16": 650.0, "eager_ffd@256": 960.0,
+    ...                        "lazy_ffd@256": 650.0}, "packing_overhead": 0.0}
+    ... )["worker_rss_mb.lazy_vs_eager@256"]["held"]
+    True
     """
     targets: dict[str, Target] = {}
     rss = result["worker_rss_mb"]
@@ -67,6 +73,13 @@ def loader_targets(result: dict[str, Any]) -> dict[str, Target]:
         "value": ratio,
         "rule": "<= 1x eager_ffd@16",
     }
+    if "eager_ffd@256" in rss:  # the same buffer both ways (measured by bench loader)
+        same = rss["lazy_ffd@256"] / rss["eager_ffd@256"]
+        targets["worker_rss_mb.lazy_vs_eager@256"] = {
+            "held": same < 1.0,
+            "value": same,
+            "rule": "< 1x eager_ffd@256",
+        }
     overhead = result["packing_overhead"]
     targets["packing_overhead"] = {
         "held": overhead <= OVERHEAD_TARGET,

@@ -38,7 +38,11 @@ def test_bench_loader_cli_measures_memory_throughput_and_fill(loader_result):
         1 - speed["lazy_ffd@256"] / speed["encode_only"]
     )
     assert 0 < result["fill_measured"] <= 1
-    assert set(result["targets"]) == {"worker_rss_mb.lazy_ffd@256", "packing_overhead"}
+    assert set(result["targets"]) == {
+        "worker_rss_mb.lazy_ffd@256",
+        "worker_rss_mb.lazy_vs_eager@256",
+        "packing_overhead",
+    }
 
 
 def test_bench_packing_reports_the_loader_figures_beside_the_fills(loader_result, capsys):
