@@ -7,6 +7,9 @@ Outputs in ``<work>/connect/``::
     lengths.parquet         key, split, text/image/total/loss tokens, images (exact)
     forecast.json           packing fill per buffer size and the lower bound
     length_histogram.png    distribution of conversation lengths vs seq_length
+    bridge_videos.json      train.backend megatron with videos: what Bridge's encoder makes of
+                            them (frames kept, re-sampled, its timestamps against the real
+                            ones), the figures validate warns with
 
 The real processor runs on every sample once, through Energon's loader. The cheap rule
 (image size from the file header → the resize rule → visual tokens, plus tokenized text) is
@@ -28,9 +31,18 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-from megatron.energon import WorkerConfig, get_loader, get_train_dataset, get_val_dataset
+from megatron.energon import (
+    Cooker,
+    WorkerConfig,
+    edataclass,
+    get_loader,
+    get_train_dataset,
+    get_val_dataset,
+    stateless,
+)
 
-from packline.energon.sample import ConversationReader, ConversationSample
+from packline.energon.bridge_sample_loader import frame_parts
+from packline.energon.sample import ConversationReader, ConversationSample, cook_conversation
 from packline.packing.forecast import simulate_packing
 from packline.packing.selection import align_up
 from packline.progress import console, progress
@@ -71,6 +83,30 @@ LENGTH_COLUMNS = [
     "video_frame_counts",
 ]
 VisualRule = Callable[[int, int], int]
+BRIDGE_VIDEOS = "bridge_videos.json"
+
+
+@edataclass
+class MeasuredSample(ConversationSample):
+    """A prepared sample with what Megatron-Bridge reads of its videos besides."""
+
+    #: Each video's pre-sampled frames as prepare stored them for Bridge (PNG bytes, in
+    #: order; empty lists when the dataset was prepared for the local backend).
+    video_frames: list[list[bytes]]
+    #: Each video's sampled frame indices and source fps (the JSON's ``"presampled"``).
+    presampled: list[dict[str, Any]]
+
+
+@stateless
+def cook_measured(raw: dict[str, Any]) -> MeasuredSample:
+    """Crude WebDataset dict → :class:`MeasuredSample` (pixels stay encoded)."""
+    sample = cook_conversation(raw)
+    fields = {f: getattr(sample, f) for f in sample.__dataclass_fields__}
+    return MeasuredSample(
+        **fields,
+        video_frames=[[raw[k] for k in keys] for keys in frame_parts(raw)],
+        presampled=json.loads(raw["json"]).get("presampled", []),
+    )
 
 
 class LengthReader(ConversationReader):
@@ -82,31 +118,101 @@ class LengthReader(ConversationReader):
     images move before its text and each image first goes through qwen-vl-utils'
     ``fetch_image``, as Megatron-Bridge's Qwen-VL encoder does.
 
-    Videos: the exact count gets every decoded frame of the file and its probed frame count
-    and rate (the processor samples), the cheap one the probed header only.
+    Videos, local backend: the exact count gets every decoded frame of the file and its
+    probed frame count and rate (the processor samples), the cheap one the probed header
+    only. Backend megatron: what Bridge reads, each video's pre-sampled frames
+    (``<key>.vid<k>.f<j>.png``), through Bridge's steps (:class:`~packline.qwen.vision.
+    BridgeVideoRule`): exact, the first ``max_num_frames`` frames through qwen-vl-utils'
+    ``fetch_video`` and the processor called as Bridge calls it (no fps, no metadata, the
+    dir's ``do_sample_frames``); cheap, the rule from the recorded frame count and the
+    header's size.
     """
 
+    cookers = [Cooker(cook_measured)]
+
     def __init__(
-        self, processor_dir: Path, visual_tokens: VisualRule | None = None, *, bridge: bool = False
+        self,
+        processor_dir: Path,
+        visual_tokens: VisualRule | None = None,
+        *,
+        bridge: bool = False,
+        max_num_frames: int | None = None,
     ):
         super().__init__()
         self.processor_dir = Path(processor_dir)
         self.visual_tokens = visual_tokens
         self.bridge = bridge
+        if bridge and max_num_frames is None:
+            raise ValueError("measuring as Megatron-Bridge needs its max_num_frames")
+        self.max_num_frames = max_num_frames
         self._processor = None
         self._geometry = None
+        self._bridge_videos = None
 
     @property
     def processor(self):
         if self._processor is None:  # loaded once per worker process
             from packline.qwen.processor import load_processor, processor_geometry
+            from packline.qwen.vision import BridgeVideoRule
 
             self._processor = load_processor(self.processor_dir)
             geometry = processor_geometry(self._processor)
             self._geometry = geometry.with_overrides(qwen_vl_utils_resize=self.bridge)
+            if self.bridge:
+                self._bridge_videos = BridgeVideoRule.of(
+                    self._processor, max_num_frames=self.max_num_frames
+                )
         return self._processor
 
-    def encode_sample(self, sample: ConversationSample) -> dict[str, Any]:
+    def _bridge_videos_of(self, sample: MeasuredSample, headers: list) -> tuple[list, list, list]:
+        """Bridge's view of the sample's videos: the exact inputs (each video's kept frames
+        through qwen-vl-utils), the cheap plans, and per video the facts connect reports."""
+        from PIL import Image
+
+        from packline.qwen.lengths import PresampledVideo
+        from packline.qwen.processor import processor_video_geometry
+        from packline.qwen.vision import bridge_fetch_video
+
+        rule = self._bridge_videos
+        if len(sample.video_frames) != len(headers) or len(sample.presampled) != len(headers):
+            raise ValueError(
+                f"{sample.__key__}: {len(headers)} videos but the pre-sampled frames of "
+                f"{len(sample.video_frames)} ({len(sample.presampled)} recorded): the dataset "
+                "was not prepared for train.backend megatron (rerun prepare with it)"
+            )
+        local = processor_video_geometry(self.processor)
+        exact, plans, facts = [], [], []
+        for parts, chosen, h in zip(sample.video_frames, sample.presampled, headers, strict=True):
+            indices = chosen["indices"]
+            if len(parts) != len(indices):
+                raise ValueError(
+                    f"{sample.__key__}: a video has {len(parts)} frame parts but "
+                    f"{len(indices)} sampled indices recorded"
+                )
+            n, kept = len(indices), rule.kept(len(indices))
+            frames = [Image.open(io.BytesIO(b)).convert("RGB") for b in parts[:kept]]
+            exact.append(PresampledVideo(bridge_fetch_video(frames), kept))
+            plan = rule.plan(n, h.height, h.width)
+            plans.append(plan)
+            # the source frames behind each position Bridge's processor takes (the kept ones,
+            # the last repeated to an even count): their real times, as packline renders them
+            padded = indices[:kept] + indices[kept - 1 : kept] * (kept % 2)
+            source = [padded[p] for p in rule.positions(n)]
+            bridge_ts = rule.timestamps(n)
+            real_ts = local.timestamps(h.num_frames, chosen["fps"], indices=source)
+            facts.append(
+                {
+                    "frames": n,
+                    "kept": kept,
+                    "seen": plan.num_frames,
+                    "timestamps": [f"<{t:.1f} seconds>" for t in bridge_ts],
+                    "real": [f"<{t:.1f} seconds>" for t in real_ts],
+                    "error": max(abs(a - b) for a, b in zip(bridge_ts, real_ts, strict=True)),
+                }
+            )
+        return exact, plans, facts
+
+    def encode_sample(self, sample: MeasuredSample) -> dict[str, Any]:
         from PIL import Image
 
         from packline.qwen.lengths import DecodedVideo, cheap_lengths, exact_lengths, media_first
@@ -120,18 +226,16 @@ class LengthReader(ConversationReader):
         moved = rendered != sample.conversation
         conversation = sample.conversation
         headers = [VideoHeader.from_dict(h) for h in sample.video_headers]
+        plans, facts = None, []
         if self.bridge:
-            if headers:
-                raise ValueError(
-                    f"{sample.__key__}: video samples are not measured for train.backend: "
-                    "megatron yet (Bridge re-samples and resizes frames its own way)"
-                )
             conversation = rendered
             images = [bridge_fetch_image(image) for image in images]
-        videos = [
-            DecodedVideo(decode_frames(data, range(h.num_frames), rotation=h.rotation), h)
-            for data, h in zip(sample.videos, headers, strict=True)
-        ]
+            videos, plans, facts = self._bridge_videos_of(sample, headers)
+        else:
+            videos = [
+                DecodedVideo(decode_frames(data, range(h.num_frames), rotation=h.rotation), h)
+                for data, h in zip(sample.videos, headers, strict=True)
+            ]
         exact = exact_lengths(
             processor, conversation, images, videos=videos, turn_newline=self.bridge
         )
@@ -140,7 +244,8 @@ class LengthReader(ConversationReader):
             conversation,
             sizes,
             visual_tokens=self.visual_tokens or self._geometry.visual_tokens,
-            video_headers=headers,
+            video_headers=() if self.bridge else headers,
+            video_plans=plans,
             turn_newline=self.bridge,
         )
         grids = [list(self._geometry.grid_thw(h, w)) for w, h in sizes]
@@ -152,6 +257,7 @@ class LengthReader(ConversationReader):
             "images_moved": moved,
             "video_grids": json.dumps([list(g) for g in exact.video_grids]),
             "video_frame_counts": json.dumps(list(exact.video_frame_counts)),
+            "bridge_videos": facts,  # per video, what Bridge's encoder makes of it
         }
 
 
@@ -167,6 +273,71 @@ def _record(lengths) -> dict[str, int]:
 def renders_for_bridge(cfg: PipelineConfig) -> bool:
     """Whether connect measures as Megatron-Bridge renders (``train.backend: megatron``)."""
     return cfg.train.backend == TrainBackend.megatron
+
+
+def bridge_max_num_frames(cfg: PipelineConfig) -> int:
+    """The ``max_num_frames`` Bridge's encoder gets (see
+    :func:`stages.megatron_overrides.max_num_frames`)."""
+    from stages.megatron_overrides import max_num_frames
+
+    return max_num_frames(cfg)
+
+
+def bridge_video_summary(
+    records: list[tuple[str, dict[str, Any]]], *, max_num_frames: int, do_sample_frames: bool
+) -> dict[str, Any]:
+    """What Bridge's encoder makes of the videos (``bridge_videos.json``): the frames it
+    keeps of each video's pre-sampled ones (``max_num_frames``), those its processor drops by
+    re-sampling (``do_sample_frames``), and its timestamps (frame positions over 24 fps)
+    against the real times of the frames behind them."""
+    from qwen_vl_utils import vision_process
+
+    videos = [(rec["key"], v) for _, rec in records for v in rec.get("bridge_videos", [])]
+
+    def part(rows: list[tuple[str, dict]]) -> dict[str, Any]:
+        return {
+            "videos": len(rows),
+            "samples": len({key for key, _ in rows}),
+            "examples": sorted({key for key, _ in rows})[:3],
+        }
+
+    truncated = [(k, v) for k, v in videos if v["kept"] < v["frames"]]
+    resampled = [(k, v) for k, v in videos if v["seen"] < v["kept"]]
+    differing = [(k, v) for k, v in videos if v["timestamps"] != v["real"]]
+    worst = max(videos, key=lambda kv: kv[1]["error"], default=None)
+    groups = [(a, b) for _, v in videos for a, b in zip(v["timestamps"], v["real"], strict=True)]
+    return {
+        "max_num_frames": max_num_frames,
+        "do_sample_frames": do_sample_frames,
+        # qwen-vl-utils bounds a long clip's frames by MODEL_SEQ_LEN (an environment variable,
+        # read where it is imported): measured with this one, Bridge's process must have it
+        "model_seq_len": vision_process.MODEL_SEQ_LEN,
+        "videos": len(videos),
+        "samples": len({key for key, _ in videos}),
+        "presampled_frames": sum(v["frames"] for _, v in videos),
+        "max_presampled_frames": max((v["frames"] for _, v in videos), default=0),
+        "truncated": {
+            **part(truncated),
+            "frames_dropped": sum(v["frames"] - v["kept"] for _, v in truncated),
+        },
+        "resampled": {
+            **part(resampled),
+            "frames_dropped": sum(v["kept"] - v["seen"] for _, v in resampled),
+        },
+        "timestamps": {
+            **part(differing),
+            "groups": len(groups),
+            "groups_differing": sum(a != b for a, b in groups),
+            "max_error_seconds": worst[1]["error"] if worst else 0.0,
+            "worst": None
+            if worst is None
+            else {
+                "key": worst[0],
+                "bridge": worst[1]["timestamps"],
+                "real": worst[1]["real"],
+            },
+        },
+    }
 
 
 def processor_source(cfg: PipelineConfig) -> Path | None:
@@ -188,6 +359,8 @@ def fingerprint_inputs(cfg: PipelineConfig) -> str:
             "buffers": list(cfg.packing.forecast_buffer_sizes),
             "seed": cfg.train.seed,
             "bridge": renders_for_bridge(cfg),
+            # Bridge keeps the first max_num_frames frames of a video: measured so
+            **({"max_num_frames": bridge_max_num_frames(cfg)} if renders_for_bridge(cfg) else {}),
         },
     )
 
@@ -195,9 +368,15 @@ def fingerprint_inputs(cfg: PipelineConfig) -> str:
 def materialize_processor(cfg: PipelineConfig, out: Path) -> Path:
     """Put the processor dir under ``out/processor``: a copy of the user's, or the tiny one,
     with the geometry the config sets (``processor.min_pixels`` ...) written into it, so that
-    every later reader of the dir (connect itself, the local trainer, Bridge) resizes alike."""
+    every later reader of the dir (connect itself, the local trainer, Bridge) resizes alike.
+
+    For ``train.backend: megatron`` its video processor also gets ``do_sample_frames:
+    false``: Bridge calls the processor without it (and without a frame rate), so the dir's
+    value decides, and Qwen3-VL's own ``true`` would re-sample prepare's pre-sampled frames
+    under an assumed 24 fps, keeping a few of them (4 of 12 at 2 fps). packline's own calls
+    say ``do_sample_frames`` explicitly, so the local path does not read it."""
     from packline.qwen.processor import copy_tiny_processor, load_processor, processor_geometry
-    from packline.qwen.vision import set_processor_geometry
+    from packline.qwen.vision import set_processor_geometry, set_video_sampling
 
     dest = out / PROCESSOR
     src = processor_source(cfg)
@@ -207,12 +386,20 @@ def materialize_processor(cfg: PipelineConfig, out: Path) -> Path:
         shutil.copytree(src, dest)
     if overrides := cfg.processor.geometry_overrides():
         set_processor_geometry(dest, **overrides)
-    loaded = processor_geometry(load_processor(dest))  # fails here, with the loader's message
+    if renders_for_bridge(cfg):
+        set_video_sampling(dest, do_sample_frames=False)
+    processor = load_processor(dest)  # fails here, with the loader's message
+    loaded = processor_geometry(processor)
     wanted = image_geometry(cfg)
     if loaded != wanted:
         raise UserError(
             [f"{dest} resizes with {loaded}, the config asks for {wanted}"],
             "connect: the processor dir does not take the configured geometry",
+        )
+    if renders_for_bridge(cfg) and processor.video_processor.do_sample_frames:
+        raise UserError(
+            [f"{dest} still samples video frames (do_sample_frames) after connect set it off"],
+            "connect: the processor dir does not take Megatron-Bridge's video settings",
         )
     return dest
 
@@ -225,13 +412,16 @@ def measure_lengths(
     visual_tokens: VisualRule | None = None,
     expected: int | None = None,
     bridge: bool = False,
+    max_num_frames: int | None = None,
 ) -> list[tuple[str, dict[str, Any]]]:
     """(split, record) for every sample of the prepared dataset, through Energon, rendered
     as Megatron-Bridge renders it when ``bridge`` (see :class:`LengthReader`)."""
     # Energon's loader asks for pinned memory; on a CPU-only machine torch warns each time.
     warnings.filterwarnings("ignore", message=".*pin_memory.*no accelerator.*")
     records: list[tuple[str, dict[str, Any]]] = []
-    encoder = LengthReader(processor_dir, visual_tokens, bridge=bridge)
+    encoder = LengthReader(
+        processor_dir, visual_tokens, bridge=bridge, max_num_frames=max_num_frames
+    )
     common = dict(batch_size=1, task_encoder=encoder)
     with progress() as bar:
         task = bar.add_task("connect lengths", total=expected)
@@ -472,6 +662,7 @@ def connect_processor(
             visual_tokens=visual_tokens,
             expected=len(manifest),
             bridge=renders_for_bridge(cfg),
+            max_num_frames=bridge_max_num_frames(cfg) if renders_for_bridge(cfg) else None,
         )
         mismatches = [
             f"{rec['key']}: the processor counts {rec['exact']['total_tokens']} tokens "
@@ -531,6 +722,16 @@ def connect_processor(
         forecast["flops"] = forecast_flops(cfg, processor, train)
         (out / "forecast.json").write_text(json.dumps(forecast, indent=2))
         _histogram(df, cfg.packing.seq_length, out / "length_histogram.png")
+        bridge_videos = None
+        if renders_for_bridge(cfg) and int(df["num_videos"].sum()):
+            from packline.qwen.processor import load_processor
+
+            bridge_videos = bridge_video_summary(
+                records,
+                max_num_frames=bridge_max_num_frames(cfg),
+                do_sample_frames=bool(load_processor(processor).video_processor.do_sample_frames),
+            )
+            (out / BRIDGE_VIDEOS).write_text(json.dumps(bridge_videos, indent=2))
 
     out_dir = stage_dir(cfg, STAGE)
     seconds = time.perf_counter() - t0
@@ -556,6 +757,18 @@ def connect_processor(
     for b, v in forecast["buffers"].items():
         metrics[f"connect/forecast_fill_b{b}"] = v["fill"]
         metrics[f"connect/forecast_packs_b{b}"] = v["packs"]
+    if bridge_videos is not None:  # what Bridge's encoder makes of the videos (validate warns)
+        metrics.update(
+            {
+                "connect/bridge_videos_truncated": bridge_videos["truncated"]["videos"],
+                "connect/bridge_frames_truncated": bridge_videos["truncated"]["frames_dropped"],
+                "connect/bridge_videos_resampled": bridge_videos["resampled"]["videos"],
+                "connect/bridge_frames_resampled_away": bridge_videos["resampled"][
+                    "frames_dropped"
+                ],
+                "connect/bridge_videos_timestamps_differ": bridge_videos["timestamps"]["videos"],
+            }
+        )
     console.log(
         "connect: forecast fill "
         + ", ".join(f"B={b}: {v['fill']:.3f}" for b, v in forecast["buffers"].items())
@@ -572,6 +785,7 @@ def connect_processor(
             "artifacts": [
                 str(out_dir / "forecast.json"),
                 str(out_dir / "length_histogram.png"),
+                *([str(out_dir / BRIDGE_VIDEOS)] if bridge_videos is not None else []),
             ],
         },
         seconds=seconds,

@@ -144,6 +144,17 @@ def bridge_overrides(
     return o
 
 
+#: Bridge's task-encoder field for the frames it keeps of each video (the first ones).
+MAX_NUM_FRAMES = "dataset.task_encoder.max_num_frames"
+
+
+def max_num_frames(cfg: PipelineConfig) -> int:
+    """The ``max_num_frames`` Bridge's encoder gets: ``prepare.max_frames_per_video``, which
+    no pre-sampled video exceeds, unless ``megatron.extra_overrides`` replaces it (then
+    connect measures the videos cut to it, and validate warns with the count)."""
+    return int(extra_overrides(cfg).get(MAX_NUM_FRAMES, cfg.prepare.max_frames_per_video))
+
+
 def extra_overrides(cfg: PipelineConfig) -> dict[str, Any]:
     """``megatron.extra_overrides`` as ``{"dotted.key": value}`` (values parsed as JSON)."""
     out: dict[str, Any] = {}
@@ -172,6 +183,9 @@ def _packline_overrides(
         "dataset.task_encoder.hf_processor_path": str(processor_dir(cfg)),
         "dataset.task_encoder.max_num_images": m.max_num_images,
         "dataset.task_encoder.max_visual_tokens": m.max_visual_tokens,
+        # every video's pre-sampled frames (prepare rejects a video of more than
+        # prepare.max_frames_per_video): Bridge's default, 60, would keep only the first 60
+        MAX_NUM_FRAMES: cfg.prepare.max_frames_per_video,
         # the visual geometry connect measured with (Bridge's defaults — min 200,704 and max
         # 1,003,520 pixels, patch 14 — would change every image's token count)
         **_geometry_overrides(cfg),

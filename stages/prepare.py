@@ -5,7 +5,8 @@ Outputs in ``<work>/prepare/``::
 
     train-000000.tar ... val-000000.tar ...  WebDataset shards (<key>.json, <key>.img<k>.<ext>,
                        <key>.vid<k>.<ext>: each image's and video's original bytes; the
-                       JSON holds each video's probed header)
+                       JSON holds each video's probed header; for train.backend megatron
+                       also <key>.vid<k>.f<j>.png, each video's pre-sampled frames)
     .nv-meta/          Energon index, split.yaml, dataset.yaml (packline's CrudeWebdataset),
                        bridge_dataset.yaml + bridge_sample_loader.py (Bridge's ChatMLWebdataset)
     bridge.yaml        MetadatasetV2 over these shards through bridge_dataset.yaml: what
@@ -18,10 +19,24 @@ rejected share exceeds ``prepare.max_reject_fraction``. Every video is decoded o
 container's caveats that do not make a length wrong (no frame count in the header, fewer
 frames than announced, a variable frame rate, a display rotation) are counted in the metrics
 (``prepare/video_frames_counted`` ...), with the decoded facts recorded.
+
+Videos for Megatron-Bridge (``train.backend: megatron`` only): Bridge's Qwen-VL dataset
+reads a video as a list of frames, never as a video file, and samples no frames by time (it
+has no frame rate; see :mod:`packline.energon.bridge_sample_loader`). So prepare samples each
+video itself, at the configured processor's own sampling (:func:`video_geometry`: its fps,
+``min_frames``, ``max_frames``; the frames packline's own loader would give the processor),
+decodes those frames upright and stores them losslessly as ``<key>.vid<k>.f<j>.png``, next
+to the video file, which packline's own readers keep using. The choice is recorded: the JSON
+document's ``"presampled"`` holds, per video, the sampled frame indices and the source fps;
+the stage's summary holds the sampling and the metrics count the frames and their bytes
+(``prepare/bridge_frames``, ``prepare/bridge_frame_bytes``). PNG frames take more room than
+the video file (often many times more), hence only for that backend, whose setting is in
+prepare's fingerprint.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 import time
@@ -35,7 +50,7 @@ import yaml
 from packline.conversations import ConversationRow, Rejected, VideoLimits, parse_row
 from packline.progress import console, progress
 from packline.qwen.vision import ImageGeometry, VideoGeometry
-from schemas.config import PipelineConfig
+from schemas.config import PipelineConfig, TrainBackend
 from schemas.errors import UserError
 from schemas.tables import REJECT_REASONS, ManifestModel, RejectsModel, validate_table
 from stages.base import StageResult, building, fingerprint, hash_tree, stage_dir, write_record
@@ -161,19 +176,60 @@ def resolve_source(cfg: PipelineConfig) -> Path:
     return out
 
 
+def writes_bridge_frames(cfg: PipelineConfig) -> bool:
+    """Whether prepare writes each video's pre-sampled frames for Megatron-Bridge (see the
+    module docstring): for ``train.backend: megatron``."""
+    return cfg.train.backend is TrainBackend.megatron
+
+
 def fingerprint_inputs(cfg: PipelineConfig) -> str:
-    """Config sections prepare depends on, plus the source folder's files when user-given."""
+    """Config sections prepare depends on, plus the source folder's files when user-given
+    (and whether Bridge's frames are written)."""
     source = None
     if cfg.data.source != "synthetic":
         source = hash_tree(Path(cfg.data.source).expanduser().resolve())
     geometry = image_geometry(cfg)
     videos = video_geometry(cfg)
+    bridge = ["bridge-frames"] if writes_bridge_frames(cfg) else []
     return fingerprint(
-        cfg.section_hash("data", "prepare"), geometry, videos, source, LAYOUT_VERSION
+        cfg.section_hash("data", "prepare"), geometry, videos, source, LAYOUT_VERSION, *bridge
     )
 
 
-def _write_shards(rows: list[ConversationRow], out: Path, split: str, per_shard: int) -> list[str]:
+def _png(frame) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(frame).save(buf, format="PNG")  # lossless, deterministic
+    return buf.getvalue()
+
+
+def _bridge_frames(row: ConversationRow, geometry: VideoGeometry) -> tuple[dict, list[dict]]:
+    """The frame parts of a row's videos for Megatron-Bridge (``vid<k>.f<j>.png``: the
+    frames ``geometry`` samples, decoded upright) and, per video, what was sampled."""
+    from packline.video import decode_frames
+
+    parts: dict[str, bytes] = {}
+    presampled = []
+    for k, video in enumerate(row.videos):
+        h = video.header
+        indices = [int(i) for i in geometry.sample_indices(h.num_frames, h.fps)]
+        for j, frame in enumerate(decode_frames(video.data, indices, rotation=h.rotation)):
+            parts[f"vid{k}.f{j:03d}.png"] = _png(frame)
+        presampled.append({"indices": indices, "fps": h.fps})
+    return parts, presampled
+
+
+def _write_shards(
+    rows: list[ConversationRow],
+    out: Path,
+    split: str,
+    per_shard: int,
+    frames: VideoGeometry | None,
+    tally: Counter,
+) -> list[str]:
+    """Write the rows' shards; ``frames``: the sampling of each video's frames for
+    Megatron-Bridge, None to write none (``tally`` counts them and their bytes)."""
     names = []
     for start in range(0, len(rows), per_shard):
         name = f"{split}-{start // per_shard:06d}.tar"
@@ -186,6 +242,17 @@ def _write_shards(rows: list[ConversationRow], out: Path, split: str, per_shard:
                     entry[f"img{k}.{img.ext}"] = img.data
                 for k, video in enumerate(row.videos):
                     entry[f"vid{k}.{video.ext}"] = video.data
+                if frames is not None and row.videos:
+                    parts, presampled = _bridge_frames(row, frames)
+                    doc = json.loads(row.sample_json())
+                    doc["presampled"] = presampled
+                    entry["json"] = json.dumps(doc, ensure_ascii=False, sort_keys=True).encode()
+                    entry.update(parts)
+                    tally["frames"] += len(parts)
+                    tally["bytes"] += sum(map(len, parts.values()))
+                    tally["max_per_video"] = max(
+                        tally["max_per_video"], *(len(p["indices"]) for p in presampled)
+                    )
                 sink.write(entry)
     return names
 
@@ -273,8 +340,10 @@ def prepare_dataset(cfg: PipelineConfig, fp: str | None = None) -> StageResult:
     reject_fraction = len(rejects) / num_rows if num_rows else 0.0
     by_reason = Counter(str(r["reason"]) for r in rejects)
     with building(cfg, STAGE) as out:
+        frames = video_geometry(cfg) if writes_bridge_frames(cfg) else None
+        tally: Counter = Counter()
         shards = {
-            split: _write_shards(rows, out, split, cfg.prepare.samples_per_shard)
+            split: _write_shards(rows, out, split, cfg.prepare.samples_per_shard, frames, tally)
             for split, rows in accepted.items()
         }
         validate_table(
@@ -355,6 +424,9 @@ def prepare_dataset(cfg: PipelineConfig, fp: str | None = None) -> StageResult:
         "prepare/video_frames_counted": sum(v.header.counted for v in all_videos),
         "prepare/video_variable_rate": sum(v.header.variable_rate for v in all_videos),
         "prepare/video_rotated": sum(v.header.rotation != 0 for v in all_videos),
+        # Megatron-Bridge's pre-sampled frames (train.backend megatron; see the docstring)
+        "prepare/bridge_frames": tally["frames"],
+        "prepare/bridge_frame_bytes": tally["bytes"],
     }
     metrics.update({f"prepare/rejected_{r}": by_reason.get(r, 0) for r in REJECT_REASONS})
     result = StageResult(
@@ -366,6 +438,20 @@ def prepare_dataset(cfg: PipelineConfig, fp: str | None = None) -> StageResult:
         summary={
             "source": str(source),
             "rejects_by_reason": dict(by_reason),
+            "bridge_frames": {
+                "written": frames is not None,
+                # the configured processor's sampling, which chose every video's frames
+                "sampling": None
+                if frames is None
+                else {
+                    "fps": frames.fps,
+                    "min_frames": frames.min_frames,
+                    "max_frames": frames.max_frames,
+                },
+                "frames": tally["frames"],
+                "bytes": tally["bytes"],
+                "max_per_video": tally["max_per_video"],
+            },
             "artifacts": [
                 str(out_dir / "rejects.jsonl"),
                 str(out_dir / ".nv-meta" / "dataset.yaml"),

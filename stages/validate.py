@@ -28,7 +28,10 @@ Rule groups, in order, all in one pass:
 - ``data``: connect's tables against the config — overlength samples (aligned as the run
   pads them) and the overlength policy, images per sample, forecast fill at the configured
   buffer, loader-worker memory of the buffer, and the pandera cross-table checks of manifest
-  and lengths;
+  and lengths; for ``train.backend: megatron``, Bridge's encoder limits (images, and image
+  plus video tokens, per sample), the turns it renders media first, and its videos (connect's
+  ``bridge_videos.json``: frames cut by ``max_num_frames`` or re-sampled by a processor dir
+  that samples, and the timestamps it writes, positions over 24 fps);
 - ``model``: the processor against the model config (special-token ids, vocabulary, vision
   geometry, vision → text width) and the LoRA targets against the model's modules and
   parameters. The model is built on the meta device from its config: no weight is read.
@@ -128,6 +131,9 @@ class Inputs:
     backend: Bridge's, with the eval CP size and the SP its MoE provider turns on)."""
     model_config: Any = None
     model_config_problem: str | None = None
+    bridge_videos: dict[str, Any] | None = None
+    """connect's ``bridge_videos.json`` (backend megatron with videos): what Bridge's encoder
+    makes of them."""
     facts: dict[str, Any] = field(default_factory=dict)
     _model: torch.nn.Module | None = None
 
@@ -159,6 +165,8 @@ def load_inputs(cfg: PipelineConfig, alignment: int | None = None) -> Inputs:
         connect_current=record.get("fingerprint") == connect.fingerprint_inputs(cfg),
         alignment=cfg.packing.alignment if alignment is None else alignment,
     )
+    if (bridge_videos := connect_dir / connect.BRIDGE_VIDEOS).is_file():
+        inputs.bridge_videos = json.loads(bridge_videos.read_text())
     model_dir = Path(cfg.model.path).expanduser() if cfg.model.path else None
     if model_dir is not None and not model_dir.is_dir():
         inputs.model_config_problem = "not a directory"
@@ -366,11 +374,13 @@ def _encoder_limits(x: Inputs) -> list[Issue] | None:
         return None
     m = x.cfg.megatron
     out = []
-    for setting, column, limit, what in (
-        ("max_num_images", "num_images", m.max_num_images, "images"),
-        ("max_visual_tokens", "image_tokens", m.max_visual_tokens, "visual tokens"),
+    # Bridge counts a sample's image and video tokens together (main's native packing: from
+    # the prepared grids, what connect measured)
+    visual = x.lengths["image_tokens"] + x.lengths["video_tokens"]
+    for setting, values, limit, what in (
+        ("max_num_images", x.lengths["num_images"], m.max_num_images, "images"),
+        ("max_visual_tokens", visual, m.max_visual_tokens, "visual tokens"),
     ):
-        values = x.lengths[column]
         n = int((values > limit).sum())
         if n:
             out.append(
@@ -383,6 +393,90 @@ def _encoder_limits(x: Inputs) -> list[Issue] | None:
                 )
             )
     return out
+
+
+@DATA_RULES.rule(
+    "megatron.video_frames",
+    "megatron",
+    "Megatron-Bridge's encoder keeps every frame prepare pre-sampled of each video: none is "
+    "cut by its max_num_frames or re-sampled by a processor dir that samples frames",
+)
+def _video_frames(x: Inputs) -> list[Issue] | None:
+    from stages.megatron_overrides import MAX_NUM_FRAMES, extra_overrides
+
+    b = x.bridge_videos
+    if x.cfg.train.backend is not TrainBackend.megatron or not b:
+        return None
+    x.facts["bridge_videos"] = {
+        k: b[k] for k in ("videos", "max_num_frames", "do_sample_frames", "max_presampled_frames")
+    } | {k: b[k]["videos"] for k in ("truncated", "resampled")}
+    out = []
+    cut, limit, most = b["truncated"], b["max_num_frames"], b["max_presampled_frames"]
+    if cut["videos"]:
+        extra = MAX_NUM_FRAMES in extra_overrides(x.cfg)
+        out.append(
+            warning(
+                "megatron.extra_overrides" if extra else "prepare.max_frames_per_video",
+                f"{cut['videos']} of {b['videos']} videos ({cut['samples']} samples, e.g. "
+                f"{', '.join(cut['examples'])}) have more pre-sampled frames than "
+                f"Megatron-Bridge's max_num_frames {limit} (up to {most}): its encoder keeps "
+                f"the first {limit} of each, {cut['frames_dropped']} frames are dropped "
+                "(connect measured the videos cut)",
+                f"remove {MAX_NUM_FRAMES} from megatron.extra_overrides (packline sends "
+                f"prepare.max_frames_per_video) or set it to {most}"
+                if extra
+                else f"set prepare.max_frames_per_video={limit} and rerun prepare",
+            )
+        )
+    again = b["resampled"]
+    if b["do_sample_frames"] or x.processor.video_processor.do_sample_frames:
+        out.append(
+            warning(
+                "connect",
+                f"the processor dir Megatron-Bridge loads ({processor_dir(x.cfg)}) samples "
+                "video frames (do_sample_frames true): Bridge hands it each video's "
+                "pre-sampled frames without a frame rate, so it samples them again as if they "
+                f"were 24 fps: {again['videos']} of {b['videos']} videos lose "
+                f"{again['frames_dropped']} frames (e.g. {', '.join(again['examples'])})",
+                "rerun connect (packline run --from connect), which writes do_sample_frames "
+                "false into its processor dir for train.backend megatron",
+            )
+        )
+    return out
+
+
+@DATA_RULES.rule(
+    "megatron.video_timestamps",
+    "megatron",
+    "the frame timestamps Megatron-Bridge's encoder writes into the text are counted against "
+    "the videos' real times (it passes no frame rate: positions over 24 fps)",
+)
+def _video_timestamps(x: Inputs) -> list[Issue] | None:
+    b = x.bridge_videos
+    if x.cfg.train.backend is not TrainBackend.megatron or not b:
+        return None
+    ts = b["timestamps"]
+    x.facts["bridge_timestamps"] = {
+        k: ts[k] for k in ("videos", "groups", "groups_differing", "max_error_seconds")
+    }
+    if not ts["videos"]:
+        return []
+    worst = ts["worst"]
+    pairs = [f"{a} for {r}" for a, r in zip(worst["bridge"], worst["real"], strict=True)]
+    shown = ", ".join(pairs if len(pairs) <= 3 else [*pairs[:2], "...", pairs[-1]])
+    return [
+        warning(
+            "train.backend",
+            "Megatron-Bridge hands the processor no frame rate, so the timestamp before each "
+            "group of two frames is its position over 24 fps, not the clip's time: "
+            f"{ts['videos']} of {b['videos']} videos get other timestamps than their real "
+            f"ones ({ts['groups_differing']} of {ts['groups']} groups, up to "
+            f"{ts['max_error_seconds']:.1f} s off; {worst['key']}: {shown}); connect "
+            "measured Bridge's text",
+            "none in Bridge's encoder (it takes no video metadata): train with train.backend "
+            "local for the real timestamps, or accept that the model learns Bridge's",
+        )
+    ]
 
 
 @DATA_RULES.rule(
@@ -401,12 +495,12 @@ def _media_first(x: Inputs) -> list[Issue] | None:
     return [
         warning(
             "train.backend",
-            f"Megatron-Bridge's encoder puts each turn's images before its text: {len(moved)} "
-            f"of {len(x.lengths)} samples have an image after text in their turn (e.g. "
+            "Megatron-Bridge's encoder puts each turn's images and videos before its text: "
+            f"{len(moved)} of {len(x.lengths)} samples have one after text in their turn (e.g. "
             f"{', '.join(moved['key'].head(3))}), so text such as 'Image 1: <image> Image 2: "
             "<image>' loses its sense there; connect measured them as Bridge renders them",
-            "place the images before the text in those turns, or train with train.backend "
-            "local, which keeps images where the markers stand",
+            "place the images and videos before the text in those turns, or train with "
+            "train.backend local, which keeps them where the markers stand",
         )
     ]
 

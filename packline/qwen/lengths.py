@@ -26,12 +26,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 from PIL import Image
 from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 from transformers.video_utils import VideoMetadata
 
 from packline.qwen.processor import processor_geometry, processor_video_geometry
-from packline.qwen.vision import VideoGeometry
+from packline.qwen.vision import VideoGeometry, VideoPlan
 from packline.video import VideoHeader
 
 Conversation = list[dict]
@@ -73,6 +74,20 @@ class DecodedVideo:
     frames: np.ndarray
     """(num_frames, H, W, 3) uint8, upright."""
     header: VideoHeader
+
+
+@dataclass(frozen=True)
+class PresampledVideo:
+    """One video as Megatron-Bridge's Qwen-VL encoder hands it to the processor: frames
+    sampled beforehand and resized by qwen-vl-utils
+    (:func:`packline.qwen.vision.bridge_fetch_video`), with no metadata, so the processor's
+    own ``do_sample_frames`` decides whether it samples again (from an assumed 24 fps) and
+    its timestamps are frame positions over 24 fps."""
+
+    frames: torch.Tensor
+    """(frames, 3, H, W) float in 0-255: what qwen-vl-utils returns (an even count)."""
+    num_frames: int
+    """The pre-sampled frames it was made of (before qwen-vl-utils' even padding)."""
 
 
 def video_placeholder_ids(tokenizer, geometry: VideoGeometry, header: VideoHeader) -> list[int]:
@@ -127,14 +142,15 @@ def run_processor(
     processor: Qwen3VLProcessor,
     conversation: Conversation,
     images: Sequence[Image.Image],
-    videos: Sequence[DecodedVideo],
+    videos: Sequence[DecodedVideo] | Sequence[PresampledVideo],
     return_tensors: str,
     *,
     add_generation_prompt: bool = False,
     **kwargs,
 ):
     """The real processor over the rendered chat template, its images and its videos (each
-    video as all its frames plus the file's frame count and rate: the processor samples)."""
+    video as all its frames plus the file's frame count and rate: the processor samples; or
+    each a :class:`PresampledVideo`, passed as Megatron-Bridge passes them: frames only)."""
     text = processor.apply_chat_template(
         conversation, tokenize=False, add_generation_prompt=add_generation_prompt
     )
@@ -143,6 +159,7 @@ def run_processor(
         call["images"] = list(images)
     if videos:
         call["videos"] = [v.frames for v in videos]
+    if videos and not all(isinstance(v, PresampledVideo) for v in videos):
         call["videos_kwargs"] = {
             "video_metadata": [
                 {"total_num_frames": v.header.num_frames, "fps": v.header.fps} for v in videos
@@ -165,17 +182,34 @@ def sampled_indices(processor: Qwen3VLProcessor, videos: Sequence[DecodedVideo])
     ]
 
 
+def _frame_counts(
+    processor: Qwen3VLProcessor, videos: Sequence[DecodedVideo] | Sequence[PresampledVideo]
+) -> tuple[int, ...]:
+    """Frames of each video the vision tower sees (before odd padding)."""
+    if not all(isinstance(v, PresampledVideo) for v in videos):
+        return tuple(map(len, sampled_indices(processor, videos)))
+    vp = processor.video_processor
+    if not vp.do_sample_frames:
+        return tuple(v.num_frames for v in videos)
+    # the processor's own sampling with the metadata it makes up (no fps: 24 assumed)
+    return tuple(
+        len(vp.sample_frames(VideoMetadata(total_num_frames=len(v.frames), fps=None), fps=vp.fps))
+        for v in videos
+    )
+
+
 def exact_lengths(
     processor: Qwen3VLProcessor,
     conversation: Conversation,
     images: Sequence[Image.Image],
     *,
-    videos: Sequence[DecodedVideo] = (),
+    videos: Sequence[DecodedVideo] | Sequence[PresampledVideo] = (),
     turn_newline: bool = False,
 ) -> LengthRecord:
     """Count by running the real processor (chat template, image and video processors,
     tokenizer). ``turn_newline`` counts loss tokens as Megatron-Bridge does (see
-    :func:`assistant_mask`).
+    :func:`assistant_mask`); videos given as :class:`PresampledVideo` are passed as Bridge
+    passes them (see :func:`run_processor`).
 
     Raises ``ValueError`` if the number of image (video) parts differs from ``len(images)``
     (``len(videos)``), if an assistant message holds media, or if the chat template cannot
@@ -199,7 +233,7 @@ def exact_lengths(
         grids = tuple(tuple(int(v) for v in row) for row in grid.tolist())
         merged = int(grid.prod(axis=-1).sum()) // processor.video_processor.merge_size**2
         assert video_tokens == merged, f"{video_tokens} <|video_pad|> but grids give {merged}"
-        counts = tuple(map(len, sampled_indices(processor, videos)))
+        counts = _frame_counts(processor, videos)
         frames = sum(counts)
     else:
         assert video_tokens == 0, f"{video_tokens} <|video_pad|> in a conversation without video"
@@ -228,6 +262,7 @@ def cheap_lengths(
     *,
     video_headers: Sequence[VideoHeader] = (),
     video_geometry: VideoGeometry | None = None,
+    video_plans: Sequence[VideoPlan] | None = None,
     turn_newline: bool = False,
 ) -> LengthRecord:
     """Count without pixels, from each image's ``(width, height)`` and each video's header
@@ -237,13 +272,19 @@ def cheap_lengths(
     ``<|video_pad|>`` per video; each is then expanded (:func:`expand_placeholders`): an
     image to its token count from the processor's geometry (or ``visual_tokens(height,
     width)`` if given), a video to its timestamps and groups under the video processor's
-    geometry (or ``video_geometry``). Equal to :func:`exact_lengths` as long as the
-    geometries are the processor's. Raises ``ValueError`` like :func:`exact_lengths`.
+    geometry (or ``video_geometry``), or to its plan when ``video_plans`` give each video's
+    in place of the headers (e.g. :meth:`packline.qwen.vision.BridgeVideoRule.plan`). Equal
+    to :func:`exact_lengths` as long as the geometries are the processor's. Raises
+    ``ValueError`` like :func:`exact_lengths`.
     """
-    _check_conversation(processor, conversation, len(image_sizes), len(video_headers))
+    if video_plans is None:
+        geometry = video_geometry or processor_video_geometry(processor)
+        video_plans = [geometry.plan(h.num_frames, h.fps, h.height, h.width) for h in video_headers]
+    elif video_headers:
+        raise ValueError("give each video's header or its plan, not both")
+    _check_conversation(processor, conversation, len(image_sizes), len(video_plans))
     if visual_tokens is None:
         visual_tokens = processor_geometry(processor).visual_tokens
-    geometry = video_geometry or processor_video_geometry(processor)
     ids = processor.tokenizer.apply_chat_template(
         conversation,
         chat_template=processor.chat_template,
@@ -256,15 +297,16 @@ def cheap_lengths(
         image_token_id=processor.image_token_id,
         image_counts=image_counts,
         video_token_id=processor.video_token_id,
-        video_ids=[video_placeholder_ids(processor.tokenizer, geometry, h) for h in video_headers],
+        video_ids=[
+            processor.tokenizer.encode(plan.placeholder, add_special_tokens=False)
+            for plan in video_plans
+        ],
         what="the rendered conversation",
     )
-    sampled = [geometry.num_sampled(h.num_frames, h.fps) for h in video_headers]
-    grids = tuple(
-        geometry.grid_thw(n, h.height, h.width) for n, h in zip(sampled, video_headers, strict=True)
-    )
+    sampled = [plan.num_frames for plan in video_plans]
+    grids = tuple(plan.grid_thw for plan in video_plans)
     image_tokens = sum(image_counts)
-    video_tokens = sum(t * gh * gw for t, gh, gw in grids) // geometry.merge_size**2
+    video_tokens = sum(plan.num_tokens for plan in video_plans)
     return LengthRecord(
         text_tokens=len(expanded) - image_tokens - video_tokens,
         image_tokens=image_tokens,
@@ -276,7 +318,7 @@ def cheap_lengths(
             ).sum()
         ),
         video_tokens=video_tokens,
-        num_videos=len(video_headers),
+        num_videos=len(video_plans),
         video_frames=sum(sampled),
         video_grids=grids,
         video_frame_counts=tuple(sampled),

@@ -10,18 +10,23 @@ Megatron-Bridge's Qwen-VL path resizes twice: ``qwen_vl_utils.process_vision_inf
 fits each image to its own 28-pixel grid (``fetch_image`` with its default patch size 14 and
 its default pixel bounds), then the HF processor resizes that result to the processor's grid.
 :attr:`ImageGeometry.qwen_vl_utils_resize` models that first step with qwen-vl-utils' own
-``smart_resize`` and constants; :func:`bridge_fetch_image` runs it on pixels.
+``smart_resize`` and constants; :func:`bridge_fetch_image` runs it on pixels. A video reaches
+Bridge as pre-sampled frames: :class:`BridgeVideoRule` models its steps on them (first frames
+kept, qwen-vl-utils' two resizes, the processor with no frame rate) and
+:func:`bridge_fetch_video` runs qwen-vl-utils' on pixels.
 """
 
 from __future__ import annotations
 
 import io
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
+import torch
 from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
@@ -146,6 +151,29 @@ def set_processor_geometry(path: str | Path, **overrides: int) -> None:
                 elif key in params or key == _GEOMETRY_KEYS[name][0]:
                     params[key] = int(value)
         file.write_text(json.dumps(params, indent=2, sort_keys=True) + "\n")
+
+
+def set_video_sampling(path: str | Path, *, do_sample_frames: bool) -> None:
+    """Write ``do_sample_frames`` into a saved processor dir's video processor config
+    (``video_preprocessor_config.json``, or the ``video_processor`` entry of
+    ``processor_config.json``): whether the processor samples frames when a call does not
+    say (packline's calls always say; Megatron-Bridge's never do)."""
+    path = Path(path)
+    video = path / "video_preprocessor_config.json"
+    if video.is_file():
+        params = json.loads(video.read_text())
+        params["do_sample_frames"] = bool(do_sample_frames)
+        video.write_text(json.dumps(params, indent=2, sort_keys=True) + "\n")
+        return
+    combined = path / "processor_config.json"
+    params = json.loads(combined.read_text()) if combined.is_file() else {}
+    if not isinstance(params.get("video_processor"), dict):
+        raise ValueError(
+            f"{path} has no video processor config (video_preprocessor_config.json or "
+            "processor_config.json with a 'video_processor' entry) to set do_sample_frames in"
+        )
+    params["video_processor"]["do_sample_frames"] = bool(do_sample_frames)
+    combined.write_text(json.dumps(params, indent=2, sort_keys=True) + "\n")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -288,10 +316,58 @@ class VideoGeometry:
         t, gh, gw = self.grid_thw(num_frames, height, width)
         return t * gh * gw // self.merge_size**2
 
-    def placeholder(self, num_frames: int, fps: float, height: int, width: int) -> str:
+    def plan(
+        self,
+        num_frames: int,
+        fps: float,
+        height: int,
+        width: int,
+        *,
+        indices: Sequence[int] | None = None,
+        frames_seen: int | None = None,
+    ) -> VideoPlan:
+        """What the processor makes of a clip of ``num_frames`` at ``fps`` (the FILE's):
+        the frames it samples, or the ``indices`` it took (see :meth:`placeholder`);
+        ``frames_seen`` (default: their count) is the plan's ``num_frames``."""
+        if indices is None:
+            indices = self.sample_indices(num_frames, fps)
+        t, gh, gw = self.grid_thw(len(indices), height, width)
+        return VideoPlan(
+            placeholder=self.placeholder(num_frames, fps, height, width, indices=indices),
+            grid_thw=(t, gh, gw),
+            num_frames=len(indices) if frames_seen is None else frames_seen,
+            num_tokens=t * gh * gw // self.merge_size**2,
+        )
+
+    def timestamps(
+        self, num_frames: int, fps: float, *, indices: Sequence[int] | None = None
+    ) -> list[float]:
+        """Seconds the processor writes before each temporal group (``<{t:.1f} seconds>``):
+        the mean of the group's first and last frame index over ``fps`` (its own
+        ``_calculate_timestamps``). ``indices`` are the frames it took from the clip; by
+        default the ones it samples (:meth:`sample_indices`)."""
+        if indices is None:
+            indices = self.sample_indices(num_frames, fps)
+        return Qwen3VLProcessor._calculate_timestamps(
+            None, np.asarray(indices), float(fps), self.temporal_patch_size
+        )
+
+    def placeholder(
+        self,
+        num_frames: int,
+        fps: float,
+        height: int,
+        width: int,
+        *,
+        indices: Sequence[int] | None = None,
+    ) -> str:
         """The text the processor puts in place of the clip's one ``<|video_pad|>``
-        (``num_frames`` and ``fps`` are the FILE's; sampling happens here)."""
-        indices = self.sample_indices(num_frames, fps)
+        (``num_frames`` and ``fps`` are the FILE's; sampling happens here, unless
+        ``indices`` say which of its frames the processor took: the ones handed to it
+        without sampling, for example)."""
+        if indices is None:
+            indices = self.sample_indices(num_frames, fps)
+        indices = np.asarray(indices)
         grid = self.grid_thw(len(indices), height, width)
         metadata = VideoMetadata(
             total_num_frames=int(num_frames), fps=float(fps), frames_indices=indices
@@ -307,12 +383,147 @@ class VideoGeometry:
         return Qwen3VLProcessor.replace_video_token(renderer, inputs, 0)
 
 
-def _qwen_vl_utils_size(height: int, width: int) -> tuple[int, int]:
-    """(height, width) ``qwen_vl_utils.fetch_image`` resizes an image to, with the arguments
-    Bridge's Qwen path gives it (none: patch size 14, the default bounds)."""
+@dataclass(frozen=True)
+class VideoPlan:
+    """What the processor makes of one video, computed without pixels."""
+
+    placeholder: str
+    """The text in place of the video's one ``<|video_pad|>``: per temporal group its
+    timestamp, ``<|vision_start|>``, its pads and ``<|vision_end|>``."""
+    grid_thw: tuple[int, int, int]
+    """Its ``video_grid_thw`` row."""
+    num_frames: int
+    """Frames of the video the vision tower sees (before an odd count is padded by
+    repeating the last frame)."""
+    num_tokens: int
+    """Its ``<|video_pad|>`` tokens, ``t·h·w / merge²``."""
+
+
+#: The frame rate the HF Qwen3-VL processor assumes for a video handed to it without metadata,
+#: as Megatron-Bridge hands them: its ``sample_frames`` and its timestamps both default to 24.
+ASSUMED_VIDEO_FPS = 24.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class BridgeVideoRule:
+    """What Megatron-Bridge's Qwen-VL encoder makes of one video given as ``N`` pre-sampled
+    upright frames of ``H×W`` (its ``videos`` field), without pixels. Its steps, in order:
+
+    1. the first ``max_num_frames`` frames are kept (``encode_sample``);
+    2. qwen-vl-utils' ``fetch_video`` on the frame list (``process_vision_info`` with no
+       arguments): each frame through ``fetch_image`` with the video's 28-pixel factor as
+       its patch size (a 56-pixel grid within the image bounds), the list padded to an even
+       count by repeating the last frame, then the whole clip resized to the 28-pixel grid
+       within qwen-vl-utils' per-frame video bounds (at least 128 tokens of 28², at most 768
+       or the ``MODEL_SEQ_LEN`` share): small frames are upscaled;
+    3. the HF processor, called with no ``fps``, metadata or ``do_sample_frames``: the
+       processor dir's ``do_sample_frames`` decides whether it samples again (at its ``fps``,
+       from an assumed :data:`ASSUMED_VIDEO_FPS`) or keeps every frame; it resizes with its
+       whole-clip budget (:meth:`VideoGeometry.grid_thw`) and writes each group's timestamp
+       as the frames' POSITIONS over 24 fps, not the clip's real seconds
+       (:meth:`VideoGeometry.placeholder` with those inputs).
+
+    Worked example (the tiny processor, sampling off, 6 frames of 96×64)::
+
+        >>> rule = BridgeVideoRule(geometry=VideoGeometry(min_pixels=64 * 64,
+        ...     max_pixels=1024 * 32 * 32), do_sample_frames=False, max_num_frames=60)
+        >>> rule.clip(6, 64, 96)  # upscaled by qwen-vl-utils
+        (6, 280, 392)
+        >>> plan = rule.plan(6, 64, 96)
+        >>> plan.grid_thw, plan.placeholder[:13]
+        ((3, 18, 24), '<0.0 seconds>')
+        >>> [round(t, 3) for t in rule.timestamps(6)]
+        [0.021, 0.104, 0.188]
+    """
+
+    geometry: VideoGeometry
+    """The processor dir's video processor (sampling, whole-clip bounds, patch sizes)."""
+    do_sample_frames: bool
+    """The processor dir's ``do_sample_frames`` (Bridge's call passes none)."""
+    max_num_frames: int
+    """Bridge's ``task_encoder.max_num_frames``: the first frames of a video it keeps."""
+
+    @classmethod
+    def of(cls, processor: Qwen3VLProcessor, *, max_num_frames: int) -> BridgeVideoRule:
+        """The rule of a loaded processor dir, as Bridge loads it."""
+        video_processor = processor.video_processor
+        return cls(
+            geometry=VideoGeometry.of(video_processor),
+            do_sample_frames=bool(video_processor.do_sample_frames),
+            max_num_frames=int(max_num_frames),
+        )
+
+    def kept(self, num_frames: int) -> int:
+        """Pre-sampled frames Bridge keeps of ``num_frames``."""
+        return min(int(num_frames), self.max_num_frames)
+
+    def clip(self, num_frames: int, height: int, width: int) -> tuple[int, int, int]:
+        """(frames, height, width) of the clip qwen-vl-utils hands the processor."""
+        return _qwen_vl_utils_video(self.kept(num_frames), height, width)
+
+    def positions(self, num_frames: int) -> np.ndarray:
+        """Positions, in the clip qwen-vl-utils makes of ``num_frames`` pre-sampled frames
+        (the kept ones, padded to an even count), of the frames the processor takes."""
+        frames = _qwen_vl_utils_frames(self.kept(num_frames))
+        if self.do_sample_frames:
+            return self.geometry.sample_indices(frames, ASSUMED_VIDEO_FPS)
+        return np.arange(frames)
+
+    def timestamps(self, num_frames: int) -> list[float]:
+        """The seconds Bridge's processor writes before each temporal group: positions over
+        24 fps."""
+        frames = _qwen_vl_utils_frames(self.kept(num_frames))
+        return self.geometry.timestamps(
+            frames, ASSUMED_VIDEO_FPS, indices=self.positions(num_frames)
+        )
+
+    def plan(self, num_frames: int, height: int, width: int) -> VideoPlan:
+        """What Bridge's processor makes of ``num_frames`` pre-sampled frames of
+        ``height×width``."""
+        frames, h, w = self.clip(num_frames, height, width)
+        indices = self.positions(num_frames)
+        # sampling off: the kept frames (qwen-vl-utils' even padding repeats the last one)
+        seen = len(indices) if self.do_sample_frames else self.kept(num_frames)
+        return self.geometry.plan(
+            frames, ASSUMED_VIDEO_FPS, h, w, indices=indices, frames_seen=seen
+        )
+
+
+def _qwen_vl_utils_frames(num_frames: int) -> int:
+    """Frames of the clip ``qwen_vl_utils.fetch_video`` makes of a list of ``num_frames``."""
     from qwen_vl_utils import vision_process as qvu
 
-    factor = 14 * qvu.SPATIAL_MERGE_SIZE
+    return qvu.ceil_by_factor(num_frames, qvu.FRAME_FACTOR)
+
+
+def _qwen_vl_utils_video(num_frames: int, height: int, width: int) -> tuple[int, int, int]:
+    """(frames, height, width) of the clip ``qwen_vl_utils.fetch_video`` makes of a list of
+    ``num_frames`` frames of ``height×width``, as Bridge's Qwen path calls it (patch size 14);
+    its own constants and ``smart_resize``, as in its list branch."""
+    from qwen_vl_utils import vision_process as qvu
+
+    factor = 14 * qvu.SPATIAL_MERGE_SIZE  # fetch_video's image_factor
+    height, width = _qwen_vl_utils_size(height, width, patch_size=factor)  # each frame
+    frames = _qwen_vl_utils_frames(num_frames)
+    min_pixels = qvu.VIDEO_MIN_TOKEN_NUM * factor**2
+    total_pixels = qvu.MODEL_SEQ_LEN * factor**2 * 0.9
+    max_pixels = max(
+        min(qvu.VIDEO_MAX_TOKEN_NUM * factor**2, total_pixels / frames * qvu.FRAME_FACTOR),
+        int(min_pixels * 1.05),
+    )
+    height, width = qvu.smart_resize(
+        height, width, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels
+    )
+    return frames, height, width
+
+
+def _qwen_vl_utils_size(height: int, width: int, *, patch_size: int = 14) -> tuple[int, int]:
+    """(height, width) ``qwen_vl_utils.fetch_image`` resizes an image to, with the arguments
+    Bridge's Qwen path gives it (none: patch size 14, the default bounds; a video's frames
+    get the video's factor, 28, as their patch size)."""
+    from qwen_vl_utils import vision_process as qvu
+
+    factor = patch_size * qvu.SPATIAL_MERGE_SIZE
     return qvu.smart_resize(
         height,
         width,
@@ -328,6 +539,16 @@ def bridge_fetch_image(image: Image.Image) -> Image.Image:
     from qwen_vl_utils import fetch_image
 
     return fetch_image({"type": "image", "image": image})
+
+
+def bridge_fetch_video(frames: Sequence[Image.Image]) -> torch.Tensor:
+    """The video Megatron-Bridge's Qwen path hands the processor for a list of frames:
+    ``qwen_vl_utils``'s own ``fetch_video`` (each frame resized, the list padded to an even
+    count, the clip resized: :class:`BridgeVideoRule`), as ``process_vision_info`` calls it;
+    ``(frames, 3, H, W)`` float in 0-255."""
+    from qwen_vl_utils import fetch_video
+
+    return fetch_video({"type": "video", "video": list(frames)})
 
 
 def read_image_size(data: bytes) -> tuple[int, int]:

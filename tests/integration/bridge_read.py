@@ -25,8 +25,10 @@ release; native packing is on Bridge main only):
   native packing and counts from the prepared grid, which this output reports.
 
 Output: ``{"samples": {key: {...}}, "train_order", "buffer_size", "ffd_bins"}``: per sample,
-its split, Bridge's sequence length, loss-token count, ``image_grid_thw`` rows, and each image
-as Bridge's encoder receives it (size and a digest of its RGB pixels) in order; then Bridge's
+its split, Bridge's sequence length, loss-token count, ``image_grid_thw`` and
+``video_grid_thw`` rows, ``<|video_pad|>`` tokens, each image as Bridge's encoder receives it
+(size and a digest of its RGB pixels) and each video as it receives it (frame count, frame
+size and a digest of all its frames' RGB pixels), in order; then Bridge's
 own ``first_fit_decreasing`` (``data/packing/algorithms.py``, what main's
 ``select_samples_to_pack`` calls) over those lengths, one ``dataset.packing_buffer_size``
 buffer at a time in the order Energon streamed the train split, as bins of lengths.
@@ -95,6 +97,14 @@ def _digest(image) -> str:
     return hashlib.sha1(image.convert("RGB").tobytes()).hexdigest()
 
 
+def _video(frames) -> list:
+    """[frames, width, height, sha1 over every frame's RGB pixels] of one video."""
+    digest = hashlib.sha1()
+    for frame in frames:
+        digest.update(frame.convert("RGB").tobytes())
+    return [len(frames), *frames[0].size, digest.hexdigest()]
+
+
 def main(overrides_path: str, out_path: str) -> None:
     overrides = json.loads(Path(overrides_path).read_text())
     dataset = {k: v for k, v in overrides.items() if k.startswith("dataset.")}
@@ -118,26 +128,32 @@ def main(overrides_path: str, out_path: str) -> None:
     config.task_encoder.max_visual_tokens = None
     config.validate()
     encoder = build_energon_task_encoder(config)
+    video_pad = encoder.hf_tokenizer.convert_tokens_to_ids("<|video_pad|>")
 
     path = Path(config.path)
     samples: dict[str, dict] = {}
     for split in ("train", "val"):
         for batch in get_loader(_dataset(path, split, _Samples())):
             (sample,) = batch
-            images = normalize_energon_vlm_sample(sample).images or []
+            normalized = normalize_energon_vlm_sample(sample)
             samples[sample.__key__] = {
                 "split": split,
                 "sample_type": type(sample).__name__,
-                "images": [[*image.size, _digest(image)] for image in images],
+                "images": [[*image.size, _digest(image)] for image in normalized.images or []],
+                "videos": [_video(frames) for frames in normalized.videos or []],
             }
         for batch in get_loader(_dataset(path, split, encoder)):
             (key,) = batch["__keys__"]
             visual = batch["visual_inputs"]
             grid = getattr(visual, "image_grid_thw", None) if visual is not None else None
+            video_grid = getattr(visual, "video_grid_thw", None) if visual is not None else None
+            length = int(batch["cu_seqlens_q"][-1])
             samples[key].update(
-                length=int(batch["cu_seqlens_q"][-1]),
+                length=length,
                 loss_tokens=int(batch["loss_mask"].sum()),
                 image_grids=grid.tolist() if grid is not None else [],
+                video_grids=video_grid.tolist() if video_grid is not None else [],
+                video_tokens=int((batch["input_ids"][0, :length] == video_pad).sum()),
             )
     # Bridge's own first-fit decreasing over its lengths, one packing buffer at a time, in the
     # order Energon streamed the train split (one worker, as read above)

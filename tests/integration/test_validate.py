@@ -215,7 +215,8 @@ def test_megatron_encoder_limits_are_warnings(megatron, lengths, capsys):
     code, problems, report = _validate_megatron(
         megatron, capsys, DENSE, "megatron.max_num_images=1", "megatron.max_visual_tokens=100"
     )
-    images, visual = lengths["num_images"], lengths["image_tokens"]
+    # Bridge counts a sample's image and video tokens together
+    images, visual = lengths["num_images"], lengths["image_tokens"] + lengths["video_tokens"]
     assert code == 0 and problems == []
     assert [
         f"{f['message']}; fix: {f['fix']}"

@@ -116,6 +116,8 @@ def test_the_geometry_connect_measured_with_reaches_the_task_encoder(tmp_path: P
         "dataset.task_encoder.hf_processor_path": str(tmp_path / "work/connect/processor"),
         "dataset.task_encoder.max_num_images": 10,
         "dataset.task_encoder.max_visual_tokens": 16384,
+        # every pre-sampled frame (prepare rejects a video of more: Bridge's 60 would cut)
+        "dataset.task_encoder.max_num_frames": 64,
         "dataset.task_encoder.min_pixels": 65536,
         "dataset.task_encoder.max_pixels": 16777216,
         "dataset.task_encoder.patch_size": 16,
