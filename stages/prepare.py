@@ -109,21 +109,11 @@ def video_geometry(cfg: PipelineConfig) -> VideoGeometry:
 
 
 def _tiny_video_geometry() -> VideoGeometry:
-    """The built-in tiny processor's video processor, made as
-    :func:`packline.qwen.processor.build_tiny_processor` makes it (the image geometry's patch
-    sizes and pixel bounds, the class's own sampling defaults), without building the
-    tokenizer."""
-    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+    """The built-in tiny processor's video geometry (its video processor alone: no tokenizer
+    is built)."""
+    from packline.qwen.processor import tiny_video_processor
 
-    image = ImageGeometry()
-    video_processor = Qwen3VLVideoProcessor(
-        patch_size=image.patch_size,
-        temporal_patch_size=image.temporal_patch_size,
-        merge_size=image.merge_size,
-        size={"shortest_edge": image.min_pixels, "longest_edge": image.max_pixels},
-        cap_pixels_per_frame=False,
-    )
-    return VideoGeometry.of(video_processor)
+    return VideoGeometry.of(tiny_video_processor())
 
 
 def video_limits(cfg: PipelineConfig) -> VideoLimits:
