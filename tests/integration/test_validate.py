@@ -260,15 +260,17 @@ def test_eager_buffer_over_the_memory_threshold_is_a_warning(connected, capsys):
     assert eager == pytest.approx(64 * mean / 1024)
     assert _texts(report, "warning") == [
         f"packing.encoder eager holds about {eager:.2f} GiB per loader worker (64 buffered "
-        f"samples x {mean:.2f} MiB of pixel tensors on average), above "
+        f"samples x {mean:.2f} MiB of pixel tensors of images and sampled video frames on "
+        f"average), above "
         f"validate.worker_memory_warn_gib 0.05; fix: set packing.encoder=lazy (about "
         f"{lazy:.2f} GiB at this buffer), or lower packing.packing_buffer_size to {fitting}"
     ]
-    assert lazy < eager / 100  # lazy holds token ids and encoded images, not pixels
+    assert lazy < eager / 100  # lazy holds token ids and encoded media, not pixels
 
 
-def _shard_samples(prepare_dir: Path) -> dict[str, tuple[list, list[bytes]]]:
-    """key → (conversation, image bytes) read straight from the prepared tar shards."""
+def _shard_samples(prepare_dir: Path) -> dict[str, tuple[list, list[bytes], list, list]]:
+    """key → (conversation, image bytes, video bytes, video headers) read straight from the
+    prepared tar shards."""
     parts: dict[str, dict[str, bytes]] = {}
     for shard in sorted(prepare_dir.glob("train-*.tar")):
         with tarfile.open(shard) as tar:
@@ -278,7 +280,9 @@ def _shard_samples(prepare_dir: Path) -> dict[str, tuple[list, list[bytes]]]:
     out = {}
     for key, files in parts.items():
         images = [files[e] for e in sorted(f for f in files if f.startswith("img"))]
-        out[key] = (json.loads(files["json"])["conversation"], images)
+        videos = [files[e] for e in sorted(f for f in files if f.startswith("vid"))]
+        doc = json.loads(files["json"])
+        out[key] = (doc["conversation"], images, videos, doc.get("videos", []))
     return out
 
 
@@ -289,12 +293,25 @@ def test_buffer_estimate_equals_the_bytes_the_real_encoders_hold(connected):
     train = inputs.lengths[inputs.lengths["split"] == "train"].reset_index(drop=True)
     samples = _shard_samples(connected / "prepare")
     encoder = ConversationEncoder(connected / "connect" / "processor")
-    picked = [0, 1, 2, *train.index[train["num_images"] > 1][:3], *train.index[-2:]]
+    picked = [
+        0,
+        1,
+        2,
+        *train.index[train["num_images"] > 1][:3],
+        *train.index[train["num_videos"] > 0][:3],
+        *train.index[-2:],
+    ]
+    assert (train.loc[picked, "num_videos"] > 0).sum() >= 3
     for i in picked:
-        conversation, images = samples[train.loc[i, "key"]]
-        tok = encoder.tokenize(train.loc[i, "key"], conversation, images)
-        lazy = tok.input_ids.nbytes + tok.target_mask.nbytes + sum(map(len, tok.images))
-        enc = encoder.encode_eager(train.loc[i, "key"], conversation, images)
+        conversation, images, videos, headers = samples[train.loc[i, "key"]]
+        tok = encoder.tokenize(train.loc[i, "key"], conversation, images, videos, headers)
+        lazy = (
+            tok.input_ids.nbytes
+            + tok.target_mask.nbytes
+            + sum(map(len, tok.images))
+            + sum(map(len, tok.videos))
+        )
+        enc = encoder.encode_eager(train.loc[i, "key"], conversation, images, videos, headers)
         eager = sum(
             t.nbytes
             for t in (
@@ -303,6 +320,8 @@ def test_buffer_estimate_equals_the_bytes_the_real_encoders_hold(connected):
                 enc.mrope,
                 enc.pixel_values,
                 enc.image_grid_thw,
+                enc.pixel_values_videos,
+                enc.video_grid_thw,
             )
             if t is not None
         )
