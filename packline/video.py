@@ -205,11 +205,13 @@ def write_video(
     container: str | None = None,
     rotation: int = 0,
     crf: int = 18,
+    faststart: bool = False,
 ) -> Path:
     """Encode ``frames`` ((T, H, W, 3) uint8 RGB, H and W even) into a video file, one
     encoder thread so the same frames give the same bytes. ``container`` defaults from the
     suffix (``.mp4``, ``.mkv``, ``.webm``); ``rotation`` writes a display rotation (what phones
-    record). Returns ``path``."""
+    record); ``faststart`` puts an mp4's index before the frames, as streaming sites serve
+    files (one cut short then still opens and announces all its frames). Returns ``path``."""
     import av
 
     frames = np.asarray(frames, dtype=np.uint8)
@@ -218,7 +220,8 @@ def write_video(
     path = Path(path)
     fmt = container or {".mkv": "matroska", ".webm": "webm"}.get(path.suffix, "mp4")
     rate = Fraction(fps).limit_denominator(1001)
-    with av.open(str(path), mode="w", format=fmt) as out:
+    container_options = {"movflags": "faststart"} if faststart else {}
+    with av.open(str(path), mode="w", format=fmt, options=container_options) as out:
         options = {"threads": "1"}
         if codec == "libx264":
             options.update(crf=str(crf), preset="medium")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -38,26 +37,6 @@ def moving_square(num_frames: int, height: int = HEIGHT, width: int = WIDTH) -> 
         x = (4 * t) % (width - 8)
         frames[t, 8:16, x : x + 8] = 255
     return frames
-
-
-def write_faststart_mp4(path: Path, frames: np.ndarray, fps: float) -> Path:
-    """An mp4 with its index (``moov``) before the frames, as streaming sites serve them: a
-    file cut short still opens and announces all its frames, but holds fewer."""
-    import av
-
-    with av.open(str(path), mode="w", format="mp4", options={"movflags": "faststart"}) as out:
-        stream = out.add_stream(
-            "libx264", rate=Fraction(fps), options={"threads": "1", "crf": "18"}
-        )
-        stream.height, stream.width = frames.shape[1:3]
-        stream.pix_fmt = "yuv420p"
-        stream.thread_count = 1
-        for array in frames:
-            for packet in stream.encode(av.VideoFrame.from_ndarray(array, format="rgb24")):
-                out.mux(packet)
-        for packet in stream.encode():
-            out.mux(packet)
-    return path
 
 
 def decodable_frames(data: bytes) -> int:
@@ -121,7 +100,7 @@ def make_video_folder(root: Path) -> VideoFolder:
             lines.append(_row(rid, [p for p, _ in videos]))
 
     # Cut in the middle, a faststart mp4 still announces its 20 frames: counted, not trusted.
-    whole = write_faststart_mp4(clips / "whole.mp4", moving_square(20), 4.0).read_bytes()
+    whole = write_video(clips / "whole.mp4", moving_square(20), 4.0, faststart=True).read_bytes()
     cut = whole[: len(whole) // 2]
     (clips / "cut.mp4").write_bytes(cut)
     vf.truncated = ("clips/cut.mp4", 20)
