@@ -206,12 +206,15 @@ def write_video(
     rotation: int = 0,
     crf: int = 18,
     faststart: bool = False,
+    times: list[float] | None = None,
 ) -> Path:
     """Encode ``frames`` ((T, H, W, 3) uint8 RGB, H and W even) into a video file, one
     encoder thread so the same frames give the same bytes. ``container`` defaults from the
     suffix (``.mp4``, ``.mkv``, ``.webm``); ``rotation`` writes a display rotation (what phones
     record); ``faststart`` puts an mp4's index before the frames, as streaming sites serve
-    files (one cut short then still opens and announces all its frames). Returns ``path``."""
+    files (one cut short then still opens and announces all its frames); ``times`` (seconds,
+    one per frame, increasing) writes a variable frame rate instead of ``fps``'s constant
+    one. Returns ``path``."""
     import av
 
     frames = np.asarray(frames, dtype=np.uint8)
@@ -231,8 +234,15 @@ def write_video(
         stream.thread_count = 1
         if rotation:
             stream.set_display_rotation(rotation)
-        for array in frames:
-            for packet in stream.encode(av.VideoFrame.from_ndarray(array, format="rgb24")):
+        if times is not None:
+            if len(times) != len(frames):
+                raise ValueError(f"{len(times)} times for {len(frames)} frames")
+            stream.codec_context.time_base = Fraction(1, 1000)
+        for i, array in enumerate(frames):
+            frame = av.VideoFrame.from_ndarray(array, format="rgb24")
+            if times is not None:
+                frame.pts, frame.time_base = round(1000 * times[i]), Fraction(1, 1000)
+            for packet in stream.encode(frame):
                 out.mux(packet)
         for packet in stream.encode():
             out.mux(packet)

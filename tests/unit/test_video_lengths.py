@@ -158,6 +158,22 @@ def test_a_damaged_stream_keeps_its_decoded_count_never_the_announced_one(clips)
     assert header.counted
 
 
+def test_a_variable_frame_rate_is_counted_and_sampled_at_its_average_rate(processor_dir, tmp_path):
+    """Frame times 0, 0.25, 0.4, 0.9, ... s: prepare's probe marks the rate variable, and
+    the length follows the average rate (10 frames in 2.9 s), as the processor's own
+    sampling and timestamps do; the cheap count still equals the processor's."""
+    times = [0.0, 0.25, 0.4, 0.9, 1.0, 1.5, 1.6, 2.25, 2.5, 3.0]
+    data = write_video(tmp_path / "vfr.mp4", _frames(10, 64, 96), 4.0, times=times).read_bytes()
+    header = probe_video(data)
+    assert header.variable_rate and not read_video_header(data).variable_rate
+    assert header.num_frames == 10 and header.fps == pytest.approx(10 / 2.9)
+    processor = load_processor(processor_dir)
+    decoded = DecodedVideo(decode_frames(data, range(10)), header)
+    exact = exact_lengths(processor, _conversation(1), [], videos=[decoded])
+    assert cheap_lengths(processor, _conversation(1), [], video_headers=[header]) == exact
+    assert exact.video_frame_counts == (int(10 / header.fps * 2),)  # 5 frames at 2 fps
+
+
 def test_header_round_trips_through_json(clips):
     header = probe_video(clips[(12, 64, 96, 4.0, 90, ".mp4")])
     assert VideoHeader.from_dict(json.loads(json.dumps(header.to_dict()))) == header
