@@ -226,13 +226,13 @@ def test_prepare_keeps_good_video_rows_and_rejects_each_bad_video_kind(tmp_path:
         assert row["video_frames"] == sum(frames for _, frames in videos)
         assert row["video_bytes"] == sum((vf.folder / p).stat().st_size for p, _ in videos)
     assert manifest.loc["v_mixed", "num_images"] == 1
-    assert m["prepare/videos"] == 10
+    assert m["prepare/videos"] == 11
     assert m["prepare/video_frames"] == manifest["video_frames"].sum()
     assert m["prepare/video_bytes"] == manifest["video_bytes"].sum()
     # Counted from the decoded frames: Matroska, WebM (no count in the header), the cut file.
     assert m["prepare/video_frames_counted"] == 3
     assert m["prepare/video_rotated"] == 1
-    assert m["prepare/video_variable_rate"] == 0
+    assert m["prepare/video_variable_rate"] == 1
 
     # The shards hold each video's original bytes and, in the JSON, its probed header.
     members = _shard_members(out)

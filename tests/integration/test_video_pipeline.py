@@ -10,6 +10,7 @@ from itertools import islice
 import pandas as pd
 import torch
 
+from packline.video import probe_video
 from stages.connect import connect_processor
 from stages.prepare import prepare_dataset
 from stages.validate import validate_config
@@ -58,11 +59,11 @@ def test_a_folder_of_videos_flows_from_prepare_to_a_training_step(tmp_path):
         row = lengths.loc[key]
         assert row["num_videos"] == len(videos)
         counts = json.loads(row["video_frame_counts"])
-        # The tiny processor samples 2 frames a second from a 4-fps file (2 fps: all), at
+        # The tiny processor samples 2 frames a second of the file's (average) rate, at
         # least 4 and at most the file's own frames: what the decoded files hold, not what
         # a header announces (the faststart mp4 cut short).
         for (path, frames), sampled in zip(videos, counts, strict=True):
-            fps = 2.0 if "seven" in path else 4.0
+            fps = probe_video(vf.folder / path).fps
             assert sampled == min(max(int(frames / fps * 2), 4), frames), (key, path)
         grids = json.loads(row["video_grids"])
         assert row["video_tokens"] == sum(t * h * w for t, h, w in grids) // 4

@@ -92,6 +92,8 @@ def make_video_folder(root: Path) -> VideoFolder:
         "v_odd": [(clip("seven.mp4", 7, fps=2.0), 7)],  # 7 frames sampled: odd, padded later
         "v_short": [(clip("three.mp4", 3), 3)],  # under min_frames 4: all 3 are sampled
         "v_rot": [(clip("rotated.mp4", 6, rotation=90), 6)],
+        # A variable frame rate (irregular frame times): sampled at its average rate, counted.
+        "v_vfr": [(clip("vfr.mp4", 8, times=[0, 0.2, 0.25, 0.6, 0.9, 1.3, 1.5, 2.0]), 8)],
     }
     for rid, videos in good.items():
         if rid == "v_mkv":  # no marker: the video goes before the user's text
