@@ -3,7 +3,9 @@ writing, through PyAV (a PyPI package that ships its own FFmpeg).
 
 A video's token count depends on its frame count, frame rate and frame size only (the
 processor samples frames from the count and rate, and resizes every frame of a clip to one
-size), so :func:`read_video_header` is all the cheap length rule needs; no pixel is decoded.
+size). :func:`read_video_header` reads what a container claims about them without decoding
+more than one frame; the cheap length rule takes the facts prepare recorded instead, which
+:func:`probe_video` checks against the decoded frames.
 
 Containers do not always tell the truth, so prepare runs :func:`probe_video`, which decodes
 every frame once (as it does for images) and turns each known caveat into a recorded fact

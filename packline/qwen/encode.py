@@ -41,6 +41,11 @@ from packline.qwen.vision import read_image_size
 from packline.video import VideoHeader, decode_frames
 
 
+def _headers(docs) -> list[VideoHeader]:
+    """Video headers as given: :class:`VideoHeader` s, or their dicts from a sample's JSON."""
+    return [h if isinstance(h, VideoHeader) else VideoHeader.from_dict(h) for h in docs]
+
+
 @dataclass(kw_only=True)
 class Tokenized:
     """The cheap part of encoding: exact ids and targets, images still encoded bytes."""
@@ -83,9 +88,7 @@ class ConversationEncoder:
         """Exact ids from the text, the image headers and the video headers; no pixel is
         decoded."""
         sizes = [read_image_size(b) for b in images]
-        headers = [
-            h if isinstance(h, VideoHeader) else VideoHeader.from_dict(h) for h in video_headers
-        ]
+        headers = _headers(video_headers)
         if len(headers) != len(videos):
             raise ValueError(f"{key}: {len(videos)} videos but {len(headers)} video headers")
         ids = self.tokenizer.apply_chat_template(
@@ -100,7 +103,11 @@ class ConversationEncoder:
             image_counts=[self.geometry.visual_tokens(h, w) for w, h in sizes],
             video_token_id=self.video_token_id,
             video_ids=[
-                video_placeholder_ids(self.tokenizer, self.video_geometry, h) for h in headers
+                video_placeholder_ids(
+                    self.tokenizer,
+                    self.video_geometry.plan(h.num_frames, h.fps, h.height, h.width),
+                )
+                for h in headers
             ],
             what=key,
         )
@@ -176,9 +183,7 @@ class ConversationEncoder:
         for data in images:
             with Image.open(io.BytesIO(data)) as img:
                 pil.append(img.convert("RGB"))
-        headers = [
-            h if isinstance(h, VideoHeader) else VideoHeader.from_dict(h) for h in video_headers
-        ]
+        headers = _headers(video_headers)
         decoded = [
             DecodedVideo(
                 frames=decode_frames(data, range(h.num_frames), rotation=h.rotation), header=h

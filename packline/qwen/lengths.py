@@ -90,13 +90,12 @@ class PresampledVideo:
     """The pre-sampled frames it was made of (before qwen-vl-utils' even padding)."""
 
 
-def video_placeholder_ids(tokenizer, geometry: VideoGeometry, header: VideoHeader) -> list[int]:
+def video_placeholder_ids(tokenizer, plan: VideoPlan) -> list[int]:
     """Token ids the processor puts in place of one video's ``<|video_pad|>``: per temporal
     group its timestamp text, ``<|vision_start|>``, the pads and ``<|vision_end|>``
-    (:meth:`VideoGeometry.placeholder`). The text sits between special tokens, so it
-    tokenizes the same alone as in context."""
-    text = geometry.placeholder(header.num_frames, header.fps, header.height, header.width)
-    return tokenizer.encode(text, add_special_tokens=False)
+    (:attr:`VideoPlan.placeholder`). The text sits between special tokens, so it tokenizes
+    the same alone as in context."""
+    return tokenizer.encode(plan.placeholder, add_special_tokens=False)
 
 
 def expand_placeholders(
@@ -297,10 +296,7 @@ def cheap_lengths(
         image_token_id=processor.image_token_id,
         image_counts=image_counts,
         video_token_id=processor.video_token_id,
-        video_ids=[
-            processor.tokenizer.encode(plan.placeholder, add_special_tokens=False)
-            for plan in video_plans
-        ],
+        video_ids=[video_placeholder_ids(processor.tokenizer, plan) for plan in video_plans],
         what="the rendered conversation",
     )
     sampled = [plan.num_frames for plan in video_plans]

@@ -311,11 +311,6 @@ class VideoGeometry:
         t = -(-num_frames // self.temporal_patch_size)
         return t, h // self.patch_size, w // self.patch_size
 
-    def visual_tokens(self, num_frames: int, height: int, width: int) -> int:
-        """``<|video_pad|>`` tokens of a clip of ``num_frames`` sampled frames."""
-        t, gh, gw = self.grid_thw(num_frames, height, width)
-        return t * gh * gw // self.merge_size**2
-
     def plan(
         self,
         num_frames: int,
