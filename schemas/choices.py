@@ -77,6 +77,17 @@ class TrainBackend(Enum):
     """Megatron-Bridge inside the NeMo container (cluster only)."""
 
 
+class PipelineSchedule(Enum):
+    """``torch.distributed.pipelining`` schedule of the local backend's pipeline stages."""
+
+    gpipe = "gpipe"
+    """All micro-batches forward, then all backward: simplest, holds every micro-batch's
+    activations at once."""
+    one_f_one_b = "1f1b"
+    """One forward, one backward, interleaved after warm-up: at most P micro-batches'
+    activations per stage; needs at least P micro-batches per step."""
+
+
 class ExecutorKind(Enum):
     local = "local"
     slurm = "slurm"

@@ -30,6 +30,7 @@ from schemas.choices import (
     EncoderMode,
     ExecutorKind,
     OverlengthPolicy,
+    PipelineSchedule,
     Precision,
     TrainBackend,
 )
@@ -352,10 +353,6 @@ class MegatronConfig(_Section):
     extra_overrides: list[str] = field(default_factory=list)
     """More ``key=value`` Bridge overrides, applied last (dotted ConfigContainer fields)."""
 
-    pipeline_parallel: int = 1
-    """PP size. Bridge's Energon packing needs 1 (PP > 1 would also need fixed-width rows)."""
-    expert_parallel: int = 1
-    """EP size (MoE). EP > 1 needs fixed-width rows: ``packing.pad_to_max_length: true``."""
     mtp_num_layers: int = 0
     """Multi-token-prediction layers (Bridge ``mtp_num_layers``); packing needs 0."""
     cuda_graph_impl: CudaGraphImpl = CudaGraphImpl.none
@@ -384,8 +381,6 @@ class MegatronConfig(_Section):
 
     def rules(self) -> list[str]:
         p: list[str] = []
-        _check(p, self.pipeline_parallel >= 1, "megatron.pipeline_parallel must be >= 1")
-        _check(p, self.expert_parallel >= 1, "megatron.expert_parallel must be >= 1")
         _check(p, self.mtp_num_layers >= 0, "megatron.mtp_num_layers must be >= 0")
         _check(p, self.max_num_images >= 0, "megatron.max_num_images must be >= 0")
         _check(p, self.max_visual_tokens > 0, "megatron.max_visual_tokens must be > 0")
@@ -415,6 +410,39 @@ class ValidateConfig(_Section):
             p, 0.0 <= self.min_forecast_fill <= 1.0, "validate.min_forecast_fill must be in [0, 1]"
         )
         _check(p, self.max_visual_tokens >= 1, "validate.max_visual_tokens must be >= 1")
+        return p
+
+
+@dataclass(kw_only=True)
+class ParallelConfig(_Section):
+    """How the model is split over the train job's ranks, for both backends. The ranks are
+    ``train.nproc_per_node`` (local executor) or the SLURM train job's ``nodes ×
+    nproc_per_node``: ``pipeline_parallel`` stages of ``ranks / pipeline_parallel``
+    data-parallel ranks each, which read distinct rows; the experts are split
+    ``expert_parallel`` ways over a stage's data-parallel ranks. Validate refuses, with every
+    reason at once, a layout the engines cannot run (``packline.train.layout``)."""
+
+    expert_parallel: int = 1
+    """EP (MoE only): each rank of a stage holds 1/EP of the experts and trains their
+    adapters. Local: transformers' expert-parallel plan (gloo on CPU, nccl on GPU); Bridge:
+    ``model.expert_model_parallel_size``. EP > 1 needs fixed-width rows
+    (``packing.pad_to_max_length: true``)."""
+    pipeline_parallel: int = 1
+    """PP: the decoder layers split into this many stages (the vision tower on the first).
+    Local: ``torch.distributed.pipelining``, one packed row per micro-batch, packed runs only
+    (``train.compare_packing: false``). Bridge's Energon packing needs 1."""
+    schedule: PipelineSchedule = PipelineSchedule.one_f_one_b
+    """Local PP schedule: ``1f1b`` (needs global_batch_size / data-parallel ranks >= PP) or
+    ``gpipe``."""
+    fsdp: bool = False
+    """Local: shard the frozen base weights over a stage's data-parallel ranks with FSDP2
+    (transformers' engine). Implied by EP > 1 without PP (the engine splits the experts over
+    the FSDP ranks); not available with PP > 1."""
+
+    def rules(self) -> list[str]:
+        p: list[str] = []
+        _check(p, self.expert_parallel >= 1, "train.parallel.expert_parallel must be >= 1")
+        _check(p, self.pipeline_parallel >= 1, "train.parallel.pipeline_parallel must be >= 1")
         return p
 
 
@@ -454,8 +482,19 @@ class TrainConfig(_Section):
     """Samples read in a row from one shard before the stream moves to another (Bridge:
     ``dataset.max_samples_per_sequence``)."""
     nproc_per_node: int = 1
-    """Data-parallel processes (backend local): > 1 runs each training run under torchrun,
-    gloo on CPU, nccl on GPU; ``global_batch_size`` must divide by it."""
+    """Processes of a local-executor train run (backend local): > 1 runs each training run
+    under torchrun, gloo on CPU, nccl on GPU, split as ``train.parallel`` says
+    (``global_batch_size`` must divide by the data-parallel ranks)."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """The model's split over the ranks (EP, PP, FSDP); data parallel over the rest."""
+    moe_aux_loss_coef: float = 0.0
+    """Backend local, MoE: weight of the router's load-balancing loss in the trained loss.
+    It is always computed over real tokens only (padding and alignment gaps excluded) and
+    logged as ``moe/aux_loss`` with the max/min expert load. 0 (the default) logs it without
+    training on it: LoRA leaves the router frozen, and a nonzero term is computed per
+    micro-batch, so packing on and off (which group conversations differently) no longer
+    compute the same gradient. Not available with pipeline_parallel > 1 (its formula needs
+    every layer's routing at once)."""
     save_every: int = 20
     """Checkpoint every N optimizer steps."""
     keep_last: int = 2
@@ -479,12 +518,7 @@ class TrainConfig(_Section):
         _check(p, self.shuffle_buffer_size >= 1, "train.shuffle_buffer_size must be >= 1")
         _check(p, self.max_samples_per_sequence >= 1, "train.max_samples_per_sequence must be >= 1")
         _check(p, self.nproc_per_node >= 1, "train.nproc_per_node must be >= 1")
-        _check(
-            p,
-            self.nproc_per_node < 1 or self.global_batch_size % self.nproc_per_node == 0,
-            f"train.global_batch_size {self.global_batch_size} is not divisible by "
-            f"train.nproc_per_node {self.nproc_per_node} (rows per step split evenly over ranks)",
-        )
+        _check(p, self.moe_aux_loss_coef >= 0, "train.moe_aux_loss_coef must be >= 0")
         return p
 
 

@@ -192,17 +192,18 @@ def _no_collective_average(cfg: PipelineConfig) -> list[Issue] | None:
     "packing.fixed_width", "packing", "EP > 1 or PP > 1 needs fixed-width packed rows"
 )
 def _fixed_width(cfg: PipelineConfig) -> list[Issue] | None:
-    if not _megatron_packed(cfg):
+    if not cfg.trains_packed:
         return None
-    m = cfg.megatron
-    if (m.expert_parallel <= 1 and m.pipeline_parallel <= 1) or cfg.packing.pad_to_max_length:
+    par = cfg.train.parallel
+    if (par.expert_parallel <= 1 and par.pipeline_parallel <= 1) or cfg.packing.pad_to_max_length:
         return []
     return [
         error(
             "packing.pad_to_max_length",
-            f"packing.pad_to_max_length is false with megatron.expert_parallel "
-            f"{m.expert_parallel} and megatron.pipeline_parallel {m.pipeline_parallel}: "
-            "EP > 1 or PP > 1 needs every packed row padded to packing.seq_length",
+            f"packing.pad_to_max_length is false with train.parallel.expert_parallel "
+            f"{par.expert_parallel} and train.parallel.pipeline_parallel "
+            f"{par.pipeline_parallel}: EP > 1 or PP > 1 needs every packed row padded to "
+            "packing.seq_length",
             "set packing.pad_to_max_length=true",
         )
     ]
@@ -256,15 +257,16 @@ def _cuda_graphs(cfg: PipelineConfig) -> list[Issue] | None:
 def _pipeline_parallel(cfg: PipelineConfig) -> list[Issue] | None:
     if not _megatron_packed(cfg):
         return None
-    pp = cfg.megatron.pipeline_parallel
+    pp = cfg.train.parallel.pipeline_parallel
     if pp == 1:
         return []
     return [
         error(
-            "megatron.pipeline_parallel",
-            f"megatron.pipeline_parallel is {pp}: Megatron-Bridge rejects pipeline "
+            "train.parallel.pipeline_parallel",
+            f"train.parallel.pipeline_parallel is {pp}: Megatron-Bridge rejects pipeline "
             "parallelism with Energon packing",
-            "set megatron.pipeline_parallel=1 (split the model with TP or EP instead)",
+            "set train.parallel.pipeline_parallel=1 (split the model with TP or EP instead; "
+            "or train.backend=local, whose pipeline stages carry the packing metadata)",
         )
     ]
 
@@ -343,29 +345,74 @@ SLURM_RULES = RuleBook()
 
 
 def train_nproc_per_node(cfg: PipelineConfig) -> int:
-    """torchrun processes per node of the train job: ``nproc_per_node``, else one per GPU."""
+    """torchrun processes per node of the SLURM train job: ``nproc_per_node``, else one per
+    GPU."""
     s = cfg.executor.slurm
     return s.nproc_per_node or max(s.gpus_per_node, 1)
 
 
-@SLURM_RULES.rule(
-    "slurm.data_parallel",
-    "slurm",
-    "with train.backend local, the train job's processes divide train.global_batch_size",
-)
-def _slurm_data_parallel(cfg: PipelineConfig) -> list[Issue] | None:
-    if cfg.executor.kind is not ExecutorKind.slurm or cfg.train.backend is not TrainBackend.local:
-        return None  # the Megatron rules split Bridge's GPUs (stages/megatron_overrides.py)
-    s = cfg.executor.slurm
-    nproc = train_nproc_per_node(cfg)
-    procs, gbs = s.nodes * nproc, cfg.train.global_batch_size
-    if gbs % procs == 0:
-        return []
+def train_world(cfg: PipelineConfig) -> int:
+    """Ranks of a local-backend train run: the SLURM train job's ``nodes ×
+    nproc_per_node``, else ``train.nproc_per_node`` (torchrun on this machine)."""
+    if cfg.executor.kind is ExecutorKind.slurm:
+        return cfg.executor.slurm.nodes * train_nproc_per_node(cfg)
+    return cfg.train.nproc_per_node
+
+
+def layout_issues(cfg: PipelineConfig, *, setting: str) -> list[Issue]:
+    """Why ``train.parallel`` cannot run on the train run's ranks (:func:`train_world`), one
+    error each: the ranks, rows and stages must split evenly, and the combination must be
+    one the engines run (``packline.train.layout.ParallelLayout.problems``). Fixed width and
+    the micro-batch have their own packing rules; the model's layers and experts are checked
+    by validate's model rules, which read the model's config."""
+    from packline.train.layout import ParallelLayout
+
+    par, world = cfg.train.parallel, train_world(cfg)
+    found = ParallelLayout.from_config(par, world).problems(
+        rows_per_step=cfg.train.global_batch_size,
+        packed_only=not cfg.train.compare_packing and cfg.packing.enabled,
+    )
+    if par.pipeline_parallel > 1 and cfg.train.moe_aux_loss_coef > 0:
+        found.append(
+            f"moe_aux_loss_coef {cfg.train.moe_aux_loss_coef} with pipeline_parallel > 1: the "
+            "load-balancing loss needs every layer's routing of a micro-batch at once (it "
+            "is still logged; set train.moe_aux_loss_coef=0)"
+        )
+    if cfg.executor.kind is ExecutorKind.slurm:
+        s = cfg.executor.slurm
+        nproc = train_nproc_per_node(cfg)
+        where = f"the SLURM train job's {world} ranks: nodes {s.nodes} × nproc_per_node {nproc}"
+    else:
+        where = f"train.nproc_per_node {world}"
     return [
         error(
-            "executor.slurm.nproc_per_node",
-            f"train.global_batch_size {gbs} is not divisible by the train job's {procs} "
-            f"data-parallel processes (nodes {s.nodes} × nproc_per_node {nproc})",
-            "change executor.slurm.nproc_per_node or train.global_batch_size",
+            setting,
+            f"{problem} ({where}; pipeline_parallel {par.pipeline_parallel}, expert_parallel "
+            f"{par.expert_parallel})",
+            f"change train.parallel, {setting} or train.global_batch_size "
+            "(README: parallel layouts)",
         )
+        for problem in found
     ]
+
+
+@CONFIG_RULES.rule(
+    "train.parallel",
+    "train",
+    "the local backend's layout splits this machine's ranks, rows and stages evenly",
+)
+def _local_layout(cfg: PipelineConfig) -> list[Issue] | None:
+    if cfg.train.backend is not TrainBackend.local or cfg.executor.kind is ExecutorKind.slurm:
+        return None  # on SLURM: slurm.parallel; Bridge splits its GPUs (megatron_overrides.py)
+    return layout_issues(cfg, setting="train.nproc_per_node")
+
+
+@SLURM_RULES.rule(
+    "slurm.parallel",
+    "slurm",
+    "with train.backend local, the train job's ranks fit train.parallel and the batch",
+)
+def _slurm_layout(cfg: PipelineConfig) -> list[Issue] | None:
+    if cfg.executor.kind is not ExecutorKind.slurm or cfg.train.backend is not TrainBackend.local:
+        return None  # the Megatron rules split Bridge's GPUs (stages/megatron_overrides.py)
+    return layout_issues(cfg, setting="executor.slurm.nproc_per_node")

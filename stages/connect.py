@@ -48,8 +48,9 @@ from packline.packing.selection import align_up
 from packline.progress import console, progress
 from packline.qwen.processor import TINY_LAYOUT_VERSION
 from packline.qwen.vision import read_image_size
-from schemas.config import Algorithm, ExecutorKind, PipelineConfig, TrainBackend
+from schemas.config import Algorithm, PipelineConfig, TrainBackend
 from schemas.errors import UserError
+from schemas.guardrails import train_nproc_per_node, train_world
 from schemas.tables import LengthsModel, validate_table
 from stages.base import (
     PROCESSOR,
@@ -455,17 +456,16 @@ def data_parallel_ranks(cfg: PipelineConfig) -> int:
     - backend megatron: the SLURM train job's GPUs, ``nodes × (nproc_per_node or
       gpus_per_node)``, over TP × CP × PP (Bridge gives Energon the pure DP group; EP and
       sequence parallel split no data);
-    - backend local on the SLURM executor: every process of the train job;
-    - backend local otherwise: ``train.nproc_per_node``."""
-    s = cfg.executor.slurm
-    job = s.nodes * (s.nproc_per_node or max(s.gpus_per_node, 1))
+    - backend local: the train run's ranks (every process of the SLURM train job, else
+      ``train.nproc_per_node``) over ``train.parallel.pipeline_parallel`` (the stages of a
+      pipeline read the same rows; EP splits no data)."""
+    pp = cfg.train.parallel.pipeline_parallel
     if cfg.train.backend is TrainBackend.megatron:
+        s = cfg.executor.slurm
+        job = s.nodes * train_nproc_per_node(cfg)
         p = cfg.packing
-        model_parallel = p.tensor_parallel * p.context_parallel * cfg.megatron.pipeline_parallel
-        return max(job // model_parallel, 1)
-    if cfg.executor.kind is ExecutorKind.slurm:
-        return job
-    return cfg.train.nproc_per_node
+        return max(job // (p.tensor_parallel * p.context_parallel * pp), 1)
+    return max(train_world(cfg) // pp, 1)
 
 
 def forecast_settings(cfg: PipelineConfig) -> dict[str, Any]:

@@ -14,7 +14,7 @@ every key against a pinned Bridge release's source):
   (train, dataset, ``validation.eval_micro_batch_size``), per-token loss
   (``model.calculate_per_token_loss``), gradient sums not averaged in the collective
   (``ddp.average_in_collective=False``), no pipeline parallelism, no CUDA graphs.
-- MoE (``model.moe``): EP from ``megatron.expert_parallel``, expert TP 1, no MTP, the
+- MoE (``model.moe``): EP from ``train.parallel.expert_parallel``, expert TP 1, no MTP, the
   ``alltoall`` dispatcher, EP communication overlap and delayed wgrad off; EP > 1 packs
   fixed-width rows (``dataset.pad_to_max_length``); sequence parallelism on with TP > 1, as
   Bridge's MoE provider turns it on anyway.
@@ -169,7 +169,7 @@ def _packline_overrides(
 ) -> dict[str, Any]:
     """The overrides packline's own settings make (no extra overrides)."""
     p, t, m = cfg.packing, cfg.train, cfg.megatron
-    ep = m.expert_parallel
+    ep = t.parallel.expert_parallel
     o: dict[str, Any] = {
         # data: the prepared Energon dataset and the processor connect measured lengths with
         "dataset.path": str(dataset_dir(cfg) / BRIDGE_METADATASET),
@@ -196,7 +196,7 @@ def _packline_overrides(
         # the settings validate checks (megatron.*): what packing needs, or it stops there
         "model.calculate_per_token_loss": m.calculate_per_token_loss,
         "ddp.average_in_collective": m.average_in_collective,
-        "model.pipeline_model_parallel_size": m.pipeline_parallel,
+        "model.pipeline_model_parallel_size": t.parallel.pipeline_parallel,
         "model.cuda_graph_impl": m.cuda_graph_impl.value,
         "model.vision_cuda_graph_impl": m.vision_cuda_graph_impl.value,
         # parallelism (alignment of each conversation follows TP/CP/SP, see packing.alignment)
@@ -517,21 +517,21 @@ def _algorithm(run: BridgeRun) -> list[Issue] | None:
 
 
 @MEGATRON_RULES.rule(
-    "megatron.dense_experts", "megatron", "megatron.expert_parallel > 1 only on an MoE model"
+    "megatron.dense_experts", "megatron", "train.parallel.expert_parallel > 1 only on an MoE model"
 )
 def _dense_experts(run: BridgeRun) -> list[Issue] | None:
     cfg = run.cfg
     if not _megatron(run):
         return None
-    ep = cfg.megatron.expert_parallel
+    ep = cfg.train.parallel.expert_parallel
     if ep == 1 or cfg.model.moe:
         return []
     return [
         error(
-            "megatron.expert_parallel",
-            f"megatron.expert_parallel is {ep}, but model.moe is false: a dense model has no "
+            "train.parallel.expert_parallel",
+            f"train.parallel.expert_parallel is {ep}, but model.moe is false: a dense model has no "
             "experts to split",
-            "set megatron.expert_parallel=1 (or model.moe=true for an MoE model)",
+            "set train.parallel.expert_parallel=1 (or model.moe=true for an MoE model)",
         )
     ]
 
@@ -573,8 +573,8 @@ def _world(run: BridgeRun) -> list[Issue] | None:
     if run.cfg.model.moe and world >= 1 and world % ep:  # expert TP 1, PP 1: EP tiles the world
         out.append(
             error(
-                run.setting("model.expert_model_parallel_size", "megatron.expert_parallel"),
-                f"megatron.expert_parallel {ep} does not divide the train job's {world} GPUs",
+                run.setting("model.expert_model_parallel_size", "train.parallel.expert_parallel"),
+                f"train.parallel.expert_parallel {ep} does not divide the train job's {world} GPUs",
                 f"use a multiple of {ep} GPUs, or an expert_parallel that divides {world}",
             )
         )
@@ -668,7 +668,7 @@ PACKING_GUARDS = (
         "model.pipeline_model_parallel_size",
         "1 (no pipeline parallelism)",
         lambda v: (v or 1) == 1,
-        "megatron.pipeline_parallel",
+        "train.parallel.pipeline_parallel",
     ),
     _Guard(
         "model.overlap_moe_expert_parallel_comm",
@@ -730,7 +730,7 @@ MEASURED = {
     "model.tensor_model_parallel_size": "packing.tensor_parallel",
     "model.context_parallel_size": "packing.context_parallel",
     "model.sequence_parallel": "packing.sequence_parallel",
-    "model.expert_model_parallel_size": "megatron.expert_parallel",
+    "model.expert_model_parallel_size": "train.parallel.expert_parallel",
 }
 
 

@@ -76,15 +76,16 @@ def barrier() -> None:
         dist.barrier()
 
 
-def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    """Sum ``t`` over ranks in place (through the GPU when the backend is nccl)."""
+def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
+    """Sum ``t`` over the ranks of ``group`` (None: all) in place, through the GPU when the
+    backend is nccl."""
     if dist.is_available() and dist.is_initialized():
         if dist.get_backend() == "nccl" and t.device.type != "cuda":
             on_gpu = t.cuda()
-            dist.all_reduce(on_gpu, op=dist.ReduceOp.SUM)
+            dist.all_reduce(on_gpu, op=dist.ReduceOp.SUM, group=group)
             t.copy_(on_gpu.cpu())
         else:
-            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return t
 
 
@@ -101,12 +102,15 @@ def all_gather_object(value) -> list:
     return [value]
 
 
-def sum_grads_over_ranks(params: list[torch.Tensor]) -> None:
-    """Sum (never average) the gradients of ``params`` over ranks, in one flat all-reduce."""
+def sum_grads_over_ranks(params: list[torch.Tensor], group=None) -> None:
+    """Sum (never average) the gradients of ``params`` over the ranks of ``group`` (None:
+    all), in one flat all-reduce."""
     grads = [p.grad for p in params if p.grad is not None]
     if not grads or rank_world()[1] == 1:
         return
-    flat = all_reduce_sum(torch.cat([g.flatten() for g in grads]))
+    if group is not None and dist.get_world_size(group) == 1:
+        return
+    flat = all_reduce_sum(torch.cat([g.flatten() for g in grads]), group=group)
     offset = 0
     for g in grads:
         g.copy_(flat[offset : offset + g.numel()].view_as(g))

@@ -631,7 +631,7 @@ def test_shipped_cluster_configs_pass_every_rule_in_one_pass(megatron, capsys, c
         "lora.targets",
     ):
         assert status[rule] == "ok", rule
-    assert status["slurm.data_parallel"] == "not applicable"  # Bridge splits its GPUs itself
+    assert status["slurm.parallel"] == "not applicable"  # Bridge splits its GPUs itself
     allowed = {"data.current", "packing.forecast_fill", "megatron.media_first"}
     assert {f["rule"] for f in report["warnings"]} <= allowed
     # the samples whose images Bridge moves before their turn's text are counted
@@ -724,11 +724,12 @@ def test_the_slurm_rule_run_refuses_is_listed_by_validate(connected, capsys):
     code, problems, report = _validate(connected, capsys, "executor.kind=slurm")
     assert code == 2
     assert problems == [
-        "train.global_batch_size 4 is not divisible by the train job's 8 data-parallel "
-        "processes (nodes 1 × nproc_per_node 8); fix: change executor.slurm.nproc_per_node or "
-        "train.global_batch_size"
+        "train.global_batch_size 4 is not divisible by the 8 data-parallel ranks (the "
+        "SLURM train job's 8 ranks: nodes 1 × nproc_per_node 8; pipeline_parallel 1, "
+        "expert_parallel 1); fix: change train.parallel, executor.slurm.nproc_per_node or "
+        "train.global_batch_size (README: parallel layouts)"
     ]
-    assert [f["rule"] for f in report["errors"]] == ["slurm.data_parallel"]
+    assert [f["rule"] for f in report["errors"]] == ["slurm.parallel"]
     code, problems, _ = _validate(
         connected, capsys, "executor.kind=slurm", "executor.slurm.nproc_per_node=2"
     )

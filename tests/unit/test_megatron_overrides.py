@@ -194,7 +194,7 @@ def test_megatron_problems_listed_together(tmp_path: Path):
         tmp_path,
         "model.path=null",
         "packing.algorithm=bfd",
-        "megatron.expert_parallel=4",
+        "train.parallel.expert_parallel=4",
         "packing.pad_to_max_length=true",  # EP > 1 needs it (a validate guardrail)
         "train.global_batch_size=12",
         "executor.slurm.gpus_per_node=8",
@@ -514,17 +514,17 @@ def test_bridge_run_is_nested_under_the_stage_run_by_launch_id(tmp_path: Path):
     assert PARENT_TAG not in client.get_run(other.info.run_id).data.tags
 
 
-# The Bridge override each validated ``megatron.*`` setting travels in.
+# The Bridge override each validated ``megatron.*`` (or ``train.parallel.*``) setting travels in.
 VALIDATED = {
     "calculate_per_token_loss": "model.calculate_per_token_loss",
     "average_in_collective": "ddp.average_in_collective",
-    "pipeline_parallel": "model.pipeline_model_parallel_size",
+    "parallel.pipeline_parallel": "model.pipeline_model_parallel_size",
     "cuda_graph_impl": "model.cuda_graph_impl",
     "vision_cuda_graph_impl": "model.vision_cuda_graph_impl",
     "max_num_images": "dataset.task_encoder.max_num_images",
 }
 VALIDATED_MOE = {
-    "expert_parallel": "model.expert_model_parallel_size",
+    "parallel.expert_parallel": "model.expert_model_parallel_size",
     "mtp_num_layers": "model.mtp_num_layers",
     "overlap_moe_expert_parallel_comm": "model.overlap_moe_expert_parallel_comm",
     "delay_wgrad_compute": "model.delay_wgrad_compute",
@@ -540,11 +540,12 @@ def test_overrides_send_exactly_what_validate_passed(path: Path, tmp_path: Path)
     o = bridge_overrides(cfg)
     pairs = {**VALIDATED, **(VALIDATED_MOE if cfg.model.moe else {})}
     for setting, key in pairs.items():
-        value = getattr(cfg.megatron, setting)
+        section, _, name = setting.rpartition(".")
+        value = getattr(cfg.train.parallel if section else cfg.megatron, name)
         assert o[key] == getattr(value, "value", value), (setting, key)
     assert o["dataset.micro_batch_size"] == o["train.micro_batch_size"] == 1
     assert o["dataset.pad_to_max_length"] == (
-        cfg.packing.pad_to_max_length or cfg.megatron.expert_parallel > 1
+        cfg.packing.pad_to_max_length or cfg.train.parallel.expert_parallel > 1
     )
 
 

@@ -77,9 +77,9 @@ CONFIG_ERRORS = [
     ),
     (
         "packing.fixed_width",
-        [MEGATRON, "megatron.expert_parallel=8"],
-        "packing.pad_to_max_length is false with megatron.expert_parallel 8 and "
-        "megatron.pipeline_parallel 1: EP > 1 or PP > 1 needs every packed row padded to "
+        [MEGATRON, "train.parallel.expert_parallel=8"],
+        "packing.pad_to_max_length is false with train.parallel.expert_parallel 8 and "
+        "train.parallel.pipeline_parallel 1: EP > 1 or PP > 1 needs every packed row padded to "
         "packing.seq_length; fix: set packing.pad_to_max_length=true",
     ),
     (
@@ -97,10 +97,11 @@ CONFIG_ERRORS = [
     ),
     (
         "megatron.pipeline_parallel",
-        [MEGATRON, "megatron.pipeline_parallel=2", "packing.pad_to_max_length=true"],
-        "megatron.pipeline_parallel is 2: Megatron-Bridge rejects pipeline parallelism "
-        "with Energon packing; fix: set megatron.pipeline_parallel=1 (split the model "
-        "with TP or EP instead)",
+        [MEGATRON, "train.parallel.pipeline_parallel=2", "packing.pad_to_max_length=true"],
+        "train.parallel.pipeline_parallel is 2: Megatron-Bridge rejects pipeline parallelism "
+        "with Energon packing; fix: set train.parallel.pipeline_parallel=1 (split the model "
+        "with TP or EP instead; or train.backend=local, whose pipeline stages carry the "
+        "packing metadata)",
     ),
     (
         "megatron.task_encoder",
@@ -174,12 +175,14 @@ def test_config_breaking_three_rules_lists_all_three(capsys, tmp_path):
 
 
 def test_megatron_settings_are_inert_with_the_local_backend():
-    cfg = load_config(None, ["megatron.mtp_num_layers=1", "megatron.expert_parallel=8"])
+    cfg = load_config(None, ["megatron.mtp_num_layers=1", "megatron.max_num_images=0"])
     _, checks = CONFIG_RULES.run(cfg)
     status = {c.rule: c.status for c in checks}
     assert status["megatron.mtp"] == "not applicable"
-    assert status["packing.fixed_width"] == "not applicable"
+    assert status["megatron.pipeline_parallel"] == "not applicable"
     assert status["packing.micro_batch"] == "ok"
+    assert status["packing.fixed_width"] == "ok"  # train.parallel applies to both backends
+    assert status["train.parallel"] == "ok"
 
 
 def test_packing_rules_do_not_apply_when_nothing_trains_packed():
@@ -216,7 +219,7 @@ MEGATRON_BREAKS = [
     (
         "megatron.dense_experts",
         DENSE,
-        ["megatron.expert_parallel=2", "packing.pad_to_max_length=true"],
+        ["train.parallel.expert_parallel=2", "packing.pad_to_max_length=true"],
         "error",
     ),
     ("megatron.world", DENSE, ["train.global_batch_size=12"], "error"),
