@@ -265,10 +265,10 @@ def _tiny_expert_fold(processor) -> int:
     text = _config(processor, "moe-lora").text_config
     # One baddbmm per adapted 3-D parameter and layer: experts x rank x (d_out x d_in) MACs.
     # gate_up_proj is hidden -> 2·moe_intermediate, down_proj is moe_intermediate -> hidden:
-    # 8 experts x 8 x (128·128 + 64·128) = 1,572,864 MACs = 3,145,728 FLOPs per layer.
+    # 8 experts x 8 x (128·96 + 48·128) = 1,179,648 MACs = 2,359,296 FLOPs per layer.
     per_layer = 2 * text.num_experts * RANK * 3 * text.moe_intermediate_size * text.hidden_size
-    assert per_layer == 3_145_728
-    return text.num_hidden_layers * per_layer  # 6,291,456
+    assert per_layer == 2_359_296
+    return text.num_hidden_layers * per_layer  # 4,718,592
 
 
 # text only, one image, two images, a video, a video and an image
