@@ -18,6 +18,7 @@ Groups:
   packing is off); ``pack/row_fill`` is one value per row, its step the row's index;
 - ``data/*``: the ledger of source samples (seen, packed, dropped by reason);
 - ``eval/*``: at each evaluation (step 0, every ``train.eval_every`` steps, the end);
+- ``moe/*``: an MoE model's router over the step's real tokens (:mod:`packline.qwen.moe`);
 - ``compare/*``: the train stage's own run, packing on against off.
 
 >>> cumulative(TRAIN_TOKENS_REAL), dropped("overlength")
@@ -178,6 +179,18 @@ def by_kind_from_metrics(metrics: dict[str, float]) -> dict[str, dict[str, Any]]
             )
     return dict(sorted(out.items()))
 
+
+# -- moe/*: the router of an MoE model, over real tokens only -------------------------------
+
+MOE_AUX_LOSS = "moe/aux_loss"
+"""HF's load-balancing loss over the step's real tokens (padding and alignment gaps left out),
+from router stats summed over micro-batches, stages and ranks: the loss of their union."""
+MOE_EXPERT_LOAD_MAX = "moe/expert_load_max"
+"""Top-k assignments of the busiest expert / the mean over experts (1.0: balanced)."""
+MOE_EXPERT_LOAD_MIN = "moe/expert_load_min"
+"""Top-k assignments of the idlest expert / the mean over experts."""
+MOE_METRICS = (MOE_AUX_LOSS, MOE_EXPERT_LOAD_MAX, MOE_EXPERT_LOAD_MIN)
+"""What an MoE model's step logs besides :data:`STEP_METRICS`."""
 
 # -- compare/*: the train stage's own run ------------------------------------------------------
 

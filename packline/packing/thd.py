@@ -108,6 +108,26 @@ class PackedBatch:
         """(1, T) HF ``mm_token_type_ids`` (:func:`mm_token_type_ids`)."""
         return mm_token_type_ids(self.input_ids, image_token_id, video_token_id)
 
+    def real_token_mask(self) -> torch.Tensor:
+        """(1, T) bool: True on the conversations' own tokens, ``[cu_seqlens_padded[i],
+        cu_seqlens_padded[i] + len_i)``; False in the alignment gaps and the
+        ``pad_to_max_length`` tail. On the row's device, no device sync.
+
+        >>> row = build_packed_batch(
+        ...     [EncodedConversation(key=k, input_ids=torch.arange(n), target_mask=torch.ones(
+        ...         n, dtype=torch.bool), mrope=torch.arange(n).expand(3, n)) for k, n in
+        ...      (("a", 3), ("b", 2))], seq_length=8, alignment=4, pad_to_max_length=True)
+        >>> row.real_token_mask().int().tolist()
+        [[1, 1, 1, 0, 1, 1, 0, 0]]
+        """
+        length = self.input_ids.shape[1]
+        bounds = self.cu_seqlens_padded.to(device=self.input_ids.device, dtype=torch.long)
+        lens = (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).to(bounds)
+        offsets = torch.arange(length, device=bounds.device)
+        # Each token's segment: the last one starting at or before it (empty ones skipped).
+        segment = torch.searchsorted(bounds[1:], offsets, right=True).clamp(max=len(lens) - 1)
+        return ((offsets - bounds[segment]) < lens[segment]).view(1, length)
+
     def conversations(self) -> list[EncodedConversation]:
         """The row's conversations back as separate, unpadded conversations (for the
         packing-off baseline, which lays the very same conversations out padded)."""
@@ -359,6 +379,10 @@ class PaddedBatch:
 
     def token_type_ids(self, image_token_id: int, video_token_id: int | None = None):
         return mm_token_type_ids(self.input_ids, image_token_id, video_token_id)
+
+    def real_token_mask(self) -> torch.Tensor:
+        """(k, Lmax) bool: the conversations' own tokens (the attention mask)."""
+        return self.attention_mask.bool()
 
 
 def expected_text_positions(cu_seqlens_padded: torch.Tensor, length: int) -> torch.Tensor:
