@@ -387,8 +387,8 @@ def layout_issues(cfg: PipelineConfig, *, setting: str) -> list[Issue]:
     return [
         error(
             setting,
-            f"{problem} ({where}; pipeline_parallel {par.pipeline_parallel}, expert_parallel "
-            f"{par.expert_parallel})",
+            f"train.parallel: {problem} ({where}; pipeline_parallel {par.pipeline_parallel}, "
+            f"expert_parallel {par.expert_parallel})",
             f"change train.parallel, {setting} or train.global_batch_size "
             "(README: parallel layouts)",
         )

@@ -125,11 +125,13 @@ def train_run(
         }
     )
     outcome = trainer.train()
+    whole = trainer.whole_model()  # every rank: the adapters are gathered when split (EP, PP)
     if not trainer.lead:
         return None
     name = "packed" if packed else "unpacked"
     # The LM head, when adapted, stays frozen: save the adapters alone, not its base weights.
-    trainer.model.save_pretrained(run_dir / "adapter", save_embedding_layers=False)
+    # Under EP or PP too the adapter is the one-process PEFT adapter of the whole model.
+    whole.save_pretrained(run_dir / "adapter", save_embedding_layers=False)
     tracker.log_artifact(run_dir / "adapter")
     (run_dir / "config.yaml").write_text(cfg.to_yaml())  # the resolved config of this run
     tracker.log_artifact(run_dir / "config.yaml")

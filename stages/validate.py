@@ -73,6 +73,7 @@ from schemas.guardrails import (
     Issue,
     RuleBook,
     error,
+    train_world,
     warning,
 )
 from schemas.tables import cross_table_problems
@@ -766,6 +767,41 @@ def _vision_text_width(x: Inputs) -> list[Issue] | None:
             "language model",
             "use a consistent Qwen3-VL config.json",
         )
+    ]
+
+
+@MODEL_RULES.rule(
+    "model.parallel",
+    "model",
+    "train.parallel splits the model's decoder layers into whole stages and its experts evenly",
+)
+def _model_parallel(x: Inputs) -> list[Issue] | None:
+    if not x.model_ok or x.cfg.train.backend is not TrainBackend.local:
+        return None  # Bridge splits the model itself (megatron rules)
+    from packline.train.layout import ParallelLayout
+
+    text = getattr(x.model_config, "text_config", x.model_config)
+    par = x.cfg.train.parallel
+    layout = ParallelLayout.from_config(par, train_world(x.cfg))
+    found = layout.model_problems(
+        num_layers=text.num_hidden_layers, num_experts=getattr(text, "num_experts", None)
+    )
+    x.facts["parallel"] = {
+        "ranks": layout.world,
+        "pipeline_parallel": layout.pipeline,
+        "expert_parallel": layout.expert,
+        "data_parallel": layout.data,
+        "fsdp": layout.fsdp,
+    }
+    # the rest of the layout's problems are config rules (train.parallel / slurm.parallel)
+    return [
+        error(
+            "train.parallel",
+            f"train.parallel: {problem} ({x.cfg.model.path or 'the tiny model'}: "
+            f"{text.num_hidden_layers} layers, {getattr(text, 'num_experts', 0) or 'no'} experts)",
+            "change train.parallel.pipeline_parallel / expert_parallel",
+        )
+        for problem in found
     ]
 
 

@@ -148,12 +148,8 @@ class ParallelLayout:
                 f"expert_parallel {E} does not divide the {self.data} data-parallel ranks of "
                 "a stage (experts are split over a stage's data-parallel ranks)"
             )
-        if num_layers is not None and num_layers % P:
-            out.append(f"pipeline_parallel {P} does not divide the {num_layers} decoder layers")
-        if E > 1 and num_experts is None:
-            out.append(f"expert_parallel {E} needs an MoE model (model.moe: true or an MoE path)")
-        elif num_experts is not None and num_experts % E:
-            out.append(f"expert_parallel {E} does not divide the {num_experts} experts")
+        if num_layers is not None:
+            out += self.model_problems(num_layers=num_layers, num_experts=num_experts)
         if self.fsdp and P > 1:
             out.append(
                 "fsdp with pipeline_parallel > 1: transformers' engine cannot combine FSDP "
@@ -186,6 +182,19 @@ class ParallelLayout:
                 "pipeline_parallel > 1 trains packed rows only: padded micro-batches change "
                 "shape from step to step (train.compare_packing: false, packing.enabled: true)"
             )
+        return out
+
+    def model_problems(self, *, num_layers: int, num_experts: int | None) -> list[str]:
+        """Why the model cannot be split so: P must divide its ``num_layers`` decoder layers,
+        E its ``num_experts`` (None: a dense model, which E must leave whole)."""
+        P, E = self.pipeline, self.expert
+        out = []
+        if num_layers % P:
+            out.append(f"pipeline_parallel {P} does not divide the {num_layers} decoder layers")
+        if E > 1 and num_experts is None:
+            out.append(f"expert_parallel {E} needs an MoE model (model.moe: true or an MoE path)")
+        elif num_experts is not None and num_experts % E:
+            out.append(f"expert_parallel {E} does not divide the {num_experts} experts")
         return out
 
     # -- process groups -----------------------------------------------------------------------

@@ -53,21 +53,15 @@ from packline.counters import (
 from packline.energon.packing import PackingSettings
 from packline.flops import mfu
 from packline.packing.ledger import Ledger
-from packline.packing.thd import PackedBatch, build_padded_batch, to_device
+from packline.packing.thd import PackedBatch, build_padded_batch
 from packline.progress import progress
-from packline.qwen.forward import packed_forward, padded_forward, token_loss_sum
 from packline.tracking import Tracker
 from packline.train.checkpoint import Checkpointer
 from packline.train.data import StreamSettings, TrainStream
-from packline.train.distributed import (
-    all_gather_object,
-    all_reduce_sum,
-    barrier,
-    check_replicas,
-    rank_world,
-    sum_grads_over_ranks,
-)
+from packline.train.distributed import all_gather_object, barrier, rank_world
+from packline.train.engine import DataParallelEngine, Engine, router_metrics
 from packline.train.evaluate import EvalResult, Evaluator
+from packline.train.layout import ParallelLayout, count_once
 from packline.train.records import append_record, drop_torn_tail
 
 METRICS_LOG = "metrics.jsonl"
@@ -167,10 +161,12 @@ def lr_lambda(step: int, *, warmup: int, total: int) -> float:
     return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def _sum_counts(counts: PackCounts) -> PackCounts:
-    """``counts`` summed over all ranks (exact: float64 holds these integers)."""
+def _sum_counts(counts: PackCounts, layout: ParallelLayout, rank: int) -> PackCounts:
+    """``counts`` summed once per data-parallel index (exact: float64 holds these
+    integers; the stages of a pipeline read the same rows, only stage 0 counts them)."""
     names = [f.name for f in fields(PackCounts)]
-    t = all_reduce_sum(torch.tensor([getattr(counts, n) for n in names], dtype=torch.float64))
+    values = torch.tensor([getattr(counts, n) for n in names], dtype=torch.float64)
+    t = count_once(values, layout, rank)
     return PackCounts(**{n: int(v) for n, v in zip(names, t.tolist(), strict=True)})
 
 
@@ -194,6 +190,8 @@ class StepResult:
     image decoding and processing, unless loader workers did it ahead)."""
     vision_seconds: float = 0.0
     """Of ``seconds`` on rank 0: the vision tower's forwards (the same work packed or not)."""
+    router: dict[str, float] = field(default_factory=dict)
+    """``moe/*`` of the step over every rank (MoE only)."""
 
     @property
     def keys(self) -> list[str]:
@@ -230,17 +228,21 @@ class Trainer:
         video_token_id: int | None = None,
         tracker: Tracker | None = None,
         device_name: str = "cpu",
+        layout: ParallelLayout | None = None,
+        engine: Engine | None = None,
+        eval_model=None,
     ):
-        self.model = model
         self.s = settings
         self.run_dir = Path(run_dir)
         self.rank, self.world = rank_world()
-        if settings.global_batch_size % self.world:
-            raise ValueError(
-                f"train.global_batch_size {settings.global_batch_size} is not divisible by "
-                f"the {self.world} data-parallel ranks"
-            )
-        self.rows_per_rank = settings.global_batch_size // self.world
+        self.layout = layout or ParallelLayout(world=self.world)
+        if self.layout.world != self.world:
+            raise ValueError(f"a layout of {self.layout.world} ranks on {self.world} ranks")
+        problems = self.layout.problems(rows_per_step=settings.global_batch_size)
+        if problems:
+            raise ValueError("; ".join(problems))
+        self.coords = self.layout.coords(self.rank)
+        self.rows_per_rank = settings.global_batch_size // self.layout.data
         self.flops_model = flops_model
         self.image_token_id = image_token_id
         self.video_token_id = video_token_id
@@ -248,9 +250,21 @@ class Trainer:
         self.evaluator = evaluator
         self.tracker = tracker or Tracker.disabled()
         self.device_name = device_name
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.device = self.params[0].device
+        self.device = next(p for p in model.parameters() if p.requires_grad).device
         self.bf16 = use_bf16(settings.precision, self.device)
+        self.engine = engine or DataParallelEngine(
+            model,
+            self.layout,
+            rank=self.rank,
+            image_token_id=image_token_id,
+            video_token_id=video_token_id,
+            bf16=self.bf16,
+        )
+        self.model = self.engine.model
+        self.params = self.engine.params
+        self.eval_model = eval_model
+        """Rank 0's one-process model for evaluation and export when the training model is
+        split over ranks (EP, PP); None when every rank holds the whole model."""
         self.optimizer = torch.optim.AdamW(
             self.params, lr=settings.lr, weight_decay=settings.weight_decay
         )
@@ -262,12 +276,13 @@ class Trainer:
             settings.stream,
             dataset_dir=dataset_dir,
             processor_dir=processor_dir,
-            rank=self.rank,
-            world=self.world,
+            rank=self.coords.d,
+            world=self.layout.data,
         )
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", keep_last=settings.keep_last)
         self._vision_seconds = 0.0
-        self._time_vision(model)
+        self._router = None
+        self._time_vision(self.model)
         self.step = 0
         self.counters = RunningCounters.fresh()
         self.chance_by_kind: dict[str, float] = {}
@@ -348,11 +363,30 @@ class Trainer:
             chance_by_kind=self.chance_by_kind,
         )
 
+    def whole_model(self):
+        """Rank 0's model holding every adapter of the run: the training model itself when
+        every rank holds the whole model, else the one-process ``eval_model`` loaded with the
+        adapters gathered from every rank (every rank calls this; the others get None)."""
+        if self.eval_model is None:
+            return self.model if self.lead else None
+        full = self.engine.full_adapter_state()
+        if not self.lead:
+            return None
+        with torch.no_grad():
+            named = dict(self.eval_model.named_parameters())
+            missing = [n for n, p in named.items() if p.requires_grad and n not in full]
+            if missing:
+                raise RuntimeError(f"gathered adapter state lacks {missing[:3]} ...")
+            for n, t in full.items():
+                named[n].copy_(t)
+        return self.eval_model
+
     def evaluate(self) -> EvalResult | None:
         """Rank 0 evaluates, logs and records; the others wait for it (and get None)."""
         result = None
+        model = self.whole_model() if self.evaluator is not None else None
         if self.lead and self.evaluator is not None:
-            result = self.evaluator.evaluate(self.model)
+            result = self.evaluator.evaluate(model)
             metrics = {
                 names.EVAL_LOSS: result.loss,
                 names.EVAL_ACCURACY: result.accuracy,
@@ -405,6 +439,7 @@ class Trainer:
             ),
             names.FLOPS_USEFUL_RANK_SPREAD: float(max(r.rank_flops) - min(r.rank_flops)),
             **self.ledger_metrics(),
+            **r.router,
         }
         metrics.update(
             layout_metrics(
@@ -440,25 +475,21 @@ class Trainer:
     def accumulate_gradients(self, micro: list) -> tuple[float, int]:
         """Backward of Σ token loss / global target count over ``micro`` (all ranks);
         gradients summed across ranks. Returns (global mean token loss, global targets)."""
-        local_targets = sum(m.num_loss_tokens for m in micro)
-        global_targets = int(all_reduce_sum(torch.tensor([local_targets], dtype=torch.float64)))
-        loss_total = torch.zeros((), dtype=torch.float64, device=self.device)
-        forward = packed_forward if self.s.packed else padded_forward
-        for m in micro:
-            m = to_device(m, self.device)
-            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
-                logits = forward(
-                    self.model,
-                    m,
-                    image_token_id=self.image_token_id,
-                    video_token_id=self.video_token_id,
-                )
-            loss_sum, _ = token_loss_sum(logits, m.labels)
-            (loss_sum / global_targets).backward()
-            loss_total += loss_sum.detach().double()
-        sum_grads_over_ranks(self.params)  # sum, never average: the loss is divided globally
-        loss_total = all_reduce_sum(loss_total.cpu())
+        local = [sum(m.num_loss_tokens for m in micro), len(micro)]
+        global_targets, global_micro = (
+            int(v) for v in count_once(torch.tensor(local, dtype=torch.float64), *self._once)
+        )
+        out = self.engine.forward_backward(
+            micro, packed=self.s.packed, global_targets=global_targets, global_micro=global_micro
+        )
+        self.engine.reduce_gradients()  # sum, never average: the loss is divided globally
+        self._router = out.router
+        loss_total = count_once(torch.tensor([out.loss_sum], dtype=torch.float64), *self._once)
         return float(loss_total.item() / global_targets), global_targets
+
+    @property
+    def _once(self) -> tuple[ParallelLayout, int]:
+        return self.layout, self.rank
 
     def train_step(self) -> StepResult:
         t0 = time.perf_counter()
@@ -475,7 +506,7 @@ class Trainer:
             packed=self.s.packed,
         )
         loss, _ = self.accumulate_gradients(micro)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.s.grad_clip)
+        grad_norm = self.engine.clip(self.s.grad_clip)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
@@ -483,6 +514,7 @@ class Trainer:
         self.step += 1
         gathered = all_gather_object(
             (
+                self.coords.stage,
                 counts.tokens_real,
                 counts.flops_useful,
                 [k for row in rows for k in row.keys],
@@ -493,8 +525,9 @@ class Trainer:
                 ),
             )
         )
-        checksums = check_replicas(self.params, step=self.step)
-        total = _sum_counts(counts)
+        gathered = [g[1:] for g in gathered if g[0] == 0]  # a pipeline's rows count once
+        checksums = self.engine.check_replicas(step=self.step)
+        total = _sum_counts(counts, *self._once)
         self.counters.add(total)
         return StepResult(
             step=self.step,
@@ -510,39 +543,55 @@ class Trainer:
             weights_checksums=checksums,
             data_seconds=data_seconds,
             vision_seconds=self._vision_seconds,
+            router=router_metrics(self._router, self.layout),
         )
 
     def ledger_metrics(self) -> dict[str, float]:
-        """``data/*`` of all ranks together."""
+        """``data/*`` of all data-parallel ranks together (a pipeline's stages read the same
+        rows: stage 0's ledger counts them)."""
         merged = Ledger()
-        for led in all_gather_object(self.ledger):
-            merged = merged.merge(led)
+        for stage, led in all_gather_object((self.coords.stage, self.ledger)):
+            if stage == 0:
+                merged = merged.merge(led)
         return merged.to_metrics()
 
     # -- checkpoints ------------------------------------------------------------------------
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
-        return {n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad}
+        """The trainable tensors this rank holds (all of them unless the model is split)."""
+        return self.engine.local_state()
 
     def save_checkpoint(self) -> Path:
-        """Checkpoint the run at this step (every rank calls this)."""
+        """Checkpoint the run at this step (every rank calls this). When every rank holds
+        the whole model, rank 0 saves the adapters and optimizer for all; when the model is
+        split (EP, PP), each rank saves the part it owns."""
         stream = self.stream.state()
+        weights = {
+            "adapter.pt": self.trainable_state(),
+            "optimizer.pt": self.optimizer.state_dict(),
+            "scheduler.pt": self.scheduler.state_dict(),
+        }
+        whole = self.engine.owns_whole_state
+        own = {
+            "loader.pt": stream["loader"],
+            "rng.pt": _rng_state(),
+            "ledger.json": stream["ledger"],
+        }
         return self.checkpointer.save(
             self.step,
-            own={
-                "loader.pt": stream["loader"],
-                "rng.pt": _rng_state(),
-                "ledger.json": stream["ledger"],
+            own=own if whole else {**own, **weights},
+            shared=weights if whole and self.lead else {},
+            state={
+                "step": self.step,
+                "counters": self.counters.state_dict(),
+                "layout": self.layout_record(),
             },
-            shared={
-                "adapter.pt": self.trainable_state(),
-                "optimizer.pt": self.optimizer.state_dict(),
-                "scheduler.pt": self.scheduler.state_dict(),
-            }
-            if self.lead
-            else {},
-            state={"step": self.step, "counters": self.counters.state_dict()},
         )
+
+    def layout_record(self) -> dict:
+        """The layout a checkpoint was written under (resume needs the same one)."""
+        lay = self.layout
+        return {"pipeline": lay.pipeline, "expert": lay.expert, "fsdp": lay.fsdp}
 
     def resume(self) -> int:
         """Load the latest complete checkpoint, if any; returns its step (0 when fresh)."""
@@ -550,13 +599,16 @@ class Trainer:
         if path is None:
             return 0
         ckpt = self.checkpointer.load(path)
-        adapter = ckpt.shared("adapter.pt")
-        with torch.no_grad():
-            for n, p in self.model.named_parameters():
-                if n in adapter:
-                    p.copy_(adapter[n])
-        self.optimizer.load_state_dict(ckpt.shared("optimizer.pt"))
-        self.scheduler.load_state_dict(ckpt.shared("scheduler.pt"))
+        written = ckpt.state.get("layout", {"pipeline": 1, "expert": 1, "fsdp": False})
+        if written != self.layout_record():
+            raise ValueError(
+                f"{path} was written under the layout {written}, this run's is "
+                f"{self.layout_record()}: resume with the same train.parallel"
+            )
+        weights = ckpt.shared if self.engine.owns_whole_state else ckpt.own
+        self.engine.load_local_state(weights("adapter.pt"))
+        self.optimizer.load_state_dict(weights("optimizer.pt"))
+        self.scheduler.load_state_dict(weights("scheduler.pt"))
         self.stream.restore({"loader": ckpt.own("loader.pt"), "ledger": ckpt.own("ledger.json")})
         _set_rng_state(ckpt.own("rng.pt"))
         self.step = ckpt.state["step"]

@@ -724,8 +724,8 @@ def test_the_slurm_rule_run_refuses_is_listed_by_validate(connected, capsys):
     code, problems, report = _validate(connected, capsys, "executor.kind=slurm")
     assert code == 2
     assert problems == [
-        "train.global_batch_size 4 is not divisible by the 8 data-parallel ranks (the "
-        "SLURM train job's 8 ranks: nodes 1 × nproc_per_node 8; pipeline_parallel 1, "
+        "train.parallel: train.global_batch_size 4 is not divisible by the 8 data-parallel "
+        "ranks (the SLURM train job's 8 ranks: nodes 1 × nproc_per_node 8; pipeline_parallel 1, "
         "expert_parallel 1); fix: change train.parallel, executor.slurm.nproc_per_node or "
         "train.global_batch_size (README: parallel layouts)"
     ]

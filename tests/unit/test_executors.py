@@ -61,8 +61,8 @@ def test_local_backend_on_slurm_needs_ranks_that_divide_the_global_batch(tmp_pat
     assert slurm_problems(_cfg(tmp_path, "executor.slurm.nproc_per_node=2")) == []
     problems = slurm_problems(_cfg(tmp_path))  # gpus_per_node 8 → 8 ranks, batch 4
     assert problems == [
-        "train.global_batch_size 4 is not divisible by the 8 data-parallel ranks (the "
-        "SLURM train job's 8 ranks: nodes 1 × nproc_per_node 8; pipeline_parallel 1, "
+        "train.parallel: train.global_batch_size 4 is not divisible by the 8 data-parallel "
+        "ranks (the SLURM train job's 8 ranks: nodes 1 × nproc_per_node 8; pipeline_parallel 1, "
         "expert_parallel 1): change train.parallel, executor.slurm.nproc_per_node or "
         "train.global_batch_size (README: parallel layouts)"
     ]

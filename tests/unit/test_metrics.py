@@ -11,7 +11,7 @@ from packline import metrics as M
 from packline.counters import PackCounts, layout_metrics
 from packline.packing.ledger import DROP_REASONS, Ledger
 
-GROUPS = ("train", "throughput", "flops", "pack", "data", "eval", "compare")
+GROUPS = ("train", "throughput", "flops", "pack", "data", "eval", "compare", "moe")
 
 
 def _names() -> dict[str, str]:
