@@ -48,7 +48,11 @@ CASES = {
     # the tiny's last deepstack feature follows its last layer (no gradient reaches it);
     # here a carried feature has a layer after it, on the next stage
     "deep_vision_lora_1f1b": ([VISION_LORA], "1f1b", True),
-    "deep_vision_lora_gpipe": ([VISION_LORA], "gpipe", True),
+}
+#: cases of a 4-rank launch: P = 4 (two middle stages; the deepstack features of layers 1
+#: and 2 cross stage 0's boundary, feature 2 stage 1's too)
+FOUR_RANK_CASES = {
+    "pp4_deep_vision_lora_1f1b": ([VISION_LORA], "1f1b", True),
 }
 
 
@@ -114,25 +118,35 @@ def cfg_is_moe(model) -> bool:
     return getattr(model.config.text_config, "num_experts", None) is not None
 
 
-def grad_diffs(runner: PipelineRunner, ref: dict[str, torch.Tensor]) -> dict:
-    """Max |Δ| and max relative difference (|Δ|∞ / |ref|∞) over this stage's parameters."""
+def _diffs(got: dict[str, torch.Tensor | None], ref: dict[str, torch.Tensor]) -> dict:
+    """Max |Δ| and max relative difference (per tensor |Δ|∞ / |ref|∞) over the tensors of
+    ``got`` (a missing gradient counts as zeros), the worst tensor, and the names whose
+    reference gradient is zero (a check that would prove nothing there)."""
     worst_abs = worst_rel = 0.0
-    zero = []
-    for name, p in zip(runner.param_names, runner.params, strict=True):
+    worst, zero = "", []
+    for name, g in got.items():
         want = ref[name]
-        got = p.grad if p.grad is not None else torch.zeros_like(want)
+        g = torch.zeros_like(want) if g is None else g
         scale = float(want.abs().max())
         if scale == 0.0:
             zero.append(name)
-        diff = float((got.double() - want.double()).abs().max())
+        diff = float((g.double() - want.double()).abs().max())
+        rel = diff / scale if scale else diff
         worst_abs = max(worst_abs, diff)
-        worst_rel = max(worst_rel, diff / scale if scale else diff)
+        if rel >= worst_rel:
+            worst_rel, worst = rel, name
     return {
-        "params": len(runner.params),
+        "params": len(got),
         "max_abs": worst_abs,
         "max_rel": worst_rel,
+        "worst": worst,
         "zero_reference_grads": zero,
     }
+
+
+def grad_diffs(runner: PipelineRunner, ref: dict[str, torch.Tensor]) -> dict:
+    """:func:`_diffs` of this stage's gradients."""
+    return _diffs(dict(zip(runner.param_names, (p.grad for p in runner.params), strict=True)), ref)
 
 
 def expect_refusal(runner: PipelineRunner, rows, *, global_targets: int) -> str:
@@ -145,7 +159,7 @@ def expect_refusal(runner: PipelineRunner, rows, *, global_targets: int) -> str:
 
 
 def run_case(name, work, rows, rank, world) -> dict:
-    overrides, schedule, deep = CASES[name]
+    overrides, schedule, deep = {**CASES, **FOUR_RANK_CASES}[name]
     cfg = make_config(
         Path(work),
         *SMALL,

@@ -27,7 +27,7 @@ from packline.train.pipeline import StageModule, StagePlan
 from stages.base import processor_dir
 from stages.train import training_stream
 from tests.conftest import make_config
-from tests.integration.pp_check import CASES, VISION_LORA, seeded_lora_model
+from tests.integration.pp_check import CASES, FOUR_RANK_CASES, VISION_LORA, seeded_lora_model
 from tests.integration.train_helpers import SMALL
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -232,3 +232,28 @@ def test_two_stages_refuse_rows_without_boundaries_on_every_stage(two_stage_resu
         assert r["eval_loss_sum"] == pytest.approx(r["ref_eval_loss_sum"], abs=TOLERANCE)
         assert r["second_step_loss_sum"] == r["loss_sum"] == r["after_refusals_loss_sum"]
         assert r["second_step_grads"]["max_rel"] <= TOLERANCE
+
+
+@pytest.fixture(scope="module")
+def four_rank_results(work, pp_rows, tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("pp4") / "pp4.json"
+    args = [str(work), str(pp_rows), str(out), *FOUR_RANK_CASES]
+    cmd = torchrun_command(4, "tests.integration.pp_check", args)
+    subprocess.run(cmd, cwd=ROOT, env=_env(), check=True, timeout=600)
+    return json.loads(out.read_text())
+
+
+def _by_rank(results: dict, case: str) -> list[dict]:
+    return [r for rank in results["by_rank"] for r in rank if r["case"] == case]
+
+
+@pytest.mark.slow
+def test_four_stages_equal_one_process(four_rank_results):
+    """P = 4: two middle stages, each receiving and passing on deepstack features."""
+    rs = sorted(_by_rank(four_rank_results, "pp4_deep_vision_lora_1f1b"), key=lambda r: r["stage"])
+    assert [r["stage"] for r in rs] == [0, 1, 2, 3]
+    assert [(r["carried_in"], r["carried_out"]) for r in rs] == [(0, 2), (2, 1), (1, 0), (0, 0)]
+    for r in rs:
+        assert abs(r["loss_sum"] - r["ref_loss_sum"]) <= TOLERANCE * max(1.0, r["ref_loss_sum"])
+        assert r["grads"]["max_rel"] <= TOLERANCE, r["grads"]
+        assert not r["grads"]["zero_reference_grads"]
