@@ -28,11 +28,15 @@ def backend() -> str:
 
 
 def init_from_env(timeout_s: int = 600) -> None:
-    """Join the process group torchrun describes in the environment (idempotent)."""
+    """Join the process group torchrun describes in the environment (idempotent). On CPU,
+    unless ``OMP_NUM_THREADS`` says otherwise, the node's cores are shared between its
+    ranks (a launcher such as torchrun on SLURM starts them all on one node)."""
     if dist.is_initialized():
         return
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    elif "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     dist.init_process_group(backend(), timeout=timedelta(seconds=timeout_s))
 
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from packline.packing.thd import to_device
+from packline.packing.thd import IGNORE_INDEX, PaddedBatch, to_device
 from packline.qwen.forward import packed_forward, padded_forward, token_loss_sum
 from packline.qwen.moe import RouterRecorder, RouterStats, aux_loss
 from packline.train.distributed import (
@@ -119,7 +119,7 @@ class Engine:
                     )
                 loss_sum, _ = token_loss_sum(logits, m.labels)
                 loss = loss_sum / global_targets
-                if self.recorder is not None:
+                if self.recorder is not None and m.num_real_tokens:
                     mask = m.real_token_mask()
                     r = self.recorder
                     s = RouterStats.from_logits(r.logits, mask, top_k=r.top_k)
@@ -162,6 +162,96 @@ class Engine:
 
 class DataParallelEngine(Engine):
     """One process, or torchrun data parallel: the whole model on every rank."""
+
+
+class SplitEngine(Engine):
+    """What EP and PP share: each rank holds part of the adapters (its experts' slices, its
+    stage's layers), sums dense gradients over its stage's data ranks and expert gradients
+    over the copies of its experts, clips by the norm over every mesh, saves what it owns,
+    and the parts merge back into the one-process PEFT state
+    (:func:`packline.train.expert_parallel.merge_adapter_states`)."""
+
+    @property
+    def owns_whole_state(self) -> bool:
+        return False
+
+    def reduce_gradients(self) -> None:
+        from packline.train.expert_parallel import reduce_adapter_grads
+
+        reduce_adapter_grads(self.model, self.groups)
+
+    def clip(self, max_norm: float) -> float:
+        from packline.train.expert_parallel import clip_adapter_grads
+
+        return float(clip_adapter_grads(self.model, self.layout, max_norm))
+
+    def local_state(self) -> dict:
+        from packline.train.expert_parallel import local_adapter_state
+
+        return local_adapter_state(self.model)
+
+    def full_adapter_state(self) -> dict[str, torch.Tensor] | None:
+        from packline.train.expert_parallel import merge_adapter_states
+
+        parts = all_gather_object(self.local_state())
+        return merge_adapter_states(parts) if self.rank == 0 else None
+
+    def check_replicas(self, *, step: int) -> list[float]:
+        """Copies of the same weights must agree after every step: the dense adapters over
+        a stage's data ranks, each expert slice over its copies. Returns every rank's
+        checksum of what it holds."""
+        from packline.train.distributed import weights_checksum
+        from packline.train.expert_parallel import adapter_params
+
+        dense, expert = adapter_params(self.model)
+        c = self.coords
+        mine = (c.stage, c.ep_rank, weights_checksum(dense), weights_checksum(expert))
+        every = all_gather_object(mine)
+        for what, key, index in (
+            ("dense adapters", lambda e: e[0], 2),
+            ("expert adapters", lambda e: (e[0], e[1]), 3),
+        ):
+            groups: dict = {}
+            for e in every:
+                groups.setdefault(key(e), set()).add(e[index])
+            split = {k: v for k, v in groups.items() if len(v) > 1}
+            if split:
+                raise RuntimeError(
+                    f"{what} diverged between ranks holding copies of them after step {step} "
+                    f"(checksums by stage / expert slice: {split}); gradients must be summed "
+                    "identically on every copy"
+                )
+        return [e[2] + e[3] for e in every]
+
+
+class ExpertParallelEngine(SplitEngine):
+    """EP without PP: the forward and backward of :class:`Engine`, every rank together (in
+    each MoE layer tokens cross ranks to their experts and back). Packing off lays a rank's
+    conversations out in as many padded micro-batches as they need, which differs between
+    ranks: the ranks with fewer run idle ones (one token, no target, outside the router
+    statistics) so that every rank joins every exchange."""
+
+    def forward_backward(self, micro: list, **kwargs) -> StepLoss:
+        most = max(all_gather_object(len(micro)))
+        idle = [_idle_micro() for _ in range(most - len(micro))]
+        return super().forward_backward([*micro, *idle], **kwargs)
+
+
+def _idle_micro() -> PaddedBatch:
+    """A micro-batch of one token and no target: its forward and backward join the experts'
+    exchanges and add nothing (``num_real_tokens`` 0 keeps it out of the router stats)."""
+    one = torch.zeros((1, 1), dtype=torch.long)
+    return PaddedBatch(
+        input_ids=one,
+        attention_mask=torch.ones_like(one),
+        labels=torch.full_like(one, IGNORE_INDEX),
+        pixel_values=None,
+        image_grid_thw=None,
+        keys=[],
+        num_real_tokens=0,
+        num_padded_tokens=0,
+        num_loss_tokens=0,
+    )
 
 
 def router_metrics(stats: RouterStats | None, layout: ParallelLayout) -> dict[str, float]:

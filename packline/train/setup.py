@@ -14,8 +14,10 @@ from packline.counters import flops_model_for
 from packline.qwen.attention import set_text_attention
 from packline.qwen.model import build_tiny_model, tiny_config
 from packline.tracking import Tracker
+from packline.train.distributed import rank_world
 from packline.train.evaluate import Evaluator
-from packline.train.trainer import Trainer, TrainerSettings
+from packline.train.layout import ParallelLayout
+from packline.train.trainer import Trainer, TrainerSettings, use_bf16
 
 #: Module types PEFT's LoRA wraps (a name match on any other type fails in get_peft_model).
 LORA_MODULE_TYPES = (
@@ -135,13 +137,30 @@ def build_trainer(
     dataset in ``dataset_dir`` and the processor in ``processor_dir``: the configured model
     with LoRA (seeded by ``train.seed``) on ``device``, its evaluator, logging to
     ``tracker`` and writing to ``run_dir``."""
-    torch.manual_seed(cfg.train.seed)
-    model = apply_lora(build_model(cfg, processor), cfg.lora)
-    if device is not None:
-        model = model.to(device)
     settings = TrainerSettings.from_config(cfg, packed=packed)
     image_token_id = int(processor.image_token_id)
     video_token_id = int(processor.video_token_id)
+    layout = ParallelLayout.from_config(cfg.train.parallel, rank_world()[1])
+    engine = eval_model = None
+    if layout.is_data_parallel:
+        torch.manual_seed(cfg.train.seed)
+        model = apply_lora(build_model(cfg, processor), cfg.lora)
+        if device is not None:
+            model = model.to(device)
+    else:
+        engine, eval_model = build_split_engine(
+            cfg,
+            processor,
+            layout,
+            packed=packed,
+            device=device,
+            ids={
+                "image_token_id": image_token_id,
+                "video_token_id": video_token_id,
+                "bf16": use_bf16(cfg.train.precision.value, device or torch.device("cpu")),
+            },
+        )
+        model = engine.model
     evaluator = Evaluator(
         dataset_dir=dataset_dir,
         processor_dir=processor_dir,
@@ -166,4 +185,53 @@ def build_trainer(
         evaluator=evaluator,
         tracker=tracker,
         device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        layout=layout,
+        engine=engine,
+        eval_model=eval_model,
     )
+
+
+def build_split_engine(cfg, processor, layout: ParallelLayout, *, packed: bool, device, ids):
+    """The engine of a split layout (EP and/or PP) on this rank, and rank 0's one-process
+    model for evaluation and export (None elsewhere). Every rank builds the same seeded
+    model; rank 0's one-process PEFT model gives the adapters' initial values, so a split
+    run starts exactly where one process starts."""
+    from packline.train.engine import ExpertParallelEngine
+    from packline.train.expert_parallel import (
+        apply_lora_ep,
+        distribute_experts,
+        load_full_adapter_state,
+    )
+
+    rank = rank_world()[0]
+    groups = layout.groups()
+    problems = layout.problems(
+        num_layers=model_config(cfg, processor).get_text_config().num_hidden_layers,
+        num_experts=getattr(model_config(cfg, processor).get_text_config(), "num_experts", None),
+        fixed_width=cfg.packing.pad_to_max_length if packed else None,
+        micro_batch_size=cfg.train.micro_batch_size,
+        packed_only=packed,
+    )
+    if problems:
+        raise ValueError("train.parallel cannot run: " + "; ".join(problems))
+    torch.manual_seed(cfg.train.seed)
+    whole = apply_lora(build_model(cfg, processor), cfg.lora)  # the one-process model
+    initial = {n: p.detach().clone() for n, p in whole.named_parameters() if p.requires_grad}
+    if layout.pipeline > 1:
+        raise NotImplementedError("pipeline parallelism: next")
+    torch.manual_seed(cfg.train.seed)
+    model = apply_lora_ep(
+        distribute_experts(build_model(cfg, processor), layout, groups), cfg.lora, layout, groups
+    )
+    load_full_adapter_state(model, initial)
+    engine = ExpertParallelEngine(
+        model,
+        layout,
+        rank=rank,
+        groups=groups,
+        aux_loss_coef=cfg.train.moe_aux_loss_coef,
+        **ids,
+    )
+    if device is not None:
+        whole = whole.to(device)
+    return engine, (whole if rank == 0 else None)

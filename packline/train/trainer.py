@@ -94,6 +94,8 @@ class TrainerSettings:
     eval_samples: int
     """Val questions answered per evaluation (0: eval loss only)."""
     stream: StreamSettings
+    moe_aux_loss_coef: float = 0.0
+    """MoE: weight of the load-balancing loss over each micro-batch's real tokens."""
 
     @property
     def packing(self) -> PackingSettings:
@@ -118,6 +120,7 @@ class TrainerSettings:
             keep_last=t.keep_last,
             eval_every=t.eval_every,
             eval_samples=t.eval_samples,
+            moe_aux_loss_coef=t.moe_aux_loss_coef,
             stream=StreamSettings(
                 packing=PackingSettings.from_config(cfg.packing, seed=t.seed),
                 encoder_mode=cfg.packing.encoder.value,
@@ -259,6 +262,7 @@ class Trainer:
             image_token_id=image_token_id,
             video_token_id=video_token_id,
             bf16=self.bf16,
+            aux_loss_coef=settings.moe_aux_loss_coef,
         )
         self.model = self.engine.model
         self.params = self.engine.params
@@ -367,7 +371,7 @@ class Trainer:
         """Rank 0's model holding every adapter of the run: the training model itself when
         every rank holds the whole model, else the one-process ``eval_model`` loaded with the
         adapters gathered from every rank (every rank calls this; the others get None)."""
-        if self.eval_model is None:
+        if self.engine.owns_whole_state:
             return self.model if self.lead else None
         full = self.engine.full_adapter_state()
         if not self.lead:

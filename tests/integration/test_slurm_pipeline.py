@@ -229,13 +229,113 @@ def test_pipeline_on_local_slurm_runs_stages_in_order_then_cluster_stops(
         assert a and b and not a & b
         assert record["weights_checksums"][0] == record["weights_checksums"][1]
 
-    # Stopping the cluster leaves none of its daemons running.
+    print(
+        f"\nlocal SLURM start {local_slurm.start_seconds:.1f} s (incl. any apt install), "
+        f"pipeline {run_seconds:.1f} s"
+    )
+
+
+MOE_CONFIG = PROJECT_ROOT / "configs" / "qwen3_vl_30b_a3b_lora_ep8_slurm.yaml"
+#: the 30B-A3B EP8 cluster config, trained by the local backend on the tiny MoE of this
+#: machine: the cluster's paths and container replaced, the same layout (EP 8 on 8 ranks)
+TINY_LOCAL = [
+    "train.backend=local",
+    "model.path=null",
+    "model.name=tiny",
+    "processor.path=null",
+    "packing.seq_length=1024",
+    "prepare.samples_per_shard=100",
+    "executor.slurm.container_image=null",
+    "executor.slurm.container_mounts=[]",
+    "executor.slurm.env={}",
+    "train.num_workers=0",
+]
+LAYOUTS = {
+    # (config, overrides, ranks)
+    "ep8": (MOE_CONFIG, [*TINY_LOCAL, "train.global_batch_size=8"], 8),
+    "pp2_ep2": (
+        None,
+        [
+            "model.moe=true",
+            "lora.target_modules=[q_proj,k_proj,v_proj,o_proj,lm_head]",
+            "lora.target_parameters=[mlp.experts.gate_up_proj,mlp.experts.down_proj]",
+            "packing.pad_to_max_length=true",
+            "train.parallel.pipeline_parallel=2",
+            "train.parallel.expert_parallel=2",
+            "train.global_batch_size=4",
+        ],
+        4,
+    ),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_moe_layouts_train_on_local_slurm(local_slurm: LocalSlurm, tmp_path: Path, layout: str):
+    config, overrides, ranks = LAYOUTS[layout]
+    work = tmp_path / "work"
+    name = f"moe_{layout}"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipelines.cli",
+            "run",
+            *([str(config)] if config else []),
+            f"name={name}",
+            f"work_dir={work}",
+            *QUICK,
+            *overrides,
+            "executor.slurm.account=packline",
+            "executor.slurm.partition=debug",
+            f"executor.slurm.gpus_per_node={ranks}",
+            f"executor.slurm.nproc_per_node={ranks}",
+            "--executor",
+            "slurm",
+        ],  # fmt: skip
+        env={**local_slurm.env, "COLUMNS": "200"},
+        capture_output=True,
+        text=True,
+        timeout=1500,
+        cwd=PROJECT_ROOT,
+    )
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-5000:]
+    jobs = [
+        r for r in _sacct(local_slurm, "JobID,JobName,State,Start,End") if r[1].startswith(name)
+    ]
+    assert [r[1] for r in jobs] == [
+        f"{name}.{s}" for s in ("prepare", "connect", "validate", "train")
+    ]
+    assert [r[2] for r in jobs] == ["COMPLETED"] * 4
+    for before, after in zip(jobs, jobs[1:], strict=False):
+        assert after[3] >= before[4], (before, after)  # each after the previous one ended
+
+    run_dir = work / "train" / "packed"
+    summary = json.loads((run_dir / "result.json").read_text())
+    assert summary["ranks"] == ranks
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:  # the rows of every data-parallel index, counted once
+        assert r["train/tokens_real"] == sum(r["row_real_tokens"])
+        assert r["moe/aux_loss"] > 0 and r["moe/expert_load_min"] <= 1 <= r["moe/expert_load_max"]
+    # each rank saved the part of the adapters it owns; the exported adapter is whole
+    step = run_dir / "checkpoints" / "step_000002"
+    assert sorted(p.name for p in step.glob("adapter_rank*.pt")) == [
+        f"adapter_rank{r:03d}.pt" for r in range(ranks)
+    ]
+    assert (run_dir / "adapter" / "adapter_model.safetensors").is_file()
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{work / 'mlflow.db'}")
+    exp = client.get_experiment_by_name(name)
+    runs = client.search_runs([exp.experiment_id], max_results=100)
+    train = next(r for r in runs if r.data.tags.get("mlflow.runName") == "train-packed")
+    assert train.info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(train.info.run_id, "moe/aux_loss")] == [1, 2]
+
+
+def test_stopping_the_cluster_leaves_no_daemon(local_slurm: LocalSlurm):
     pids = local_slurm.daemon_pids()
     assert sorted(pids) == sorted(DAEMONS)
     stopped = local_slurm.stop()
     assert stopped.returncode == 0, stopped.stderr
     assert [d for d, pid in pids.items() if _running(pid)] == []
-    print(
-        f"\nlocal SLURM start {local_slurm.start_seconds:.1f} s (incl. any apt install), "
-        f"pipeline {run_seconds:.1f} s"
-    )
