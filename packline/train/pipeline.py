@@ -24,11 +24,13 @@ statistics recorded twice). Qwen3-VL adds deepstack feature ``i`` after decoder 
 sends feature 1 to stage 1.
 
 Every stage also gets the packing metadata of each row as keyword arguments, from its own
-copy of the row (the stages of a pipeline read the same rows), and checks it before its
-layers run (:func:`check_stage_inputs`: the packed forward's boundary check,
-:func:`packline.qwen.forward.check_packed_inputs`): a stage given no boundaries, or
-boundaries its positions do not restart at, raises — Megatron-Bridge #2952 trains middle
-stages without ``cu_seqlens`` silently across conversations. Each stage rebuilds the mask
+copy of the row (the stages of a pipeline read the same rows; the schedule gets the
+micro-batches pre-split, ``kwarg_mbs``, so ``cu_seqlens_padded`` of different lengths need
+no padding to chunk), and checks it before its layers run (:func:`check_stage_inputs`: the
+packed forward's boundary check, :func:`packline.qwen.forward.check_packed_inputs`): a stage
+given no boundaries, or boundaries its positions do not restart at, raises —
+Megatron-Bridge #2952 trains middle stages without ``cu_seqlens`` silently across
+conversations. Each stage rebuilds the mask
 (HF's ``create_causal_mask`` from the text positions, ``attention_mask=None``: the
 per-conversation mask, or none under ``packline_thd``) and the M-RoPE embeddings
 (``rotary_emb`` of position rows 1-3) exactly as HF's text model does, so attention is per
@@ -448,6 +450,11 @@ class PipelineRunner:
     ``bf16``: run each stage under bf16 autocast (what crosses stages stays float32; the
     stages chained in one process equal the bf16 packed forward bitwise on CPU, the
     torchrun checks run float32).
+
+    Under expert parallelism (``packline.train.expert_parallel``: ``distribute_experts`` and
+    ``apply_lora_ep`` before this) the experts' adapters are this rank's slices: read and
+    load states with that module's ``local_adapter_state`` / ``load_full_adapter_state`` on
+    :attr:`model`, not :meth:`local_adapter_state` here.
 
     Vision LoRA trains too: the deepstack features carried to later stages send their
     gradients back to stage 0. MoE: :attr:`router_stats` sums the router statistics of this

@@ -245,6 +245,84 @@ def run_case(name, work, rows, rank, world) -> dict:
     return out
 
 
+#: PP 2 x EP 2 on 4 ranks: name -> schedule
+PP_EP_CASES = {"pp2_ep2_moe_expert_lora_1f1b": "1f1b", "pp2_ep2_moe_expert_lora_gpipe": "gpipe"}
+
+
+def run_pp_ep_case(name, work, rows, rank, world) -> dict:
+    """PP 2 x EP 2: two pipelines (data-parallel index d reads rows d::2), each stage's
+    experts split over its two ranks by transformers' ``apply_expert_parallelism``
+    (``expert_parallel.distribute_experts``), expert LoRA by ``apply_lora_ep``; dense adapter
+    gradients summed over the stage's data ranks, expert ones over each expert's copies.
+    Against one process over all rows (PEFT ``target_parameters``, the same adapters)."""
+    from packline.train import expert_parallel as ep
+    from tests.integration.parallel_rows import parallel_config, seeded_adapter_state
+
+    schedule = PP_EP_CASES[name]
+    cfg = parallel_config(Path(work), f"packing.seq_length={rows[0].input_ids.shape[1]}")
+    processor = load_processor(processor_dir(cfg))
+    layout = ParallelLayout(world=world, pipeline=2, expert=2, schedule=schedule)
+    coords = layout.coords(rank)
+    mine = rows[coords.d :: layout.data]
+    targets = sum(r.num_loss_tokens for r in rows)
+    t0 = time.perf_counter()
+    torch.manual_seed(cfg.train.seed)
+    whole = apply_lora(build_model(cfg, processor), cfg.lora)
+    full = seeded_adapter_state(whole)
+    with torch.no_grad():
+        for n, p in whole.named_parameters():
+            if p.requires_grad:
+                p.copy_(full[n])
+    ref_sums, ref_grads, ref_stats = one_process(
+        whole, rows, global_targets=targets, processor=processor
+    )
+    t_ref = time.perf_counter() - t0
+    del whole
+
+    groups = layout.groups()
+    torch.manual_seed(cfg.train.seed)
+    model = ep.distribute_experts(build_model(cfg, processor), layout, groups)
+    model = ep.apply_lora_ep(model, cfg.lora, layout, groups)
+    ep.load_full_adapter_state(model, full)
+    runner = PipelineRunner(
+        model,
+        layout,
+        groups,
+        seq_length=rows[0].input_ids.shape[1],
+        n_microbatches=len(mine),
+        image_token_id=processor.image_token_id,
+        video_token_id=processor.video_token_id,
+    )
+    t0 = time.perf_counter()
+    loss = runner.step(mine, global_targets=targets)
+    ep.reduce_adapter_grads(model, groups)
+    t_pp = time.perf_counter() - t0
+    grads = ep.merge_adapter_states(all_gather_object(ep.local_adapter_state(model, grads=True)))
+    # Σ over the pipelines: stage 0's ranks count their pipeline's loss once
+    total = all_reduce_sum(torch.tensor([loss if coords.stage == 0 else 0.0], dtype=torch.float64))
+    stats = all_reduce_sum(runner.router_stats.to_tensor().clone())
+    out = {
+        "case": name,
+        "rank": rank,
+        "stage": coords.stage,
+        "d": coords.d,
+        "ep_rank": coords.ep_rank,
+        "rows": len(mine),
+        "targets": targets,
+        "loss_sum": float(total[0]),
+        "ref_loss_sum": sum(ref_sums),
+        "router_stats_max_abs": float((stats - ref_stats.to_tensor()).abs().max()),
+        "names": runner.param_names,
+        "expert_names": ep.expert_parameter_names(model),
+        "seconds_reference": t_ref,
+        "seconds_pipeline_step": t_pp,
+    }
+    if rank == 0:
+        assert set(grads) == set(ref_grads), sorted(set(grads) ^ set(ref_grads))[:4]
+        out["grads"] = _diffs(grads, ref_grads)
+    return out
+
+
 def _with(row, **changes):
     from dataclasses import replace
 
@@ -259,7 +337,10 @@ def main(work: str, rows_path: str, out: str, *names: str) -> None:
         results = []
         for name in names or CASES:
             t0 = time.perf_counter()
-            r = run_case(name, work, rows, rank, world)
+            if name in PP_EP_CASES:
+                r = run_pp_ep_case(name, work, rows, rank, world)
+            else:
+                r = run_case(name, work, rows, rank, world)
             r["seconds_case"] = time.perf_counter() - t0
             results.append(r)
         gathered = all_gather_object(results)

@@ -3,9 +3,11 @@ fixed-width rows of the built-in set (images, videos and several conversations p
 
 In one process: the stage modules chained by hand equal the packed forward bitwise, and a
 stage given a row without its boundaries raises. Under torchrun over gloo
-(tests/integration/pp_check.py, one launch for all cases): PP 2 with GPipe and 1F1B, dense
-and MoE, and a 4-layer model whose carried deepstack feature has a layer after it (vision
-LoRA), each against one process on the same rows and adapter values.
+(tests/integration/pp_check.py, one launch per world size): on 2 ranks PP 2 with GPipe and
+1F1B, dense and MoE, and a 4-layer model whose carried deepstack feature has a layer after
+it (vision LoRA); on 4 ranks PP 4 (middle stages) and PP 2 × EP 2 (the tiny MoE with expert
+LoRA, packline.train.expert_parallel), each against one process on the same rows and
+adapter values.
 """
 
 from __future__ import annotations
@@ -27,7 +29,13 @@ from packline.train.pipeline import StageModule, StagePlan
 from stages.base import processor_dir
 from stages.train import training_stream
 from tests.conftest import make_config
-from tests.integration.pp_check import CASES, FOUR_RANK_CASES, VISION_LORA, seeded_lora_model
+from tests.integration.pp_check import (
+    CASES,
+    FOUR_RANK_CASES,
+    PP_EP_CASES,
+    VISION_LORA,
+    seeded_lora_model,
+)
 from tests.integration.train_helpers import SMALL
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -237,7 +245,7 @@ def test_two_stages_refuse_rows_without_boundaries_on_every_stage(two_stage_resu
 @pytest.fixture(scope="module")
 def four_rank_results(work, pp_rows, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("pp4") / "pp4.json"
-    args = [str(work), str(pp_rows), str(out), *FOUR_RANK_CASES]
+    args = [str(work), str(pp_rows), str(out), *FOUR_RANK_CASES, *PP_EP_CASES]
     cmd = torchrun_command(4, "tests.integration.pp_check", args)
     subprocess.run(cmd, cwd=ROOT, env=_env(), check=True, timeout=600)
     return json.loads(out.read_text())
@@ -257,3 +265,25 @@ def test_four_stages_equal_one_process(four_rank_results):
         assert abs(r["loss_sum"] - r["ref_loss_sum"]) <= TOLERANCE * max(1.0, r["ref_loss_sum"])
         assert r["grads"]["max_rel"] <= TOLERANCE, r["grads"]
         assert not r["grads"]["zero_reference_grads"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(PP_EP_CASES))
+def test_two_stages_by_two_expert_ranks_equal_one_process(four_rank_results, case):
+    """PP 2 × EP 2: two pipelines read two rows each; in each stage the experts are split
+    over the two pipelines' ranks (tokens cross between them in every MoE layer)."""
+    rs = _by_rank(four_rank_results, case)
+    assert sorted((r["stage"], r["d"], r["ep_rank"]) for r in rs) == [
+        (0, 0, 0), (0, 1, 1), (1, 0, 0), (1, 1, 1)
+    ]  # fmt: skip
+    assert all(r["rows"] == NUM_ROWS // 2 for r in rs)
+    targets = rs[0]["targets"]
+    for r in rs:
+        # the mean token loss, as the trainer reports it (Σ over both pipelines / targets)
+        assert abs(r["loss_sum"] - r["ref_loss_sum"]) / targets <= TOLERANCE
+        assert r["router_stats_max_abs"] <= TOLERANCE
+        assert r["expert_names"] and set(r["expert_names"]) <= set(r["names"])
+    grads = next(r["grads"] for r in rs if r["rank"] == 0)  # merged from every rank's part
+    assert grads["max_rel"] <= TOLERANCE, grads
+    assert not grads["zero_reference_grads"]
+    assert any(".experts." in n for r in rs for n in r["expert_names"])
