@@ -42,11 +42,13 @@ all data-parallel ranks); gradients accumulate over micro-batches (``scale_grads
 summed, as for data parallelism. :meth:`PipelineRunner.step` returns the pipeline's Σ token
 loss on every stage (summed over the pipeline group from the last stage).
 
-Measured on CPU over gloo (tests/integration/test_pipeline_parallel.py: torch 2.14, transformers
-5.24, peft 0.21, 2 ranks, 4 real rows of 512 tokens with images and videos): GPipe and 1F1B
-equal one process bitwise (loss and every LoRA gradient, Δ = 0) for the tiny dense and MoE
-models (router statistics too) and for a 4-layer variant whose carried deepstack feature
-has a layer after it (vision LoRA). GPU / nccl: untested.
+Measured on CPU over gloo (tests/integration/test_pipeline_parallel.py; torch 2.14,
+transformers 5.24, peft 0.21; 4 real rows of 512 tokens with images and videos): PP 2
+(GPipe and 1F1B) and PP 4 equal one process bitwise (loss and every LoRA gradient, Δ = 0)
+for the tiny dense and MoE models (router statistics too) and for a 4-layer variant whose
+carried deepstack features have layers after them (vision LoRA); PP 2 × EP 2 (experts split
+by :mod:`packline.train.expert_parallel`) is within 6e-7 of each gradient's largest value
+(EP's expert GEMM sums the tokens in another order). GPU / nccl: untested.
 
 >>> plan = StagePlan(stage=1, num_stages=2, num_layers=2, num_deepstack=2)
 >>> list(plan.layers), plan.carried_in, plan.carried_out
