@@ -6,14 +6,15 @@ What runs where (every rank of the job calls each function, in the same order):
 - :func:`distribute_experts` — the seeded, identical full model on every rank is split by
   transformers' engine. ``layout.pipeline == 1``: ``DistributedConfig(fsdp_size=data,
   ep_size=E)`` through the model class's ``prepare_distribute_model`` /
-  ``maybe_distribute_model`` — each rank keeps experts ``[ep_rank * E/ep, …)`` of every MoE
-  layer (``ep_rank = d % E``, :class:`~packline.train.layout.ParallelLayout`), tokens reach
-  them by all-to-all, and FSDP2 shards the frozen rest over the stage's ranks (experts over
-  their ``data / E`` copies). ``layout.pipeline > 1`` (transformers refuses FSDP and token
-  dispatch with its own PP): ``apply_expert_parallelism`` alone on this stage's
-  expert-parallel sub-mesh, no FSDP. The process group is torchrun's
-  (:func:`~packline.train.distributed.init_from_env`, joined first, so transformers does not
-  start a second one).
+  ``maybe_distribute_model`` — of the n experts of every MoE layer each rank keeps
+  ``ep_rank·n/E … (ep_rank + 1)·n/E - 1`` (``ep_rank = d % E``,
+  :class:`~packline.train.layout.ParallelLayout`), tokens reach them by all-to-all, and
+  FSDP2 shards the frozen rest over the stage's ranks (experts over their ``data / E``
+  copies; one unit per decoder layer, see :func:`_vl_fsdp_plan`). ``layout.pipeline > 1``
+  (transformers refuses FSDP and token dispatch with its own PP):
+  ``apply_expert_parallelism`` alone on this stage's expert-parallel sub-mesh, no FSDP.
+  The process group is torchrun's (:func:`~packline.train.distributed.init_from_env`,
+  joined first, so transformers does not start a second one).
 - :func:`apply_lora_ep` — dense LoRA is PEFT's (``target_modules``, applied after the
   split, so FSDP2 manages none of the adapters); each ``target_parameters`` entry that names
   an experts parameter gets a :class:`ExpertLora` holding the A/B factors of this rank's
@@ -32,20 +33,33 @@ What runs where (every rank of the job calls each function, in the same order):
   drawn exactly as PEFT draws them, then sliced.
 - :func:`load_full_adapter_state` / :func:`local_adapter_state` /
   :func:`merge_adapter_states` — the full one-process PEFT adapter state is the currency
-  between layouts; :func:`adapter_params` splits the trainable parameters for the gradient
-  sums (dense over ``groups.stage_data``, experts over ``groups.expert_copies``) and the
-  clipping (:func:`reduce_adapter_grads`, :func:`clip_adapter_grads`).
+  between layouts (:func:`load_local_adapter_state`: a rank's own part back, same layout).
+- :func:`adapter_params` splits the trainable parameters for the gradient sums (dense over
+  ``groups.stage_data``, experts over ``groups.expert_copies``: :func:`reduce_adapter_grads`)
+  and the clipping over both meshes (:func:`clip_adapter_grads`). FSDP2 manages none of them
+  (they are added after it; :func:`adapter_params` refuses a DTensor adapter).
 
-Measured (CPU, gloo, 2 cores; torch 2.14, transformers 5.24, peft 0.21, the tiny
-Qwen3-VL-MoE on real fixed-width packed rows, tests/integration/test_expert_parallel.py):
-EP 2 (fsdp 2), EP 4 (fsdp 4) and EP 2 over 4 ranks (fsdp 4) equal one process in loss and
-every LoRA gradient, packed equals padded under EP, one AdamW step keeps them equal, and a
-rank whose experts receive no token still runs (its adapter gradients are zeros, not None).
-No-grad forwards and ``generate()`` run when every rank calls them together. Untested: GPU /
-nccl (the code picks nccl and moves the model to this rank's GPU, nothing hard-codes gloo),
-bf16 autocast, ``pipeline > 1`` beyond the split itself (the pipeline stages are another
-module's), and PEFT's saving of this model (``save_pretrained`` does not know the expert
-adapters: export through a one-process model loaded with :func:`merge_adapter_states`).
+Measured (CPU, gloo, 2 cores; torch 2.14, transformers 5.24, peft 0.21; the tiny
+Qwen3-VL-MoE, 8 experts top-2, on real fixed-width packed rows of 2,048 tokens;
+tests/integration/test_expert_parallel.py): EP 2 / FSDP 2, FSDP 2 alone, EP 4 / FSDP 4,
+EP 2 / FSDP 4 and the pipeline layout's split (2 stages × EP 2, no FSDP) equal one process:
+loss |Δ| 0, every LoRA gradient within 8e-7 of its largest value (fp32 rounding: an expert's
+gradient sums all ranks' tokens in one GEMM); the initial adapters equal PEFT's bitwise;
+padded rows equal packed ones under EP as on one rank (~1e-6); clipping and one AdamW step
+equal one process stepping the same gradients (8e-8); a rank whose experts get no token
+trains (zero gradients, still reduced); a no-grad forward and ``generate()`` (all ranks
+together) give one process's logits and tokens. Untested: GPU / nccl (nothing hard-codes
+gloo: the group is torchrun's, the meshes use this rank's accelerator and the model is moved
+to it), bf16 autocast, ``pipeline > 1`` with real pipeline stages (the split alone was run
+here), and PEFT's ``save_pretrained`` of this model (it does not know the expert adapters:
+export through a one-process model loaded with :func:`merge_adapter_states`).
+
+Rules for callers: every forward (and backward) under EP is a collective — all ranks of an
+expert-parallel group run the same number of them, so a padded (unpacked) step whose ranks
+hold different numbers of micro-batches must add zero-weighted ones, and evaluation on one
+rank needs a separate one-process model. Like PEFT's, the adapted expert stack
+``W + s·BA`` of each layer is materialized per forward and kept for its backward (memory:
+one local expert stack per adapted parameter and layer).
 """
 
 from __future__ import annotations
@@ -483,6 +497,24 @@ def local_adapter_state(model: nn.Module, *, grads: bool = False) -> dict:
             }
     out[EXPERT_SLICES] = slices
     return out
+
+
+def load_local_adapter_state(model: nn.Module, part: dict) -> None:
+    """Copy back a :func:`local_adapter_state` of this rank (resume under the same layout):
+    every name must be there, with the same expert slice."""
+    experts = _expert_factors(model)
+    slices = part.get(EXPERT_SLICES, {})
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not p.requires_grad:
+                continue
+            if name not in part:
+                raise KeyError(f"the local adapter state lacks {name}")
+            if name in experts and slices.get(name, {}).get("first_expert") != (
+                experts[name][0].first_expert
+            ):
+                raise ValueError(f"{name}: the state holds another rank's experts")
+            p.copy_(part[name])
 
 
 def merge_adapter_states(parts: list[dict]) -> dict[str, torch.Tensor]:

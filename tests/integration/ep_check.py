@@ -131,8 +131,14 @@ def run_case(E: int, ctx: dict, *, unpacked: bool) -> dict:
     }
     initial = ep.merge_adapter_states(all_gather_object(ep.local_adapter_state(model)))
     ep.load_full_adapter_state(model, full)
-    roundtrip = ep.merge_adapter_states(all_gather_object(ep.local_adapter_state(model)))
+    own = ep.local_adapter_state(model)
+    roundtrip = ep.merge_adapter_states(all_gather_object(own))
     dense, expert = ep.adapter_params(model)
+    with torch.no_grad():
+        for p in dense + expert:
+            p.zero_()
+    ep.load_local_adapter_state(model, own)  # a rank's own part back (resume)
+    local_roundtrip = ep.merge_adapter_states(all_gather_object(ep.local_adapter_state(model)))
     params = dense + expert
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     num_targets = ctx["num_targets"]
@@ -183,7 +189,7 @@ def run_case(E: int, ctx: dict, *, unpacked: bool) -> dict:
         out.update(
             names_in_peft_order=names == list(ctx["peft_initial"]),
             initial_equals_peft=_equal_states(initial, ctx["peft_initial"]),
-            roundtrip_exact=_equal_states(roundtrip, full),
+            roundtrip_exact=_equal_states(roundtrip, full) and _equal_states(local_roundtrip, full),
             loss_packed=loss_p,
             loss_reference=ref["loss"],
             grads_packed_vs_reference=_diff(grads_p, ref["grads"]),

@@ -64,7 +64,7 @@ def two_ranks(ep_work, tmp_path_factory) -> dict:
         2,
         ep_work,
         out,
-        *("2", "1", "--unpacked", "2", "--rows-per-rank", "2"),
+        *("2", "1", "--unpacked", "2"),
         *("--unpacked-reference", "--no-tokens", "--inference"),
     )
 
