@@ -237,6 +237,29 @@ class ExpertParallelEngine(SplitEngine):
         return super().forward_backward([*micro, *idle], **kwargs)
 
 
+class PipelineEngine(SplitEngine):
+    """PP (optionally with EP inside each stage): the step's rows go through the schedule
+    of :class:`packline.train.pipeline.PipelineRunner` together, each row one micro-batch;
+    every stage checks each row's boundaries and positions. The loss sum is the pipeline's
+    (valid on every stage; stage 0's ranks count it); the router statistics are this
+    stage's layers (summed over the world they count each layer and token once)."""
+
+    def __init__(self, runner, layout: ParallelLayout, **kwargs):
+        super().__init__(runner.model, layout, **kwargs)
+        self.runner = runner
+        self.params = list(runner.params)
+        self.recorder = None  # the runner's stages record their own routers
+
+    def forward_backward(
+        self, micro: list, *, packed: bool, global_targets: int, global_micro: int
+    ) -> StepLoss:
+        if not packed:
+            raise ValueError("pipeline parallelism trains packed rows only")
+        self.runner.reset_router_stats()
+        loss_sum = self.runner.step(micro, global_targets=global_targets)
+        return StepLoss(loss_sum, self.runner.router_stats)
+
+
 def _idle_micro() -> PaddedBatch:
     """A micro-batch of one token and no target: its forward and backward join the experts'
     exchanges and add nothing (``num_real_tokens`` 0 keeps it out of the router stats)."""

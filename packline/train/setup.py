@@ -196,18 +196,21 @@ def build_split_engine(cfg, processor, layout: ParallelLayout, *, packed: bool, 
     model for evaluation and export (None elsewhere). Every rank builds the same seeded
     model; rank 0's one-process PEFT model gives the adapters' initial values, so a split
     run starts exactly where one process starts."""
-    from packline.train.engine import ExpertParallelEngine
+    from packline.train.engine import ExpertParallelEngine, PipelineEngine
     from packline.train.expert_parallel import (
         apply_lora_ep,
         distribute_experts,
         load_full_adapter_state,
     )
+    from packline.train.pipeline import PipelineRunner
 
     rank = rank_world()[0]
     groups = layout.groups()
-    problems = layout.problems(
-        num_layers=model_config(cfg, processor).get_text_config().num_hidden_layers,
-        num_experts=getattr(model_config(cfg, processor).get_text_config(), "num_experts", None),
+    text = model_config(cfg, processor).get_text_config()
+    problems = layout.problems(  # validate refused these already; a launch of its own may not
+        num_layers=text.num_hidden_layers,
+        num_experts=getattr(text, "num_experts", None),
+        rows_per_step=cfg.train.global_batch_size,
         fixed_width=cfg.packing.pad_to_max_length if packed else None,
         micro_batch_size=cfg.train.micro_batch_size,
         packed_only=packed,
@@ -217,21 +220,33 @@ def build_split_engine(cfg, processor, layout: ParallelLayout, *, packed: bool, 
     torch.manual_seed(cfg.train.seed)
     whole = apply_lora(build_model(cfg, processor), cfg.lora)  # the one-process model
     initial = {n: p.detach().clone() for n, p in whole.named_parameters() if p.requires_grad}
-    if layout.pipeline > 1:
-        raise NotImplementedError("pipeline parallelism: next")
     torch.manual_seed(cfg.train.seed)
-    model = apply_lora_ep(
-        distribute_experts(build_model(cfg, processor), layout, groups), cfg.lora, layout, groups
-    )
-    load_full_adapter_state(model, initial)
-    engine = ExpertParallelEngine(
-        model,
-        layout,
-        rank=rank,
-        groups=groups,
-        aux_loss_coef=cfg.train.moe_aux_loss_coef,
-        **ids,
-    )
+    if layout.expert > 1:
+        model = distribute_experts(build_model(cfg, processor), layout, groups)
+        model = apply_lora_ep(model, cfg.lora, layout, groups)
+    else:
+        model = apply_lora(build_model(cfg, processor), cfg.lora)
+    if device is not None:
+        model = model.to(device)
+    load_full_adapter_state(model, initial)  # sliced to this rank's experts
+    common = {"rank": rank, "groups": groups, **ids}
+    if layout.pipeline == 1:
+        engine = ExpertParallelEngine(
+            model, layout, aux_loss_coef=cfg.train.moe_aux_loss_coef, **common
+        )
+    else:
+        runner = PipelineRunner(
+            model,  # stripped to this rank's stage
+            layout,
+            groups,
+            seq_length=cfg.packing.seq_length,
+            n_microbatches=cfg.train.global_batch_size // layout.data,
+            image_token_id=ids["image_token_id"],
+            video_token_id=ids["video_token_id"],
+            device=device,
+            bf16=ids["bf16"],
+        )
+        engine = PipelineEngine(runner, layout, **common)
     if device is not None:
         whole = whole.to(device)
     return engine, (whole if rank == 0 else None)
