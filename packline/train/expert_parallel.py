@@ -42,7 +42,8 @@ What runs where (every rank of the job calls each function, in the same order):
 Measured (CPU, gloo, 2 cores; torch 2.14, transformers 5.24, peft 0.21; the tiny
 Qwen3-VL-MoE, 8 experts top-2, on real fixed-width packed rows of 2,048 tokens;
 tests/integration/test_expert_parallel.py): EP 2 / FSDP 2, FSDP 2 alone, EP 4 / FSDP 4,
-EP 2 / FSDP 4 and the pipeline layout's split (2 stages × EP 2, no FSDP) equal one process:
+EP 2 / FSDP 4 and the pipeline layout's split (2 stages × EP 2, no FSDP: ``ep_check
+--stage-mesh``; with real stages in tests/integration/pp_check.py) equal one process:
 loss |Δ| 0, every LoRA gradient within 8e-7 of its largest value (fp32 rounding: an expert's
 gradient sums all ranks' tokens in one GEMM); the initial adapters equal PEFT's bitwise;
 padded rows equal packed ones under EP as on one rank (~1e-6); clipping and one AdamW step
@@ -50,9 +51,9 @@ equal one process stepping the same gradients (8e-8); a rank whose experts get n
 trains (zero gradients, still reduced); a no-grad forward and ``generate()`` (all ranks
 together) give one process's logits and tokens. Untested: GPU / nccl (nothing hard-codes
 gloo: the group is torchrun's, the meshes use this rank's accelerator and the model is moved
-to it), bf16 autocast, ``pipeline > 1`` with real pipeline stages (the split alone was run
-here), and PEFT's ``save_pretrained`` of this model (it does not know the expert adapters:
-export through a one-process model loaded with :func:`merge_adapter_states`).
+to it), bf16 autocast, and PEFT's ``save_pretrained`` of this model (it does not know the
+expert adapters: export through a one-process model loaded with
+:func:`merge_adapter_states`).
 
 Rules for callers: every forward (and backward) under EP is a collective — all ranks of an
 expert-parallel group run the same number of them, so a padded (unpacked) step whose ranks
