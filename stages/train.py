@@ -209,7 +209,16 @@ def _launch_ranks(
         args += ["--parent-run-id", parent_run_id]
     cmd = torchrun_command(nproc, "stages.train_ranks", args)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads_per_rank(nproc))}
-    console.log(f"train {run_dir.name}: {nproc} data-parallel ranks under torchrun")
+    par = cfg.train.parallel
+    split = (
+        f"PP {par.pipeline_parallel} × EP {par.expert_parallel}, "
+        if not (par.pipeline_parallel == par.expert_parallel == 1)
+        else ""
+    )
+    console.log(
+        f"train {run_dir.name}: {nproc} ranks under torchrun ({split}"
+        f"{nproc // par.pipeline_parallel} data-parallel)"
+    )
     done = subprocess.run(cmd, env=env, check=False)
     if done.returncode != 0:
         raise RuntimeError(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -43,3 +44,14 @@ def make_config(work: Path, *overrides: str) -> PipelineConfig:
 @pytest.fixture
 def small_cfg(tmp_path: Path) -> PipelineConfig:
     return make_config(tmp_path / "work")
+
+
+def png_bytes(size: tuple[int, int], colour: str) -> bytes:
+    """A PNG of ``size`` with a ``colour`` disc on grey (a real image file's bytes)."""
+    from PIL import Image, ImageDraw
+
+    img = Image.new("RGB", size, "grey")
+    ImageDraw.Draw(img).ellipse([8, 8, size[0] // 2, size[1] // 2], fill=colour)
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()

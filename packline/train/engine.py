@@ -190,6 +190,11 @@ class SplitEngine(Engine):
 
         return local_adapter_state(self.model)
 
+    def load_local_state(self, state: dict) -> None:
+        from packline.train.expert_parallel import load_local_adapter_state
+
+        load_local_adapter_state(self.model, state)  # refuses another rank's experts
+
     def full_adapter_state(self) -> dict[str, torch.Tensor] | None:
         from packline.train.expert_parallel import merge_adapter_states
 

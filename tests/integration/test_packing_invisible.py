@@ -8,12 +8,9 @@ video beside an image) and text-only conversations with alignment gaps and tail 
 
 from __future__ import annotations
 
-import io
-
 import numpy as np
 import pytest
 import torch
-from PIL import Image, ImageDraw
 
 from packline.packing.thd import build_packed_batch, shifted_labels
 from packline.qwen.attention import THD_ATTENTION
@@ -22,14 +19,7 @@ from packline.qwen.forward import packed_forward, token_loss_sum
 from packline.qwen.model import build_tiny_model
 from packline.qwen.processor import copy_tiny_processor
 from packline.video import probe_video, write_video
-
-
-def _png(size: tuple[int, int], colour: str) -> bytes:
-    img = Image.new("RGB", size, "grey")
-    ImageDraw.Draw(img).ellipse([8, 8, size[0] // 2, size[1] // 2], fill=colour)
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return buf.getvalue()
+from tests.conftest import png_bytes
 
 
 def _turns(*pairs):
@@ -67,7 +57,7 @@ VIDEO_CONVERSATIONS = [
             ([IMG, VID, {"type": "text", "text": "Is the square in the picture too?"}], "Yes."),
             ([VID, {"type": "text", "text": "And in this one?"}], "It moves down."),
         ),
-        [_png((128, 96), "red")],
+        [png_bytes((128, 96), "red")],
         ["nine", "thirteen"],
     ),
 ]
@@ -78,14 +68,14 @@ CONVERSATIONS = [
             ([IMG, IMG, {"type": "text", "text": "Which image has more shapes?"}], "The first."),
             ([{"type": "text", "text": "What colour is the circle?"}], "red"),
         ),
-        [_png((160, 96), "red"), _png((96, 128), "blue")],
+        [png_bytes((160, 96), "red"), png_bytes((96, 128), "blue")],
     ),
     ("text", _turns(([{"type": "text", "text": "How many sides has a hexagon?"}], "6")), []),
     (
         "single",
         [{"role": "system", "content": "Be brief."}]
         + _turns(([IMG, {"type": "text", "text": "Describe the picture."}], "A green circle.")),
-        [_png((200, 140), "green")],
+        [png_bytes((200, 140), "green")],
     ),
 ]
 

@@ -6,8 +6,10 @@ slurm`` submits one batch job per stage, each after the previous one succeeds; t
 the jobs in SLURM's accounting, the MLflow store, the gathered logs, and that stopping the
 cluster leaves no daemon behind.
 
-The train job asks for 2 of the fake GPUs and runs under torchrun with 2 processes, which
-train data parallel over gloo (no real GPU here).
+The default pipeline's train job asks for 2 of the fake GPUs and runs under torchrun with 2
+processes, which train data parallel over gloo (no real GPU here). Two MoE pipelines follow:
+the 30B-A3B EP8 cluster config trained by the local backend on the tiny MoE (EP 8 on 8
+ranks), and PP 2 × EP 2 on 4 ranks.
 """
 
 from __future__ import annotations
@@ -146,32 +148,35 @@ def _sacct(cluster: LocalSlurm, fields: str) -> list[list[str]]:
     return [line.split("|") for line in out.splitlines() if line]
 
 
-def test_pipeline_on_local_slurm_runs_stages_in_order_then_cluster_stops(
-    local_slurm: LocalSlurm, tmp_path: Path
-):
-    work = tmp_path / "work"
-    t0 = time.perf_counter()
-    result = subprocess.run(
+def _run_on_slurm(cluster: LocalSlurm, args: list[str], *, ranks: int):
+    """``packline run ARGS --executor slurm`` on the local cluster, the train job on
+    ``ranks`` of its fake GPUs with one process each."""
+    return subprocess.run(
         [
             sys.executable,
             "-m",
             "pipelines.cli",
             "run",
-            f"work_dir={work}",
-            *QUICK,
+            *args,
             "executor.slurm.account=packline",
             "executor.slurm.partition=debug",
-            "executor.slurm.gpus_per_node=2",
-            "executor.slurm.nproc_per_node=2",
+            f"executor.slurm.gpus_per_node={ranks}",
+            f"executor.slurm.nproc_per_node={ranks}",
             "--executor",
             "slurm",
         ],  # fmt: skip
-        env={**local_slurm.env, "COLUMNS": "200"},
+        env={**cluster.env, "COLUMNS": "200"},
         capture_output=True,
         text=True,
-        timeout=1200,
+        timeout=1500,
         cwd=PROJECT_ROOT,
     )
+
+
+def test_pipeline_on_local_slurm_runs_stages_in_order(local_slurm: LocalSlurm, tmp_path: Path):
+    work = tmp_path / "work"
+    t0 = time.perf_counter()
+    result = _run_on_slurm(local_slurm, [f"work_dir={work}", *QUICK], ranks=2)
     run_seconds = time.perf_counter() - t0
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-5000:]
@@ -274,30 +279,8 @@ def test_moe_layouts_train_on_local_slurm(local_slurm: LocalSlurm, tmp_path: Pat
     config, overrides, ranks = LAYOUTS[layout]
     work = tmp_path / "work"
     name = f"moe_{layout}"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pipelines.cli",
-            "run",
-            *([str(config)] if config else []),
-            f"name={name}",
-            f"work_dir={work}",
-            *QUICK,
-            *overrides,
-            "executor.slurm.account=packline",
-            "executor.slurm.partition=debug",
-            f"executor.slurm.gpus_per_node={ranks}",
-            f"executor.slurm.nproc_per_node={ranks}",
-            "--executor",
-            "slurm",
-        ],  # fmt: skip
-        env={**local_slurm.env, "COLUMNS": "200"},
-        capture_output=True,
-        text=True,
-        timeout=1500,
-        cwd=PROJECT_ROOT,
-    )
+    args = [*([str(config)] if config else []), f"name={name}", f"work_dir={work}", *QUICK]
+    result = _run_on_slurm(local_slurm, [*args, *overrides], ranks=ranks)
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-5000:]
     jobs = [

@@ -6,12 +6,9 @@ loudly."""
 
 from __future__ import annotations
 
-import io
-
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from PIL import Image, ImageDraw
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3VLMoeForConditionalGeneration
 
@@ -22,18 +19,11 @@ from packline.qwen.forward import packed_forward, padded_forward
 from packline.qwen.model import build_tiny_model, tiny_config
 from packline.qwen.moe import RouterRecorder, RouterStats, aux_loss
 from packline.qwen.processor import copy_tiny_processor
+from tests.conftest import png_bytes
 
 SEQ_LENGTH = 256
 ALIGNMENT = 16
 EPS32 = torch.finfo(torch.float32).eps
-
-
-def _png(size: tuple[int, int], colour: str) -> bytes:
-    img = Image.new("RGB", size, "grey")
-    ImageDraw.Draw(img).ellipse([8, 8, size[0] // 2, size[1] // 2], fill=colour)
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return buf.getvalue()
 
 
 def _turns(*pairs):
@@ -57,7 +47,7 @@ def convs(encoder) -> list[EncodedConversation]:
     ]
     image.append({"role": "assistant", "content": [{"type": "text", "text": "A red circle."}]})
     specs = [
-        ("image", image, [_png((96, 64), "red")]),
+        ("image", image, [png_bytes((96, 64), "red")]),
         ("text", _turns(("How many sides has a hexagon?", "6")), []),
         ("turns", _turns(("What colour?", "blue"), ("And?", "green")), []),
     ]
