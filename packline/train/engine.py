@@ -42,7 +42,7 @@ from packline.train.distributed import (
     check_replicas,
     sum_grads_over_ranks,
 )
-from packline.train.layout import LayoutGroups, ParallelLayout, count_once
+from packline.train.layout import LayoutGroups, ParallelLayout
 
 
 @dataclass
@@ -50,8 +50,9 @@ class StepLoss:
     """What one rank's forward and backward of a step returns."""
 
     loss_sum: float
-    """Σ token loss of this rank's rows (float64; 0 on ranks whose rows another stage's
-    rank counts: only stage 0's ranks contribute to :func:`count_once`)."""
+    """Σ token loss of this rank's rows (float64). Under PP every stage of a pipeline
+    returns the pipeline's sum; only stage 0's ranks are counted
+    (:func:`~packline.train.layout.count_once`)."""
     router: RouterStats | None = None
     """This rank's router statistics of the step (MoE only): its layers, its tokens."""
 
@@ -290,15 +291,3 @@ def router_metrics(stats: RouterStats | None, layout: ParallelLayout) -> dict[st
         return {}
     total = all_reduce_sum(stats.to_tensor().clone())
     return RouterStats.from_tensor(total, top_k=stats.top_k).metrics()
-
-
-def gather_full_state(local: dict[str, torch.Tensor], merge, rank: int) -> dict | None:
-    """Every rank's ``local`` state to rank 0, merged there by ``merge(parts)``."""
-    parts = all_gather_object({n: t.cpu() for n, t in local.items()})
-    return merge(parts) if rank == 0 else None
-
-
-def count_step_once(values: list[float], layout: ParallelLayout, rank: int) -> list[float]:
-    """``values`` of this rank summed once per data-parallel index (see :func:`count_once`)."""
-    t = torch.tensor(values, dtype=torch.float64)
-    return count_once(t, layout, rank).tolist()

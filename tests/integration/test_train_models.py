@@ -56,3 +56,76 @@ def test_trains_a_local_checkpoint_dir_as_it_trains_the_built_model(work, tmp_pa
     assert a.keys == b.keys
     assert a.loss == b.loss  # LoRA B starts at zero: step 1 is the base model's loss
     assert b.grad_norm > 0
+
+
+def test_router_statistics_are_the_same_packed_and_unpacked_and_the_aux_term_trains(work, tmp_path):
+    """``moe/*`` is HF's load-balancing formula over the step's real tokens: the same
+    conversations packed or padded give the same statistics (the pads and alignment gaps do
+    not count). ``train.moe_aux_loss_coef`` adds HF's term per micro-batch: the gradient
+    grows by exactly coef × ∇(Σ aux over the micro-batches / their number)."""
+    from packline.qwen.forward import packed_forward, token_loss_sum
+    from packline.qwen.moe import RouterRecorder, aux_loss
+    from packline.train.engine import router_metrics
+
+    cfg = make_config(work, *SMALL, *MOE_LORA, "packing.pad_to_max_length=true")
+    packed = trainer_for(cfg, True, tmp_path / "p")
+    unpacked = trainer_for(cfg, False, tmp_path / "u")
+    rows = packed.step_rows()
+    packed.accumulate_gradients(packed.micro_batches(rows))
+    unpacked.accumulate_gradients(unpacked.micro_batches(rows))
+    mp = router_metrics(packed._router, packed.layout)
+    mu = router_metrics(unpacked._router, unpacked.layout)
+    assert sorted(mp) == ["moe/aux_loss", "moe/expert_load_max", "moe/expert_load_min"]
+    for k in mp:
+        assert abs(mp[k] - mu[k]) <= 1e-6 * abs(mu[k]), (k, mp[k], mu[k])
+    assert mp["moe/expert_load_min"] < 1.0 < mp["moe/expert_load_max"]
+
+    coef = 0.5
+    trained = trainer_for(
+        make_config(work, *SMALL, *MOE_LORA, "packing.pad_to_max_length=true",
+                    f"train.moe_aux_loss_coef={coef}"),
+        True,
+        tmp_path / "c",
+    )  # fmt: skip
+    # B = 0 at the start hides the aux term's effect on A: move B off zero in both models
+    with torch.no_grad():
+        for model in (packed.model, trained.model):
+            g = torch.Generator().manual_seed(1)
+            for name, p in model.named_parameters():
+                if p.requires_grad and ".lora_B." in name:
+                    p.copy_(torch.randn(p.shape, generator=g) * 1e-2)
+    for t in (packed, trained):
+        t.optimizer.zero_grad(set_to_none=True)
+        t.accumulate_gradients(t.micro_batches(rows))
+    # the reference: Σ token loss / targets + coef × HF's loss over each row's real tokens
+    # averaged over the rows, in one backward per row
+    targets = sum(row.num_loss_tokens for row in rows)
+    reference = [torch.zeros_like(p) for p in trained.params]
+    recorder = RouterRecorder(trained.model)
+    with recorder:
+        for row in rows:
+            recorder.clear()
+            logits = packed_forward(
+                trained.model,
+                row,
+                image_token_id=trained.image_token_id,
+                video_token_id=trained.video_token_id,
+            )
+            mask = row.real_token_mask()
+            k, n = recorder.top_k, recorder.num_experts
+            term = aux_loss(recorder.logits, mask, num_experts=n, top_k=k)
+            loss = token_loss_sum(logits, row.labels)[0] / targets + coef * term / len(rows)
+            grads = torch.autograd.grad(loss, trained.params, allow_unused=True)
+            for acc, g in zip(reference, grads, strict=True):
+                if g is not None:
+                    acc += g
+    worst = max(
+        float((q.grad - r).abs().max() / r.abs().max().clamp_min(1e-30))
+        for q, r in zip(trained.params, reference, strict=True)
+    )
+    effect = max(
+        float((q.grad - p.grad).abs().max() / q.grad.abs().max().clamp_min(1e-30))
+        for p, q in zip(packed.params, trained.params, strict=True)
+    )
+    assert worst <= 1e-5, worst  # the trained gradient is CE + the aux term ...
+    assert effect > 1e-3, effect  # ... and the term changes it
