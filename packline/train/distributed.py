@@ -93,6 +93,19 @@ def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
     return t
 
 
+def broadcast_object(value, src: int = 0):
+    """``value`` of rank ``src`` on every rank (``value`` itself without a process group).
+
+    >>> broadcast_object({"step": 3})
+    {'step': 3}
+    """
+    if dist.is_available() and dist.is_initialized():
+        box = [value if dist.get_rank() == src else None]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+    return value
+
+
 def all_gather_object(value) -> list:
     """``value`` of every rank, in rank order (a one-element list without a process group).
 

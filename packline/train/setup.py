@@ -14,7 +14,7 @@ from packline.counters import flops_model_for
 from packline.qwen.attention import set_text_attention
 from packline.qwen.model import build_tiny_model, tiny_config
 from packline.tracking import Tracker
-from packline.train.distributed import rank_world
+from packline.train.distributed import broadcast_object, rank_world
 from packline.train.evaluate import Evaluator
 from packline.train.layout import ParallelLayout
 from packline.train.trainer import Trainer, TrainerSettings, use_bf16
@@ -194,8 +194,8 @@ def build_trainer(
 def build_split_engine(cfg, processor, layout: ParallelLayout, *, packed: bool, device, ids):
     """The engine of a split layout (EP and/or PP) on this rank, and rank 0's one-process
     model for evaluation and export (None elsewhere). Every rank builds the same seeded
-    model; rank 0's one-process PEFT model gives the adapters' initial values, so a split
-    run starts exactly where one process starts."""
+    model; rank 0 also builds the one-process PEFT model, whose adapters it broadcasts as the
+    initial values, so a split run starts exactly where one process starts."""
     from packline.train.engine import ExpertParallelEngine, PipelineEngine
     from packline.train.expert_parallel import (
         apply_lora_ep,
@@ -217,9 +217,12 @@ def build_split_engine(cfg, processor, layout: ParallelLayout, *, packed: bool, 
     )
     if problems:
         raise ValueError("train.parallel cannot run: " + "; ".join(problems))
-    torch.manual_seed(cfg.train.seed)
-    whole = apply_lora(build_model(cfg, processor), cfg.lora)  # the one-process model
-    initial = {n: p.detach().clone() for n, p in whole.named_parameters() if p.requires_grad}
+    whole = initial = None
+    if rank == 0:  # the one-process model: its adapters are where the split run starts
+        torch.manual_seed(cfg.train.seed)
+        whole = apply_lora(build_model(cfg, processor), cfg.lora)
+        initial = {n: p.detach().clone() for n, p in whole.named_parameters() if p.requires_grad}
+    initial = broadcast_object(initial)
     torch.manual_seed(cfg.train.seed)
     if layout.expert > 1:
         model = distribute_experts(build_model(cfg, processor), layout, groups)
@@ -247,6 +250,6 @@ def build_split_engine(cfg, processor, layout: ParallelLayout, *, packed: bool, 
             bf16=ids["bf16"],
         )
         engine = PipelineEngine(runner, layout, **common)
-    if device is not None:
+    if whole is not None and device is not None:
         whole = whole.to(device)
-    return engine, (whole if rank == 0 else None)
+    return engine, whole

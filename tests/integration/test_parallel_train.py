@@ -41,7 +41,7 @@ LAYOUTS = {
     "ep2": ["train.parallel.expert_parallel=2"],
     "pp2": ["train.parallel.pipeline_parallel=2", "train.parallel.schedule=1f1b"],
 }
-STEPS, KILL_AFTER = 6, 3
+STEPS, KILL_AFTER = 4, 2
 
 
 @pytest.fixture(scope="module")

@@ -148,23 +148,27 @@ def _sacct(cluster: LocalSlurm, fields: str) -> list[list[str]]:
     return [line.split("|") for line in out.splitlines() if line]
 
 
-def _run_on_slurm(cluster: LocalSlurm, args: list[str], *, ranks: int):
+def _slurm_command(args: list[str], *, ranks: int) -> list[str]:
     """``packline run ARGS --executor slurm`` on the local cluster, the train job on
     ``ranks`` of its fake GPUs with one process each."""
+    return [
+        sys.executable,
+        "-m",
+        "pipelines.cli",
+        "run",
+        *args,
+        "executor.slurm.account=packline",
+        "executor.slurm.partition=debug",
+        f"executor.slurm.gpus_per_node={ranks}",
+        f"executor.slurm.nproc_per_node={ranks}",
+        "--executor",
+        "slurm",
+    ]
+
+
+def _run_on_slurm(cluster: LocalSlurm, args: list[str], *, ranks: int):
     return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pipelines.cli",
-            "run",
-            *args,
-            "executor.slurm.account=packline",
-            "executor.slurm.partition=debug",
-            f"executor.slurm.gpus_per_node={ranks}",
-            f"executor.slurm.nproc_per_node={ranks}",
-            "--executor",
-            "slurm",
-        ],  # fmt: skip
+        _slurm_command(args, ranks=ranks),
         env={**cluster.env, "COLUMNS": "200"},
         capture_output=True,
         text=True,
@@ -274,15 +278,29 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_moe_layouts_train_on_local_slurm(local_slurm: LocalSlurm, tmp_path: Path, layout: str):
-    config, overrides, ranks = LAYOUTS[layout]
-    work = tmp_path / "work"
-    name = f"moe_{layout}"
-    args = [*([str(config)] if config else []), f"name={name}", f"work_dir={work}", *QUICK]
-    result = _run_on_slurm(local_slurm, [*args, *overrides], ranks=ranks)
-    out = result.stdout + result.stderr
-    assert result.returncode == 0, out[-5000:]
+def test_moe_layouts_train_on_local_slurm(local_slurm: LocalSlurm, tmp_path: Path):
+    # Both pipelines are submitted at once (SLURM runs their train jobs one after the other:
+    # together they ask for 12 of the 8 fake GPUs); each one's jobs run in dependency order.
+    procs = {}
+    for layout, (config, overrides, ranks) in LAYOUTS.items():
+        work, name = tmp_path / layout / "work", f"moe_{layout}"
+        args = [*([str(config)] if config else []), f"name={name}", f"work_dir={work}", *QUICK]
+        log = (tmp_path / f"{layout}.log").open("w")
+        procs[layout] = subprocess.Popen(
+            _slurm_command([*args, *overrides], ranks=ranks),
+            env={**local_slurm.env, "COLUMNS": "200"},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=PROJECT_ROOT,
+        )
+    for layout, proc in procs.items():
+        code = proc.wait(timeout=1500)
+        assert code == 0, (tmp_path / f"{layout}.log").read_text()[-5000:]
+    for layout, (_, _, ranks) in LAYOUTS.items():
+        _check_moe_run(local_slurm, tmp_path / layout / "work", f"moe_{layout}", ranks)
+
+
+def _check_moe_run(local_slurm: LocalSlurm, work: Path, name: str, ranks: int) -> None:
     jobs = [
         r for r in _sacct(local_slurm, "JobID,JobName,State,Start,End") if r[1].startswith(name)
     ]
