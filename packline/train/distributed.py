@@ -106,15 +106,16 @@ def broadcast_object(value, src: int = 0):
     return value
 
 
-def all_gather_object(value) -> list:
-    """``value`` of every rank, in rank order (a one-element list without a process group).
+def all_gather_object(value, group=None) -> list:
+    """``value`` of every rank of ``group`` (None: all), in rank order (a one-element list
+    without a process group).
 
     >>> all_gather_object({"step": 3})
     [{'step': 3}]
     """
     if dist.is_available() and dist.is_initialized():
-        out = [None] * dist.get_world_size()
-        dist.all_gather_object(out, value)
+        out = [None] * dist.get_world_size(group)
+        dist.all_gather_object(out, value, group=group)
         return out
     return [value]
 

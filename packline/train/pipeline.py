@@ -70,7 +70,7 @@ from transformers.masking_utils import create_causal_mask
 from packline.packing.thd import PackedBatch, to_device
 from packline.qwen.forward import check_packed_inputs, token_loss_sum
 from packline.qwen.moe import RouterRecorder, RouterStats
-from packline.train.distributed import all_reduce_sum
+from packline.train.distributed import all_gather_object, all_reduce_sum
 from packline.train.layout import LayoutGroups, ParallelLayout
 
 
@@ -609,7 +609,7 @@ class PipelineRunner:
         failed = torch.tensor([1.0 if problem else 0.0], dtype=torch.float64)
         if float(all_reduce_sum(failed, group=self.groups.pipeline)[0]) == 0:
             return
-        found = [p for p in _gather(problem, self.groups.pipeline) if p]  # every stage
+        found = [p for p in all_gather_object(problem, self.groups.pipeline) if p]  # every stage
         if problem:
             raise ValueError(problem)
         raise ValueError(
@@ -722,13 +722,6 @@ class PipelineRunner:
         with torch.no_grad():
             for n, p in zip(self.param_names, self.params, strict=True):
                 p.copy_(state[n].to(p.device, p.dtype))
-
-
-def _gather(value, group) -> list:
-    """``value`` of every rank of ``group`` (pickled)."""
-    out = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, value, group=group)
-    return out
 
 
 __all__ = [
