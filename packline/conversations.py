@@ -1,6 +1,8 @@
 """Reading one row of a ``conversations.jsonl`` folder into packline's conversation form.
 
-Accepted row forms (one JSON object per line)::
+Accepted row forms (one JSON object per line of a folder's ``conversations.jsonl``, one
+record of a LLaVA-style JSON list, or an Energon sample's conversation; all go through
+:func:`parse_record`)::
 
     {"id": "a1", "images": ["imgs/cat.png"],
      "conversations": [{"role": "user", "content": "<image>\\nWhat is this?"},
@@ -228,8 +230,43 @@ def _media_path(folder: Path, rel: Any, sid: str, kind: str) -> Path:
     return path
 
 
-def _load_image(folder: Path, rel: Any, sid: str, geometry: ImageGeometry) -> ImageRef:
-    data = _media_path(folder, rel, sid, "image").read_bytes()
+class MediaSource:
+    """Where a row's media bytes come from: each entry of its ``images`` / ``videos`` list
+    is a reference this source resolves to ``(bytes, file suffix)`` or rejects."""
+
+    def read(self, ref: Any, sid: str, kind: str) -> tuple[bytes, str]:  # pragma: no cover
+        raise NotImplementedError
+
+
+@dataclass
+class FolderMedia(MediaSource):
+    """Media named by paths relative to ``folder`` (a conversation folder, or a LLaVA JSON
+    file's media dir): absolute, escaping and missing paths are rejected."""
+
+    folder: Path
+
+    def read(self, ref: Any, sid: str, kind: str) -> tuple[bytes, str]:
+        path = _media_path(self.folder, ref, sid, kind)
+        return path.read_bytes(), path.suffix.lower().lstrip(".")
+
+
+@dataclass
+class InlineMedia(MediaSource):
+    """Media carried inside the sample itself (an Energon dataset's parts): a row's
+    references are indices into ``images`` / ``videos``, each ``(bytes, file suffix)``."""
+
+    images: list[tuple[bytes, str]] = field(default_factory=list)
+    videos: list[tuple[bytes, str]] = field(default_factory=list)
+
+    def read(self, ref: Any, sid: str, kind: str) -> tuple[bytes, str]:
+        items = self.images if kind == "image" else self.videos
+        if isinstance(ref, bool) or not isinstance(ref, int) or not 0 <= ref < len(items):
+            raise Rejected(f"missing_{kind}", f"the sample holds no {kind} {ref!r}", sid)
+        return items[ref]
+
+
+def _load_image(media: MediaSource, rel: Any, sid: str, geometry: ImageGeometry) -> ImageRef:
+    data, _ = media.read(rel, sid, "image")
     try:
         width, height = read_image_size(data)
         ext = _decode_fully(data)
@@ -239,13 +276,12 @@ def _load_image(folder: Path, rel: Any, sid: str, geometry: ImageGeometry) -> Im
         geometry.resized(height, width)
     except ValueError as exc:
         raise Rejected("image_size_refused", f"{rel!r} ({width}x{height}): {exc}", sid) from None
-    return ImageRef(path=rel, data=data, ext=ext, width=width, height=height)
+    return ImageRef(path=str(rel), data=data, ext=ext, width=width, height=height)
 
 
-def _load_video(folder: Path, rel: Any, sid: str, limits: VideoLimits) -> VideoRef:
+def _load_video(media: MediaSource, rel: Any, sid: str, limits: VideoLimits) -> VideoRef:
     """Decode the whole video once and check it against the processor and the limits."""
-    path = _media_path(folder, rel, sid, "video")
-    data = path.read_bytes()
+    data, suffix = media.read(rel, sid, "video")
     try:
         header = probe_video(data)
     except VideoError as exc:
@@ -279,9 +315,8 @@ def _load_video(folder: Path, rel: Any, sid: str, limits: VideoLimits) -> VideoR
             f"prepare.max_frames_per_video is {limits.max_frames_per_video}",
             sid,
         )
-    suffix = path.suffix.lower().lstrip(".")
     ext = suffix if VIDEO_EXT_RE.match(suffix) else "video"
-    return VideoRef(path=rel, data=data, ext=ext, header=header)
+    return VideoRef(path=str(rel), data=data, ext=ext, header=header)
 
 
 def _decode_fully(data: bytes) -> str:
@@ -306,11 +341,56 @@ def parse_row(
     videos: VideoLimits,
 ) -> ConversationRow:
     """One jsonl line → :class:`ConversationRow`, or raise :class:`Rejected` with the reason;
-    ``videos`` holds the video processor and prepare's video limits."""
+    media paths are relative to ``folder``; see :func:`parse_record` for the rest."""
     try:
         row = json.loads(line)
     except json.JSONDecodeError as exc:
         raise Rejected("malformed_json", f"not JSON: {exc.msg} at column {exc.colno}") from None
+    return parse_record(
+        row,
+        FolderMedia(folder),
+        geometry=geometry,
+        max_images=max_images,
+        val_fraction=val_fraction,
+        videos=videos,
+    )
+
+
+def llava_record(record: Any) -> Any:
+    """A LLaVA-style record (``{"id", "image": "coco/1.jpg", "conversations": [{"from",
+    "value"}]}``; ``images`` for several, ``video`` / ``videos`` likewise) in the row form
+    :func:`parse_record` reads: the single ``image`` / ``video`` becomes a one-item list.
+    Anything else (a record that is not an object, a non-string ``image``) is passed on for
+    :func:`parse_record` to reject with its reason.
+
+    >>> llava_record({"id": 7, "image": "a.jpg", "conversations": []})["images"]
+    ['a.jpg']
+    >>> llava_record({"id": 8, "conversations": []}).get("images") is None
+    True
+    """
+    if not isinstance(record, dict):
+        return record
+    out = dict(record)
+    for single, plural in (("image", "images"), ("video", "videos")):
+        if single in out and plural not in out:
+            value = out.pop(single)
+            out[plural] = [value] if isinstance(value, str) else value
+    return out
+
+
+def parse_record(
+    row: Any,
+    media: MediaSource,
+    *,
+    geometry: ImageGeometry,
+    max_images: int,
+    val_fraction: float,
+    videos: VideoLimits,
+) -> ConversationRow:
+    """One source record (a decoded jsonl line, a LLaVA JSON record, an Energon sample's
+    conversation) → :class:`ConversationRow`, or raise :class:`Rejected` with the reason.
+    ``media`` resolves the record's ``images`` / ``videos`` entries; ``videos`` holds the
+    video processor and prepare's video limits."""
     if not isinstance(row, dict):
         raise Rejected("malformed_json", f"a row must be a JSON object, got {type(row).__name__}")
     raw_id = row.get("id")
@@ -348,19 +428,19 @@ def parse_row(
             f"{len(video_paths)} videos, prepare.max_videos is {videos.max_videos}",
             sid,
         )
-    media = {"image": images, "video": video_paths}
-    markers = {kind: sum(text.count(MARKERS[kind]) for _, text in messages) for kind in media}
-    for kind, paths in media.items():
+    kinds = {"image": images, "video": video_paths}
+    markers = {kind: sum(text.count(MARKERS[kind]) for _, text in messages) for kind in kinds}
+    for kind, paths in kinds.items():
         if markers[kind] and markers[kind] != len(paths):
             raise Rejected(
                 "marker_count_mismatch",
                 f"{markers[kind]} {MARKERS[kind]} markers for {len(paths)} {kind}s",
                 sid,
             )
-    refs = [_load_image(folder, rel, sid, geometry) for rel in images]
-    video_refs = [_load_video(folder, rel, sid, videos) for rel in video_paths]
+    refs = [_load_image(media, rel, sid, geometry) for rel in images]
+    video_refs = [_load_video(media, rel, sid, videos) for rel in video_paths]
     # Media of a kind without markers go before the first user text, images first.
-    unplaced = [{"type": kind} for kind, paths in media.items() if not markers[kind] for _ in paths]
+    unplaced = [{"type": kind} for kind, paths in kinds.items() if not markers[kind] for _ in paths]
     conversation: list[dict[str, Any]] = []
     placed = not unplaced
     for role, text in messages:

@@ -24,6 +24,21 @@ class Algorithm(Enum):
     search for one pack fewer still. Never more packs than ``ffd``; backend local only."""
 
 
+class SourceKind(Enum):
+    """What ``data.source`` names (told apart by :func:`schemas.config.source_kind`)."""
+
+    synthetic = "synthetic"
+    """The built-in shapes set, generated into the work dir."""
+    folder = "folder"
+    """A folder holding ``conversations.jsonl`` and the media it names."""
+    llava = "llava"
+    """A LLaVA-style ``.json`` file: one list of records with ``image``/``images`` and
+    ``conversations`` of ``from``/``value`` turns, its media under ``data.media_dir``."""
+    energon = "energon"
+    """An existing Energon dataset (a dir with ``.nv-meta/dataset.yaml``) in
+    Megatron-Bridge's ChatML layout, adopted in place: its shards are read, never rewritten."""
+
+
 class OverlengthPolicy(Enum):
     """What happens to a conversation longer than ``packing.seq_length``."""
 

@@ -32,6 +32,7 @@ from schemas.choices import (
     OverlengthPolicy,
     PipelineSchedule,
     Precision,
+    SourceKind,
     TrainBackend,
 )
 from schemas.errors import UserError
@@ -83,13 +84,46 @@ class _Section:
             raise ValueError("\n".join(problems))
 
 
+def source_kind(source: str) -> SourceKind | None:
+    """What ``data.source`` names, or None when it names nothing packline reads:
+
+    - ``synthetic``: the built-in set;
+    - a dir with ``.nv-meta/dataset.yaml``: an Energon dataset, adopted in place;
+    - a dir with ``conversations.jsonl``: a conversation folder;
+    - a ``.json`` file: a LLaVA-style list of records.
+
+    >>> source_kind("synthetic").value
+    'synthetic'
+    >>> source_kind("/nowhere/at/all") is None
+    True
+    """
+    if source == "synthetic":
+        return SourceKind.synthetic
+    path = Path(source).expanduser()
+    if path.is_dir():
+        if (path / ".nv-meta" / "dataset.yaml").is_file():
+            return SourceKind.energon
+        if (path / "conversations.jsonl").is_file():
+            return SourceKind.folder
+        return None
+    if path.is_file() and path.suffix.lower() == ".json":
+        return SourceKind.llava
+    return None
+
+
 @dataclass(kw_only=True)
 class DataConfig(_Section):
     """Where the conversations come from."""
 
     source: str = "synthetic"
-    """``synthetic`` for the built-in shapes set, else a folder holding
-    ``conversations.jsonl`` and the images it names (paths relative to the folder)."""
+    """``synthetic`` for the built-in shapes set; a folder holding ``conversations.jsonl``
+    and the media it names (paths relative to the folder); a LLaVA-style ``.json`` file (one
+    list of records with ``image``/``images`` and ``conversations``); or an existing Energon
+    dataset in Megatron-Bridge's ChatML layout (a dir with ``.nv-meta/dataset.yaml``), which
+    prepare adopts in place without rewriting a shard."""
+    media_dir: str | None = None
+    """LLaVA-style JSON source: the folder its image and video paths are relative to;
+    ``null`` → the JSON file's own folder."""
     num_train: int = 2000
     """Synthetic set: number of training conversations."""
     num_val: int = 200
@@ -100,6 +134,15 @@ class DataConfig(_Section):
     """Synthetic set: share of the conversations that are about a video clip (0: images and
     text only)."""
 
+    @property
+    def kind(self) -> SourceKind:
+        """What ``source`` names (:func:`source_kind`); the rules refuse a source that names
+        nothing readable, so a loaded config always has one."""
+        kind = source_kind(self.source)
+        if kind is None:
+            raise ValueError(f"data.source {self.source!r} names nothing packline reads")
+        return kind
+
     def rules(self) -> list[str]:
         p: list[str] = []
         _check(p, self.num_train > 0, f"data.num_train must be > 0, got {self.num_train}")
@@ -109,12 +152,24 @@ class DataConfig(_Section):
             f"data.video_share must be in [0, 1], got {self.video_share}",
         )
         _check(p, self.num_val >= 0, f"data.num_val must be >= 0, got {self.num_val}")
-        if self.source != "synthetic":
+        kind = source_kind(self.source)
+        _check(
+            p,
+            kind is not None,
+            f"data.source: {self.source!r} is neither 'synthetic', a folder with "
+            "conversations.jsonl, a LLaVA-style .json file nor an Energon dataset (a dir with "
+            ".nv-meta/dataset.yaml)",
+        )
+        if self.media_dir is not None:
             _check(
                 p,
-                (Path(self.source).expanduser() / "conversations.jsonl").is_file(),
-                f"data.source: {self.source!r} is neither 'synthetic' nor a folder with "
-                "conversations.jsonl",
+                kind is SourceKind.llava,
+                "data.media_dir is only read with a LLaVA-style .json source",
+            )
+            _check(
+                p,
+                Path(self.media_dir).expanduser().is_dir(),
+                f"data.media_dir: {self.media_dir!r} is not a folder",
             )
         return p
 
@@ -140,7 +195,8 @@ class PrepareConfig(_Section):
     max_reject_fraction: float = 0.05
     """The stage fails (exit 2) when rejected rows exceed this share of all rows."""
     num_workers: int = 2
-    """Worker processes for Energon's index preparation."""
+    """Processes that read, check and write the rows (and index the shards with Energon);
+    the output is the same for any count."""
 
     def rules(self) -> list[str]:
         p: list[str] = []
@@ -164,6 +220,55 @@ class PrepareConfig(_Section):
             "prepare.max_reject_fraction must be in [0, 1]",
         )
         _check(p, self.num_workers >= 1, "prepare.num_workers must be >= 1")
+        return p
+
+
+@dataclass(kw_only=True)
+class ConnectConfig(_Section):
+    """Stage connect: every sample's exact token length, measured in parts that spread over
+    Energon loader workers and SLURM tasks and that a killed run resumes from."""
+
+    num_workers: int = 2
+    """Energon loader worker processes of each connect task (0: measure in the task's own
+    process)."""
+    num_tasks: int = 1
+    """Tasks of the SLURM connect job (``executor.kind: slurm``): task r of N measures
+    Energon's rank r share (``WorkerConfig(rank=r, world_size=N)``) and writes its parts;
+    the task that finishes last merges them into ``lengths.parquet``. A local run is one
+    task."""
+    nodes: int = 1
+    """Nodes of the SLURM connect job; ``num_tasks`` is spread evenly over them."""
+    part_size: int = 2000
+    """Samples per part file: a killed connect resumes after its last finished part."""
+    verify: str = "all"
+    """Samples the real processor measures to check the cheap length rule: ``all`` (every
+    sample, the default), or a number N: a seeded sample of N (``train.seed``); the cheap
+    rule measures every sample either way, and the report says which was done."""
+
+    @property
+    def verify_samples(self) -> int | None:
+        """N of ``verify: N``; None for ``all``."""
+        return None if self.verify == "all" else int(self.verify)
+
+    def rules(self) -> list[str]:
+        p: list[str] = []
+        _check(
+            p, self.num_workers >= 0, f"connect.num_workers must be >= 0, got {self.num_workers}"
+        )
+        _check(p, self.num_tasks >= 1, f"connect.num_tasks must be >= 1, got {self.num_tasks}")
+        _check(p, self.nodes >= 1, f"connect.nodes must be >= 1, got {self.nodes}")
+        _check(
+            p,
+            self.num_tasks % max(self.nodes, 1) == 0,
+            f"connect.num_tasks ({self.num_tasks}) must spread evenly over connect.nodes "
+            f"({self.nodes})",
+        )
+        _check(p, self.part_size >= 1, f"connect.part_size must be >= 1, got {self.part_size}")
+        _check(
+            p,
+            self.verify == "all" or (self.verify.isdigit() and int(self.verify) >= 1),
+            f"connect.verify must be 'all' or a number of samples >= 1, got {self.verify!r}",
+        )
         return p
 
 
@@ -607,6 +712,7 @@ class PipelineConfig(_Section):
     """Where every stage writes; ``null`` → ``./runs/<name>``."""
     data: DataConfig = field(default_factory=DataConfig)
     prepare: PrepareConfig = field(default_factory=PrepareConfig)
+    connect: ConnectConfig = field(default_factory=ConnectConfig)
     processor: ProcessorConfig = field(default_factory=ProcessorConfig)
     packing: PackingConfig = field(default_factory=PackingConfig)
     model: ModelConfig = field(default_factory=ModelConfig)

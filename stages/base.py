@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import packline
-from schemas.config import STAGES, PipelineConfig
+from schemas.config import STAGES, PipelineConfig, SourceKind
 from schemas.errors import UserError
 
 RECORD_NAME = "_COMPLETE.json"
@@ -47,9 +47,24 @@ def stage_dir(cfg: PipelineConfig, stage: str) -> Path:
     return cfg.work_path / stage
 
 
+PACKLINE_METADATASET = "packline.yaml"
+"""An adopted Energon dataset's view for packline's own loaders: a ``MetadatasetV2`` in
+prepare's dir over the source dataset, with packline's dataset and split configs."""
+
+
 def dataset_dir(cfg: PipelineConfig) -> Path:
-    """The Energon dataset prepare wrote (Bridge's ``bridge.yaml`` view included)."""
+    """prepare's output dir: ``manifest.parquet``, ``rejects.jsonl``, Bridge's ``bridge.yaml``
+    view and, unless the source is an Energon dataset adopted in place, the shards."""
     return stage_dir(cfg, "prepare")
+
+
+def dataset_path(cfg: PipelineConfig) -> Path:
+    """What packline's Energon loaders open: prepare's dir, or for an Energon dataset
+    adopted in place (``data.source`` names one), the metadataset over it that prepare
+    wrote (:data:`PACKLINE_METADATASET`)."""
+    if cfg.data.kind is SourceKind.energon:
+        return dataset_dir(cfg) / PACKLINE_METADATASET
+    return dataset_dir(cfg)
 
 
 def processor_dir(cfg: PipelineConfig) -> Path:
