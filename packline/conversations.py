@@ -32,6 +32,17 @@ user text ``"<image>Same as<video>?"`` becomes::
     >>> [p.get("text", p["type"]) for p in _text_parts("<image>Same as<video>?")]
     ['image', 'Same as', 'video', '?']
 
+An Energon dataset in Megatron-Bridge's ChatML layout (:mod:`packline.energon.chatml`) is
+read under Bridge's own rule instead (its media source says so, :attr:`MediaSource.markers`):
+images and videos stand exactly where an ``{"type": "image"}`` part or a marker stands, each
+item of the sample's ``imgs`` in order (an item without one is refused, Bridge would drop it
+unseen), a string's text around its markers loses its spaces, typed parts are kept as they
+are (a marker inside a text part is text), and ``from``/``value`` wins over ``role``/``content``:
+``"Image 1: <image> Image 2: <image>"`` becomes ``["Image 1:", image, "Image 2:", image]``.
+:func:`structure_conversation` is that structural rule, for both forms: :func:`parse_record`
+and the load-time cooker of an adopted dataset call it, so what prepare checked is what the
+loader gives.
+
 Every way a row can be bad maps to one reason of ``schemas.tables.REJECT_REASONS``.
 """
 
@@ -43,7 +54,7 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Literal
 
 from PIL import Image
 
@@ -66,6 +77,9 @@ ROLE_ALIASES = {
     "gpt": "assistant",
 }
 SAFE_KEY_RE = re.compile(r"^[A-Za-z0-9_\-]{1,120}$")
+#: How a record's media are placed in its conversation: ``packline`` (a folder or a LLaVA
+#: JSON file) or ``chatml`` (Megatron-Bridge's ChatML rule; see the module docstring).
+MarkerRule = Literal["packline", "chatml"]
 
 
 @dataclass
@@ -192,23 +206,149 @@ def _content_text(content: Any, sid: str | None) -> str:
     )
 
 
-def _messages(turns: Any, sid: str) -> list[tuple[str, str]]:
+def _chatml_parts(content: Any, sid: str) -> list[dict[str, Any]]:
+    """Message content → typed parts as Megatron-Bridge's ChatML normaliser reads it
+    (``normalized_vlm_sample_to_hf_example``): a string is split at its markers, each text
+    piece stripped of spaces (a string without markers is kept whole); a parts list is kept
+    part by part, a marker inside a text part staying text.
+
+    >>> [p.get("text", p["type"]) for p in _chatml_parts("Image 1: <image> Image 2: <image>", "x")]
+    ['Image 1:', 'image', 'Image 2:', 'image']
+    >>> _chatml_parts([{"type": "text", "text": "a <image> "}], "x")
+    [{'type': 'text', 'text': 'a <image> '}]
+    """
+    if isinstance(content, str):
+        if not _MARKER_RE.search(content):
+            return [{"type": "text", "text": content}] if content else []
+        parts: list[dict[str, Any]] = []
+        for piece in _MARKER_RE.split(content):
+            if piece in (IMAGE_MARKER, VIDEO_MARKER):
+                parts.append({"type": "image" if piece == IMAGE_MARKER else "video"})
+            elif piece.strip(" "):
+                parts.append({"type": "text", "text": piece.strip(" ")})
+        return parts
+    if not isinstance(content, list):
+        raise Rejected(
+            "malformed", f"message content must be a string, got {type(content).__name__}", sid
+        )
+    parts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("text", *MARKERS):
+            raise Rejected("malformed", f"content part {part!r} is not text, image or video", sid)
+        if kind == "text":
+            if not isinstance(part.get("text"), str):
+                raise Rejected("malformed", "a text part has no string 'text'", sid)
+            if part["text"]:
+                parts.append({"type": "text", "text": part["text"]})
+        elif any(k in part for k in (kind, "path", "url")):
+            raise Rejected(
+                "malformed",
+                f"an {kind} part names its own {kind} ({part!r}); the sample's media parts "
+                "are the only source read",
+                sid,
+            )
+        else:
+            parts.append({"type": kind})
+    return parts
+
+
+def _turn(turn: dict[str, Any], rule: MarkerRule) -> tuple[Any, Any] | None:
+    """(role, content) of a turn, or None when it has neither form. Megatron-Bridge reads
+    ``from``/``value`` first (a missing ``value`` or ``content`` is empty text); packline's
+    own rule reads ``role``/``content`` first."""
+    if rule == "chatml":
+        if "from" in turn:
+            return turn["from"], turn.get("value", "")
+        if "role" in turn:
+            return turn["role"], turn.get("content", "")
+        return None
+    if "role" in turn or "content" in turn:
+        return turn.get("role"), turn.get("content")
+    if "from" in turn or "value" in turn:
+        return turn.get("from"), turn.get("value")
+    return None
+
+
+def _turns(turns: Any, sid: str, rule: MarkerRule) -> list[tuple[str, list[dict[str, Any]]]]:
+    """The turns' roles and typed parts (media where their markers or parts stand, none
+    placed yet), checked for roles and for a user and an assistant turn."""
     if not isinstance(turns, list) or not turns:
         raise Rejected("malformed", "'conversations' must be a non-empty list", sid)
     out = []
     for i, turn in enumerate(turns):
         if not isinstance(turn, dict):
             raise Rejected("malformed", f"turn {i} is not an object", sid)
-        if "role" in turn or "content" in turn:
-            role, content = turn.get("role"), turn.get("content")
-        elif "from" in turn or "value" in turn:
-            role, content = turn.get("from"), turn.get("value")
-        else:
+        found = _turn(turn, rule)
+        if found is None:
             raise Rejected("malformed", f"turn {i} has neither role/content nor from/value", sid)
-        if role not in ROLE_ALIASES:
+        role, content = found
+        if not isinstance(role, str) or role not in ROLE_ALIASES:
             raise Rejected("unknown_role", f"turn {i} has role {role!r}", sid)
-        out.append((ROLE_ALIASES[role], _content_text(content, sid)))
+        if rule == "chatml":
+            parts = _chatml_parts(content, sid)
+        else:
+            parts = _text_parts(_content_text(content, sid))
+        out.append((ROLE_ALIASES[role], parts))
+    if not any(role == "assistant" for role, _ in out):
+        raise Rejected("no_assistant_turn", "the conversation has no assistant turn", sid)
+    if not any(role == "user" for role, _ in out):
+        raise Rejected("malformed", "the conversation has no user turn", sid)
     return out
+
+
+def _place_media(
+    turns: list[tuple[str, list[dict[str, Any]]]],
+    counts: dict[str, int],
+    sid: str,
+    rule: MarkerRule,
+) -> list[dict[str, Any]]:
+    """HF message form with every image and video placed: each ``counts[kind]`` must equal
+    the markers (parts) of its kind; under packline's own rule a kind without any goes
+    before the first user text instead, images first."""
+    markers = {kind: sum(p["type"] == kind for _, parts in turns for p in parts) for kind in counts}
+    for kind, n in counts.items():
+        if markers[kind] != n and (markers[kind] or rule == "chatml"):
+            detail = f"{markers[kind]} {MARKERS[kind]} markers for {n} {kind}s"
+            if not markers[kind]:
+                detail += (
+                    f"; Megatron-Bridge's ChatML reader places {kind}s only where an "
+                    f"{{'type': '{kind}'}} part or a {MARKERS[kind]} marker stands"
+                )
+            raise Rejected("marker_count_mismatch", detail, sid)
+    unplaced = [{"type": kind} for kind, n in counts.items() if not markers[kind] for _ in range(n)]
+    conversation: list[dict[str, Any]] = []
+    placed = not unplaced
+    for role, parts in turns:
+        if not placed and role == "user":
+            parts = unplaced + parts
+            placed = True
+        if not parts:
+            raise Rejected("malformed", f"an empty {role} turn", sid)
+        conversation.append({"role": role, "content": parts})
+    return conversation
+
+
+def structure_conversation(
+    turns: Any, *, num_images: int, num_videos: int, sid: str, rule: MarkerRule = "packline"
+) -> list[dict[str, Any]]:
+    """A record's turns with ``num_images`` images and ``num_videos`` videos → HF message
+    form (``[{"role", "content": [{"type": "text"|"image"|"video", ...}]}]``), or raise
+    :class:`Rejected`: roles, markers, media placement and empty turns, under ``rule``
+    (see the module docstring). The one home of that rule: :func:`parse_record` and the
+    load-time cooker of an adopted Energon dataset both call it.
+
+    >>> turns = [{"from": "human", "value": "Is <image> red?"}, {"from": "gpt", "value": "No"}]
+    >>> user, _ = structure_conversation(turns, num_images=1, num_videos=0, sid="a", rule="chatml")
+    >>> [p.get("text", p["type"]) for p in user["content"]]
+    ['Is', 'image', 'red?']
+    >>> turns[0]["value"] = "Is it red?"  # packline's own rule: an unmarked image goes first
+    >>> user, _ = structure_conversation(turns, num_images=1, num_videos=0, sid="a")
+    >>> [p.get("text", p["type"]) for p in user["content"]]
+    ['image', 'Is it red?']
+    """
+    parsed = _turns(turns, sid, rule)
+    return _place_media(parsed, {"image": num_images, "video": num_videos}, sid, rule)
 
 
 def _media_path(folder: Path, rel: Any, sid: str, kind: str) -> Path:
@@ -232,10 +372,24 @@ def _media_path(folder: Path, rel: Any, sid: str, kind: str) -> Path:
 
 class MediaSource:
     """Where a row's media bytes come from: each entry of its ``images`` / ``videos`` list
-    is a reference this source resolves to ``(bytes, file suffix)`` or rejects."""
+    is a reference this source resolves to ``(bytes, file suffix)`` or rejects. The source
+    also says how the row's media are placed (:attr:`markers`), and a source that is one
+    stored sample (an Energon dataset's) gives the row its key and reports parts it could not
+    read (:meth:`check`)."""
+
+    #: The placement rule of the rows this source belongs to (see the module docstring).
+    markers: ClassVar[MarkerRule] = "packline"
 
     def read(self, ref: Any, sid: str, kind: str) -> tuple[bytes, str]:  # pragma: no cover
         raise NotImplementedError
+
+    def check(self, sid: str) -> None:
+        """Raise :class:`Rejected` when the stored sample behind the row could not be read
+        (before anything else of the row is looked at); nothing for a folder's files."""
+
+    def key(self, sid: str) -> str:
+        """The WebDataset key of the row with id ``sid``: :func:`key_for_id`."""
+        return key_for_id(sid)
 
 
 @dataclass
@@ -389,8 +543,10 @@ def parse_record(
 ) -> ConversationRow:
     """One source record (a decoded jsonl line, a LLaVA JSON record, an Energon sample's
     conversation) → :class:`ConversationRow`, or raise :class:`Rejected` with the reason.
-    ``media`` resolves the record's ``images`` / ``videos`` entries; ``videos`` holds the
-    video processor and prepare's video limits."""
+    ``media`` resolves the record's ``images`` / ``videos`` entries and says which placement
+    rule applies, the row's key and whether its stored sample was readable
+    (:class:`MediaSource`); ``videos`` holds the video processor and prepare's video limits.
+    The conversation's structure is :func:`structure_conversation`'s."""
     if not isinstance(row, dict):
         raise Rejected("malformed_json", f"a row must be a JSON object, got {type(row).__name__}")
     raw_id = row.get("id")
@@ -403,11 +559,8 @@ def parse_record(
     meta = row.get("meta", {})
     if not isinstance(meta, dict):
         raise Rejected("malformed", "'meta' must be an object", sid)
-    messages = _messages(row.get("conversations"), sid)
-    if not any(role == "assistant" for role, _ in messages):
-        raise Rejected("no_assistant_turn", "the conversation has no assistant turn", sid)
-    if not any(role == "user" for role, _ in messages):
-        raise Rejected("malformed", "the conversation has no user turn", sid)
+    media.check(sid)
+    turns = _turns(row.get("conversations"), sid, media.markers)
     images = row.get("images", [])
     if images is None:
         images = []
@@ -428,32 +581,13 @@ def parse_record(
             f"{len(video_paths)} videos, prepare.max_videos is {videos.max_videos}",
             sid,
         )
-    kinds = {"image": images, "video": video_paths}
-    markers = {kind: sum(text.count(MARKERS[kind]) for _, text in messages) for kind in kinds}
-    for kind, paths in kinds.items():
-        if markers[kind] and markers[kind] != len(paths):
-            raise Rejected(
-                "marker_count_mismatch",
-                f"{markers[kind]} {MARKERS[kind]} markers for {len(paths)} {kind}s",
-                sid,
-            )
+    counts = {"image": len(images), "video": len(video_paths)}
+    conversation = _place_media(turns, counts, sid, media.markers)
     refs = [_load_image(media, rel, sid, geometry) for rel in images]
     video_refs = [_load_video(media, rel, sid, videos) for rel in video_paths]
-    # Media of a kind without markers go before the first user text, images first.
-    unplaced = [{"type": kind} for kind, paths in kinds.items() if not markers[kind] for _ in paths]
-    conversation: list[dict[str, Any]] = []
-    placed = not unplaced
-    for role, text in messages:
-        parts = _text_parts(text)
-        if not placed and role == "user":
-            parts = unplaced + parts
-            placed = True
-        if not parts:
-            raise Rejected("malformed", f"an empty {role} turn", sid)
-        conversation.append({"role": role, "content": parts})
     return ConversationRow(
         id=sid,
-        key=key_for_id(sid),
+        key=media.key(sid),
         split=split if split is not None else split_for_id(sid, val_fraction),
         conversation=conversation,
         images=refs,

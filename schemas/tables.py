@@ -13,6 +13,9 @@ from pandera.errors import SchemaError, SchemaErrors
 from pandera.typing import Series
 
 SPLITS = ["train", "val"]
+#: A manifest key: what prepare writes (:func:`packline.conversations.key_for_id`), or the
+#: ``__key__`` Energon gives a sample of an adopted dataset, which may name dirs inside its tar.
+KEY_PATTERN = r"^[A-Za-z0-9_\-]+(/[A-Za-z0-9_\-]+)*$"
 
 REJECT_REASONS = [
     "malformed_json",  # the line is not a JSON object
@@ -31,6 +34,7 @@ REJECT_REASONS = [
     "too_many_videos",  # more videos than prepare.max_videos
     "too_many_frames",  # more sampled frames in a video than prepare.max_frames_per_video
     "video_too_long",  # a video longer than prepare.max_video_seconds
+    "video_frames_unsupported",  # an Energon sample's video given as a list of frames, not a file
     "no_assistant_turn",  # nothing to train on
     "unknown_role",  # a role other than system / user / assistant (or LLaVA's human / gpt)
     "duplicate_id",  # the id was seen on an earlier row
@@ -40,8 +44,9 @@ REJECT_REASONS = [
 class ManifestModel(pa.DataFrameModel):
     """One accepted sample of the prepared dataset."""
 
-    key: Series[str] = pa.Field(unique=True, str_matches=r"^[A-Za-z0-9_\-]+$")
-    """WebDataset key (the sample's ``__key__``)."""
+    key: Series[str] = pa.Field(unique=True, str_matches=KEY_PATTERN)
+    """WebDataset key (the sample's ``__key__``): letters, digits, ``_`` and ``-``, with ``/``
+    between the dir names of an adopted Energon dataset's keys (a dir inside the tar)."""
     id: Series[str] = pa.Field(unique=True)
     """The row's id in the source."""
     split: Series[str] = pa.Field(isin=SPLITS)
