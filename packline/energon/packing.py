@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from megatron.energon import Cooker, DefaultTaskEncoder, Sample, edataclass, stateless
 from megatron.energon.errors import FatalSampleError
 
-from packline.energon.sample import ConversationSample, cook_conversation
+from packline.energon.sample import CHATML_COOKER, ConversationSample, cook_conversation
 from packline.packing.selection import align_up, select_packs
 from packline.packing.thd import EncodedConversation, PackedBatch, build_packed_batch
 from packline.qwen.encode import ConversationEncoder, Tokenized
@@ -82,7 +82,7 @@ class QwenPack(Sample):
 class _QwenPackingEncoder(
     DefaultTaskEncoder[ConversationSample, QwenConversation, QwenPack, QwenPack]
 ):
-    cookers = [Cooker(cook_conversation)]
+    cookers = [CHATML_COOKER, Cooker(cook_conversation)]
     decoder = None  # images stay encoded bytes until they are needed
 
     def __init__(self, processor_dir, settings: PackingSettings):

@@ -6,7 +6,10 @@ A prepared sample is a WebDataset entry ``<key>.json`` (``{"id", "conversation",
 :meth:`packline.video.VideoHeader.to_dict`) plus one file per image, ``<key>.img<k>.<ext>``,
 and one per video, ``<key>.vid<k>.<ext>`` (``mp4``, ``mkv``, ``webm`` ...), each holding the
 original encoded bytes. The dataset is a ``CrudeWebdataset``; :func:`cook_conversation` turns
-the crude dict into a :class:`ConversationSample` without decoding any pixels.
+the crude dict into a :class:`ConversationSample` without decoding any pixels. The samples of
+an Energon dataset adopted in place (Megatron-Bridge's ChatML layout,
+:mod:`packline.energon.chatml`) come in through :func:`cook_chatml` instead, routed by their
+subflavors: every task encoder lists :data:`CHATML_COOKER` before the default cooker.
 
     >>> image_parts({"json": b"", "img1.png": b"", "img0.jpg": b"", "vid0.mp4": b""})
     ['img0.jpg', 'img1.png']
@@ -28,6 +31,8 @@ from megatron.energon import (
     edataclass,
     stateless,
 )
+
+from packline.energon.chatml import SOURCE_SUBFLAVOR, chatml_conversation
 
 IMAGE_PART_RE = re.compile(r"^img(\d+)\.[A-Za-z0-9]+$")
 VIDEO_PART_RE = re.compile(r"^vid(\d+)\.[A-Za-z0-9]+$")
@@ -89,10 +94,33 @@ def cook_conversation(raw: dict[str, Any]) -> ConversationSample:
     )
 
 
+@stateless
+def cook_chatml(raw: dict[str, Any]) -> ConversationSample:
+    """A crude sample of an Energon dataset adopted in place → :class:`ConversationSample`
+    (:func:`packline.energon.chatml.chatml_conversation`: the conversation as prepare
+    structured it; no video; ``__key__`` Energon's key, the manifest's)."""
+    sid, conversation, images = chatml_conversation(raw)
+    return ConversationSample(
+        **basic_sample_keys(raw),
+        sample_id=sid,
+        conversation=conversation,
+        images=images,
+        videos=[],
+        video_headers=[],
+        meta={},
+    )
+
+
+#: Placed before the default cooker in every packline task encoder's ``cookers``: the crude
+#: samples whose subflavor :data:`~packline.energon.chatml.SOURCE_SUBFLAVOR` is ``chatml``
+#: (an adopted dataset's, through prepare's ``packline.yaml``) are cooked by it.
+CHATML_COOKER = Cooker(cook_chatml, has_subflavors={SOURCE_SUBFLAVOR: "chatml"})
+
+
 class ConversationReader(DefaultTaskEncoder[ConversationSample, ConversationSample, Any, Any]):
     """Reads prepared shards as :class:`ConversationSample` s, one per batch, no decoding."""
 
-    cookers = [Cooker(cook_conversation)]
+    cookers = [CHATML_COOKER, Cooker(cook_conversation)]
     #: No decoder: images and videos stay as their encoded bytes (sizes come from headers).
     decoder = None
 

@@ -1,0 +1,556 @@
+"""An Energon dataset in Megatron-Bridge's ChatML layout, adopted in place.
+
+``data.source`` may name a prepared WebDataset dir that Megatron-Bridge reads as it is
+(Bridge's ``tutorials/data/energon/README.md``)::
+
+    train-shard-000000.tar ...   WebDataset shards, indexed by ``energon prepare``
+    .nv-meta/dataset.yaml        __module__: megatron.bridge.data.energon.task_encoder_utils
+                                 __class__: ChatMLWebdataset
+                                 field_map: {imgs: jpgs, conversation: conversation.json}
+    .nv-meta/split.yaml          split_parts (train, val; brace patterns) and exclude
+    .nv-meta/.info.json          each shard's sample count
+
+prepare checks every sample and writes, in its own dir, never touching the source's files:
+a split config (the source's ``split_parts`` and ``exclude`` plus every rejected sample as
+``<shard>/<key>``), packline's dataset config over the same shards (a ``CrudeWebdataset``
+whose subflavors route its samples to packline's cooker,
+:func:`packline.energon.sample.cook_chatml`) and two ``MetadatasetV2`` views
+naming the source dir: ``packline.yaml`` (packline's loaders) and ``bridge.yaml`` (the
+source's own ``dataset.yaml`` with that split config: Bridge's ``dataset.path``). The
+excluded samples never reach either loader (Energon's reader skips them by name).
+
+What is read, per sample (Energon's grouping: consecutive tar members whose names share the
+part before the first dot of the file name, :data:`split_name_re`; ``__key__`` is that base
+name, a dir inside the tar included):
+
+- ``conversation`` (required): JSON, a list of turns or an object holding them under
+  ``conversations``, ``messages`` or ``conversation`` (Bridge's order); turns
+  ``role``/``content`` or ``from``/``value``, content a string with ``<image>`` / ``<video>``
+  markers or a list of typed parts; placed under Bridge's rule
+  (:func:`packline.conversations.structure_conversation`, ``rule="chatml"``);
+- ``imgs``: one encoded image (``image.png``, ``image.jpg`` ...) or, for a ``.jpgs`` part,
+  a pickled list of encoded images, read with a restricted unpickler that builds builtin
+  containers and bytes only (Bridge's ``utils/safe_pickle.py`` allow-list; anything else is
+  refused, never run); its images fill the image parts in order;
+- ``videos``: a pickled list of videos, each a list of encoded frames (``.videos``,
+  ``.mp4s``, ``.jpgs``, Bridge's ``videohandler``).
+
+What is refused, and why:
+
+- a dataset in another layout (``ValueError`` from :meth:`ChatMLDataset.open`, saying what is
+  supported): another sample type, a ``sample_loader`` / ``part_filter`` (code, not a layout),
+  a field map with ``audio`` or ``tools`` (packline trains images and videos), with
+  alternatives or nested access (``a,b``, ``json[x]``), a video part Bridge cannot decode; a
+  split config without ``train``, a shard in two splits, a shard whose index is missing or
+  stale (``energon prepare`` again);
+- per sample, with a reason in ``rejects.jsonl``: every reason of
+  :func:`packline.conversations.parse_record`, plus a conversation part that is missing
+  (``malformed``, Bridge's loader fails on a sample without a part its field map names) or
+  not JSON (``malformed_json``), an image part that does not unpickle to encoded images
+  (``image_unreadable``), chat-template ``tools`` (``malformed``: packline does not render
+  them), an image without a part or marker (``marker_count_mismatch``: Bridge would drop it
+  unseen), a key other than letters, digits, ``_``, ``-`` and ``/`` between dir names
+  (``malformed``), a key twice in one shard (``duplicate_id``: an exclude names both);
+- videos as frame lists (``video_frames_unsupported``): packline's readers take a video
+  file, whose frame rate and frame count decide the frames the processor samples and the
+  timestamps between them; a list of frames has neither. A sample with an empty video list
+  is read as without videos.
+
+The ``test`` split part is not read (packline trains on ``train`` and evaluates on ``val``);
+samples the source's own split config excludes are not read either, and stay excluded.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+import re
+import tarfile
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import braceexpand
+import yaml
+from megatron.energon.flavors.webdataset.config import skip_meta_re, split_name_re
+
+from packline.conversations import (
+    InlineMedia,
+    MarkerRule,
+    Rejected,
+    structure_conversation,
+)
+from schemas.tables import KEY_PATTERN
+
+#: Bridge's sample type, the only dataset config adopted.
+CHATML_MODULE = "megatron.bridge.data.energon.task_encoder_utils"
+CHATML_CLASS = "ChatMLWebdataset"
+#: Field map entries read; Bridge's ``ChatMLSample`` also has ``audio`` and ``tools``.
+FIELDS = ("conversation", "imgs", "videos")
+#: Dataset config keys besides the class and field map that do not change what is read.
+CONFIG_KEYS = ("field_map", "subflavors", "image_decode_spec")
+#: Part extensions Bridge's ``videohandler`` unpickles (a list of images for ``jpgs``, a list
+#: of frame lists otherwise).
+PICKLED_LISTS = ("jpgs", "mp4s", "videos")
+#: Split parts adopted; a ``test`` part is left alone.
+SPLITS = ("train", "val")
+#: The files prepare writes into its dir (see the module docstring).
+SPLIT_CONFIG = "packline_split.yaml"
+DATASET_CONFIG = "packline_dataset.yaml"
+PACKLINE_METADATASET = "packline.yaml"
+BRIDGE_METADATASET = "bridge.yaml"
+#: The subflavor that routes an adopted dataset's crude samples to their cooker
+#: (:data:`packline.energon.sample.CHATML_COOKER`), and the one that carries its field map.
+SOURCE_SUBFLAVOR = "packline_source"
+FIELD_MAP_SUBFLAVOR = "packline_field_map"
+_KEY_RE = re.compile(KEY_PATTERN)
+
+
+@dataclass(frozen=True)
+class ChatMLDataset:
+    """An Energon dataset dir in Bridge's ChatML layout, as :meth:`open` read it."""
+
+    root: Path
+    #: ``conversation`` and, when mapped, ``imgs`` / ``videos`` → part name
+    field_map: dict[str, str]
+    #: the source dataset config's own subflavors
+    subflavors: dict[str, Any]
+    #: the source split config's ``split_parts``, as written (brace patterns kept)
+    split_parts: dict[str, list[str]]
+    #: the source split config's ``exclude`` entries, as written
+    exclude: list[str]
+    #: ``train`` / ``val`` → shard names (brace-expanded, excluded shards left out)
+    splits: dict[str, list[str]]
+    #: samples the source excludes, ``<shard>/<key>``
+    sample_excludes: frozenset[str]
+    #: shard name → samples in it, from ``.nv-meta/.info.json``
+    shard_counts: dict[str, int]
+
+    @classmethod
+    def open(cls, root: Path) -> ChatMLDataset:
+        """Read ``root``'s Energon metadata; ``ValueError`` (what is wrong, what is supported)
+        when it is not a prepared dataset in Bridge's ChatML layout."""
+        from megatron.energon.epathlib import EPath
+        from megatron.energon.flavors.webdataset.metadata import get_dataset_info
+
+        root = Path(root).expanduser().resolve()
+        meta = root / ".nv-meta"
+        config_path = meta / "dataset.yaml"
+        if not config_path.is_file():
+            raise ValueError(f"{root} has no .nv-meta/dataset.yaml: not an Energon dataset")
+        config = yaml.safe_load(config_path.read_text())
+        field_map, subflavors = _check_dataset_config(config, config_path)
+        split_doc = _split_config(meta)
+        split_parts = split_doc.get("split_parts")
+        exclude = split_doc.get("exclude") or []
+        if not isinstance(split_parts, dict) or not isinstance(exclude, list):
+            raise ValueError(f"{meta}/split.yaml: split_parts must map names to shard lists")
+        if "train" not in split_parts:
+            raise ValueError(
+                f"{meta}/split.yaml has no train split part (it has {sorted(split_parts)}); "
+                "packline trains on 'train' and evaluates on 'val'"
+            )
+        excluded = {e for entry in exclude for e in braceexpand.braceexpand(str(entry))}
+        try:
+            counts = dict(get_dataset_info(EPath(root))["shard_counts"])
+        except (ValueError, KeyError) as exc:
+            raise ValueError(f"{root}: no readable .nv-meta/.info.json ({exc})") from None
+        splits: dict[str, list[str]] = {}
+        owner: dict[str, str] = {}
+        for split in SPLITS:
+            names = [
+                name
+                for pattern in split_parts.get(split) or []
+                for name in braceexpand.braceexpand(str(pattern))
+                if name not in excluded
+            ]
+            for name in names:
+                if name in owner:
+                    raise ValueError(
+                        f"{meta}/split.yaml lists shard {name} in both {owner[name]} and "
+                        f"{split}: a sample belongs to one split"
+                    )
+                owner[name] = split
+                if name not in counts:
+                    raise ValueError(
+                        f"shard {name} is not in {meta}/.info.json: the index is stale, "
+                        f"run `energon prepare {root}` again"
+                    )
+                if not (root / name).is_file() or not (root / f"{name}.idx").is_file():
+                    raise ValueError(
+                        f"shard {name} or its index {name}.idx is missing in {root} "
+                        f"(run `energon prepare {root}`)"
+                    )
+            if names:
+                splits[split] = names
+        if "train" not in splits:
+            raise ValueError(f"{meta}/split.yaml: the train split part holds no shard")
+        return cls(
+            root=root,
+            field_map=field_map,
+            subflavors=subflavors,
+            split_parts={str(k): [str(p) for p in v or []] for k, v in split_parts.items()},
+            exclude=[str(e) for e in exclude],
+            splits=splits,
+            sample_excludes=frozenset(e for e in excluded if "/" in e),
+            shard_counts=counts,
+        )
+
+    def shards(self) -> list[tuple[str, str]]:
+        """``(split, shard name)`` of every shard read, train then val, each in its split
+        config's order."""
+        return [(split, name) for split in SPLITS for name in self.splits.get(split, [])]
+
+    def split_of(self, shard: str) -> str:
+        for split, names in self.splits.items():
+            if shard in names:
+                return split
+        raise KeyError(f"{shard} is in no adopted split of {self.root}")
+
+
+def _check_dataset_config(config: Any, path: Path) -> tuple[dict[str, str], dict[str, Any]]:
+    """The field map and subflavors of Bridge's ChatML dataset config, or ``ValueError``."""
+    supported = (
+        f"packline adopts Energon datasets in Megatron-Bridge's ChatML layout: __module__: "
+        f"{CHATML_MODULE}, __class__: {CHATML_CLASS}, a field_map of conversation, imgs and "
+        "videos to part names (e.g. {imgs: jpgs, conversation: conversation.json})"
+    )
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} is not a YAML mapping; {supported}")
+    if "sample_type" in config and "__class__" not in config:
+        kind = config["sample_type"]
+        raise ValueError(f"{path} declares sample_type {kind}; {supported}")
+    if (config.get("__module__"), config.get("__class__")) != (CHATML_MODULE, CHATML_CLASS):
+        kind = f"{config.get('__module__')}.{config.get('__class__')}"
+        raise ValueError(f"{path} declares {kind}; {supported}")
+    if "sample_loader" in config or "part_filter" in config:
+        raise ValueError(
+            f"{path} reads its samples with a sample_loader (code packline does not run); "
+            f"{supported}"
+        )
+    unknown = sorted(set(config) - {"__module__", "__class__", *CONFIG_KEYS})
+    if unknown:
+        raise ValueError(f"{path}: packline does not read {unknown}; {supported}")
+    field_map = config.get("field_map")
+    if not isinstance(field_map, dict) or "conversation" not in field_map:
+        raise ValueError(f"{path} has no field_map with a conversation part; {supported}")
+    extra = sorted(set(field_map) - set(FIELDS))
+    if extra:
+        raise ValueError(
+            f"{path} maps {extra}: packline trains on conversations with images and videos "
+            f"only; {supported}"
+        )
+    for name, part in field_map.items():
+        if not isinstance(part, str) or not part or any(c in part for c in ",[]"):
+            raise ValueError(
+                f"{path}: field_map {name}: {part!r} is not one part name (alternatives and "
+                f"nested access are not read); {supported}"
+            )
+    if _ext(field_map.get("imgs", "")) in ("mp4s", "videos"):
+        raise ValueError(f"{path}: imgs: {field_map['imgs']} holds videos, not images")
+    if "videos" in field_map and _ext(field_map["videos"]) not in PICKLED_LISTS:
+        raise ValueError(
+            f"{path}: videos: {field_map['videos']}: Bridge's ChatMLWebdataset decodes videos "
+            f"only from pickled frame lists ({', '.join('.' + e for e in PICKLED_LISTS)})"
+        )
+    subflavors = config.get("subflavors") or {}
+    if not isinstance(subflavors, dict):
+        raise ValueError(f"{path}: subflavors must be a mapping")
+    return {k: str(v) for k, v in field_map.items()}, subflavors
+
+
+def _split_config(meta: Path) -> dict[str, Any]:
+    """The source's split config: ``split.yaml``, else ``split.json`` (Energon's order)."""
+    for name in ("split.yaml", "split.json"):
+        if (meta / name).is_file():
+            doc = yaml.safe_load((meta / name).read_text())  # JSON is YAML
+            if not isinstance(doc, dict):
+                raise ValueError(f"{meta / name} is not a mapping")
+            return doc
+    raise ValueError(f"{meta} has no split.yaml: run `energon prepare` on the dataset")
+
+
+def _ext(part: str) -> str:
+    """A part name's extension, as webdataset's decoders match it (after the last dot)."""
+    return part.rsplit(".", 1)[-1].lower()
+
+
+# --- reading a sample's parts -------------------------------------------------------------------
+
+
+class _SafeUnpickler(pickle.Unpickler):
+    """Builds builtin containers, bytes, strings and numbers only: the allow-list of Bridge's
+    ``_RestrictedUnpickler`` (``utils/safe_pickle.py``). Any other global is refused before
+    anything of it runs."""
+
+    ALLOWED: ClassVar[dict[str, frozenset[str]]] = {
+        "builtins": frozenset(
+            "list dict tuple set frozenset bytes bytearray str int float bool complex slice "
+            "range NoneType".split()
+        ),
+        "collections": frozenset({"OrderedDict"}),
+    }
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in self.ALLOWED.get(module, ()):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"refused to load {module}.{name}: builtin types only")
+
+
+def safe_unpickle(data: bytes) -> Any:
+    """Unpickle ``data`` with builtin types only (see :class:`_SafeUnpickler`).
+
+    >>> safe_unpickle(pickle.dumps([b"x", {"a": 1}]))
+    [b'x', {'a': 1}]
+    >>> import datetime
+    >>> safe_unpickle(pickle.dumps(datetime.date(2020, 1, 1)))
+    Traceback (most recent call last):
+    ...
+    _pickle.UnpicklingError: refused to load datetime.date: builtin types only
+    """
+    return _SafeUnpickler(io.BytesIO(data)).load()
+
+
+@dataclass
+class SampleRead:
+    """What one sample's parts hold, or the first thing about them that could not be read."""
+
+    #: the conversation's turns (unchecked; ``None`` when unreadable)
+    turns: Any
+    #: each image's encoded bytes and file suffix, in order
+    images: list[tuple[bytes, str]]
+    #: ``(reason, detail)`` of the first part that could not be read, None when all could
+    problem: tuple[str, str] | None = None
+
+
+def _encoded_list(data: bytes, part: str, what: str) -> list[bytes]:
+    value = safe_unpickle(data)
+    if not isinstance(value, list) or not all(isinstance(v, (bytes, bytearray)) for v in value):
+        raise ValueError(f"part {part!r} is not a pickled list of encoded {what}")
+    return [bytes(v) for v in value]
+
+
+def read_sample(parts: dict[str, Any], field_map: dict[str, str]) -> SampleRead:
+    """A sample's parts (part name → bytes) read through ``field_map`` (see the module
+    docstring). Nothing is decoded beyond JSON and the pickled lists: images are checked
+    by :func:`packline.conversations.parse_record`."""
+    name = field_map["conversation"]
+    if name not in parts:
+        reason = f"the sample has no {name!r} part (field_map conversation)"
+        return SampleRead(None, [], ("malformed", reason))
+    try:
+        payload = json.loads(bytes(parts[name]).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return SampleRead(None, [], ("malformed_json", f"part {name!r} is not JSON: {exc}"))
+    turns = payload
+    if isinstance(payload, dict):
+        if payload.get("tools") is not None:
+            detail = "the conversation carries chat-template tools, which packline does not render"
+            return SampleRead(None, [], ("malformed", detail))
+        turns = payload.get("conversations", payload.get("messages", payload.get("conversation")))
+    images: list[tuple[bytes, str]] = []
+    if "imgs" in field_map:
+        name = field_map["imgs"]
+        if name not in parts:
+            detail = f"the sample has no {name!r} part (field_map imgs): Bridge fails on it"
+            return SampleRead(turns, [], ("malformed", detail))
+        if _ext(name) == "jpgs":
+            try:
+                images = [(b, "jpg") for b in _encoded_list(parts[name], name, "images")]
+            except Exception as exc:
+                return SampleRead(turns, [], ("image_unreadable", f"part {name!r}: {exc}"))
+        else:
+            images = [(bytes(parts[name]), _ext(name))]
+    if "videos" in field_map:
+        name = field_map["videos"]
+        if name not in parts:
+            detail = f"the sample has no {name!r} part (field_map videos): Bridge fails on it"
+            return SampleRead(turns, images, ("malformed", detail))
+        try:
+            videos = safe_unpickle(parts[name])
+            if not isinstance(videos, list):
+                raise ValueError("not a list")
+        except Exception as exc:
+            detail = f"part {name!r} is not a pickled list of videos: {exc}"
+            return SampleRead(turns, images, ("video_unreadable", detail))
+        if videos:
+            detail = (
+                f"{len(videos)} video(s) as lists of frames in part {name!r}: packline reads a "
+                "video as a file, whose frame rate and count decide the frames the processor "
+                "samples; a list of frames has neither"
+            )
+            return SampleRead(turns, images, ("video_frames_unsupported", detail))
+    return SampleRead(turns, images)
+
+
+@dataclass
+class ChatMLParts(InlineMedia):
+    """The media of one stored sample of an adopted dataset, with its Energon key and the
+    first part that could not be read; its rows are placed under Bridge's ChatML rule."""
+
+    sample_key: str = ""
+    problem: tuple[str, str] | None = None
+    markers: ClassVar[MarkerRule] = "chatml"
+
+    def check(self, sid: str) -> None:
+        if self.problem is not None:
+            raise Rejected(*self.problem, sid)
+
+    def key(self, sid: str) -> str:
+        return self.sample_key
+
+
+# --- one shard ----------------------------------------------------------------------------------
+
+
+def _members(tar: tarfile.TarFile) -> Iterator[tuple[tarfile.TarInfo, str, str]]:
+    """``(member, sample key, part name)`` of the shard's sample files, as Energon's prepare
+    and reader take them (``skip_meta_re``, ``split_name_re``)."""
+    for member in tar:
+        if not member.isreg() or skip_meta_re.match(member.name):
+            continue
+        m = split_name_re.match(member.name)
+        if m is not None:
+            yield member, m.group(1), m.group(2)
+
+
+def _samples(path: Path, wanted: set[str] | None) -> Iterator[tuple[str, dict[str, bytes]]]:
+    """``(key, parts)`` of each sample in tar order: consecutive members sharing a key, as
+    Energon groups them; only the ``wanted`` parts are read (None: no part is)."""
+    key: str | None = None
+    parts: dict[str, bytes] = {}
+    with tarfile.open(path, "r:*") as tar:
+        for member, base, part in _members(tar):
+            if base != key:
+                if key is not None:
+                    yield key, parts
+                key, parts = base, {}
+            if wanted is not None and part in wanted:
+                f = tar.extractfile(member)
+                parts[part] = f.read() if f is not None else b""
+    if key is not None:
+        yield key, parts
+
+
+def shard_records(ds: ChatMLDataset, shard: str) -> Iterator[tuple[str, Any, InlineMedia]]:
+    """Every sample of ``shard`` in tar order (but those the source's split config excludes)
+    as ``(key, record, media)``: ``key`` Energon's ``__key__``, ``record`` the row form
+    :func:`packline.conversations.parse_record` reads (``{"id": "<shard>/<key>", "split",
+    "conversations", "images": [0, ...], "videos": []}``) and ``media`` its
+    :class:`ChatMLParts`. A sample whose parts cannot be read comes out too, as a record
+    ``parse_record`` rejects with the reason (see the module docstring)."""
+    split = ds.split_of(shard)
+    path = ds.root / shard
+    keys = Counter(key for key, _ in _samples(path, None))
+    if sum(keys.values()) != ds.shard_counts[shard]:
+        raise ValueError(
+            f"{path} holds {sum(keys.values())} samples, its Energon index says "
+            f"{ds.shard_counts[shard]}: the shard changed since it was prepared, run "
+            f"`energon prepare {ds.root}` again"
+        )
+    wanted = set(ds.field_map.values())
+    for key, parts in _samples(path, wanted):
+        sid = f"{shard}/{key}"
+        if sid in ds.sample_excludes:
+            continue
+        read = read_sample(parts, ds.field_map)
+        problem = read.problem
+        if keys[key] > 1:
+            problem = (
+                "duplicate_id",
+                f"key {key!r} names {keys[key]} samples in {shard}: an exclude names them all",
+            )
+        elif not _KEY_RE.match(key):
+            problem = (
+                "malformed",
+                f"key {key!r}: packline keys are letters, digits, '_' and '-', with '/' "
+                "between dir names",
+            )
+        record = {
+            "id": sid,
+            "split": split,
+            "conversations": read.turns,
+            "images": list(range(len(read.images))),
+            "videos": [],
+        }
+        yield key, record, ChatMLParts(images=read.images, sample_key=key, problem=problem)
+
+
+# --- the files prepare writes -------------------------------------------------------------------
+
+
+def _brace_escaped(name: str) -> str:
+    """``name`` as an exclude entry: Energon brace-expands each one.
+
+    >>> list(braceexpand.braceexpand(_brace_escaped("a{1,2}\\\\b")))
+    ['a{1,2}\\\\b']
+    """
+    return re.sub(r"([\\{}])", r"\\\1", name)
+
+
+def write_adoption(out: Path, final: Path, ds: ChatMLDataset, excluded: list[str]) -> None:
+    """Write into ``out`` (prepare's build dir, published as ``final``) the split config
+    (the source's split parts and excludes plus ``excluded``: the ids ``<shard>/<key>`` of
+    the rejected samples), packline's dataset config, ``packline.yaml`` and ``bridge.yaml``,
+    which name ``final`` and the source dir by absolute paths."""
+    out, final = Path(out), Path(final).resolve()
+    split = {
+        "split_parts": ds.split_parts,
+        "exclude": [*ds.exclude, *sorted({_brace_escaped(e) for e in excluded})],
+    }
+    (out / SPLIT_CONFIG).write_text(yaml.safe_dump(split, sort_keys=False))
+    dataset = {
+        "__module__": "megatron.energon",
+        "__class__": "CrudeWebdataset",
+        "subflavors": {
+            **ds.subflavors,
+            SOURCE_SUBFLAVOR: "chatml",
+            FIELD_MAP_SUBFLAVOR: dict(ds.field_map),
+        },
+        "part_filter": sorted(set(ds.field_map.values())),
+    }
+    (out / DATASET_CONFIG).write_text(yaml.safe_dump(dataset, sort_keys=False))
+    for name, config in (
+        (PACKLINE_METADATASET, str(final / DATASET_CONFIG)),
+        (BRIDGE_METADATASET, "dataset.yaml"),
+    ):
+        metadataset = {
+            "__module__": "megatron.energon",
+            "__class__": "MetadatasetV2",
+            "splits": {
+                s: {
+                    "path": str(ds.root),
+                    "dataset_config": config,
+                    "split_config": str(final / SPLIT_CONFIG),
+                }
+                for s in ds.splits
+            },
+        }
+        (out / name).write_text(yaml.safe_dump(metadataset, sort_keys=False))
+
+
+# --- at load time -------------------------------------------------------------------------------
+
+
+def chatml_conversation(raw: dict[str, Any]) -> tuple[str, list[dict[str, Any]], list[bytes]]:
+    """``(id, conversation, images)`` of a crude sample of an adopted dataset (the parts of
+    :data:`SOURCE_SUBFLAVOR` ``chatml``, its field map in :data:`FIELD_MAP_SUBFLAVOR`): the
+    conversation structured as prepare's ``parse_record`` did
+    (:func:`~packline.conversations.structure_conversation`, Bridge's rule), the images'
+    encoded bytes in order. Media are not checked again: prepare did, and excluded every
+    sample it rejected. The cooker (:func:`packline.energon.sample.cook_chatml`) builds the
+    sample from these."""
+    field_map = raw["__subflavors__"][FIELD_MAP_SUBFLAVOR]
+    shard = raw["__sources__"][0].shard_name
+    sid = f"{shard}/{raw['__key__']}"
+    read = read_sample(raw, field_map)
+    if read.problem is not None:
+        reason, detail = read.problem
+        raise ValueError(f"{sid}: {reason}: {detail} (prepare should have excluded it)")
+    conversation = structure_conversation(
+        read.turns, num_images=len(read.images), num_videos=0, sid=sid, rule="chatml"
+    )
+    return sid, conversation, [data for data, _ in read.images]
