@@ -28,8 +28,9 @@ Output: ``{"samples": {key: {...}}, "train_order", "buffer_size", "ffd_bins"}``:
 its split, Bridge's sequence length, loss-token count, ``image_grid_thw`` and
 ``video_grid_thw`` rows, ``<|video_pad|>`` tokens, each image as Bridge's encoder receives it
 (size and a digest of its RGB pixels) and each video as it receives it (frame count, frame
-size and a digest of all its frames' RGB pixels), in order; then Bridge's
-own ``first_fit_decreasing`` (``data/packing/algorithms.py``, what main's
+size and a digest of all its frames' RGB pixels), in order, and its conversation as Bridge's
+normaliser reads it (each turn's role and parts, media where the sample places them); then
+Bridge's own ``first_fit_decreasing`` (``data/packing/algorithms.py``, what main's
 ``select_samples_to_pack`` calls) over those lengths, one ``dataset.packing_buffer_size``
 buffer at a time in the order Energon streamed the train split, as bins of lengths.
 """
@@ -47,7 +48,10 @@ from megatron.bridge.data.builders.energon import (
     QwenVLEnergonTaskEncoderConfig,
     build_energon_task_encoder,
 )
-from megatron.bridge.data.conversation_processing import normalize_energon_vlm_sample
+from megatron.bridge.data.conversation_processing import (
+    normalize_energon_vlm_sample,
+    normalized_vlm_sample_to_hf_example,
+)
 from megatron.bridge.data.packing.algorithms import first_fit_decreasing
 from megatron.energon import (
     DefaultTaskEncoder,
@@ -105,6 +109,19 @@ def _video(frames) -> list:
     return [len(frames), *frames[0].size, digest.hexdigest()]
 
 
+def _conversation(normalized) -> list:
+    """[role, [text or part type, ...]] of each turn as Bridge's normaliser places the media
+    (``media_first`` off: where the sample puts them), empty text left out."""
+    turns = []
+    for turn in normalized_vlm_sample_to_hf_example(normalized)["conversation"]:
+        content = turn["content"]
+        if isinstance(content, str):
+            content = [{"type": "text", "text": content}]
+        parts = [p["text"] if p["type"] == "text" else p["type"] for p in content]
+        turns.append([turn["role"], [p for p in parts if p != ""]])
+    return turns
+
+
 def main(overrides_path: str, out_path: str) -> None:
     overrides = json.loads(Path(overrides_path).read_text())
     dataset = {k: v for k, v in overrides.items() if k.startswith("dataset.")}
@@ -141,6 +158,7 @@ def main(overrides_path: str, out_path: str) -> None:
                 "sample_type": type(sample).__name__,
                 "images": [[*image.size, _digest(image)] for image in normalized.images or []],
                 "videos": [_video(frames) for frames in normalized.videos or []],
+                "conversation": _conversation(normalized),
             }
         for batch in get_loader(_dataset(path, split, encoder)):
             (key,) = batch["__keys__"]

@@ -10,12 +10,15 @@ tokens, image grids, video grids and video tokens, for every sample — on the b
 markers stand in mid-text, which Bridge's encoder moves before the text, and on a user
 folder of video rows (an odd frame count, a rotated clip, a video beside an image, two
 videos, a clip cut by a low ``max_num_frames``). Each video reaches Bridge's encoder as the
-frames packline's own sampler picks, pixel for pixel.
+frames packline's own sampler picks, pixel for pixel. And an Energon dataset already in
+Bridge's ChatML layout, adopted in place, reads through ``bridge.yaml`` as exactly the
+samples prepare accepted.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import subprocess
@@ -29,7 +32,9 @@ from PIL import Image
 
 from packline.conversations import key_for_id
 from packline.packing.forecast import simulate_packing
+from packline.qwen.processor import copy_tiny_processor
 from packline.video import decode_frames, probe_video, write_video
+from stages.base import dataset_dir, processor_dir
 from stages.connect import BRIDGE_VIDEOS, connect_processor
 from stages.megatron_overrides import bridge_overrides
 from stages.prepare import prepare_dataset, resolve_source, video_geometry
@@ -37,6 +42,7 @@ from stages.validate import DATA_RULES, load_inputs
 from tests.bridge_data import PLACEHOLDERS, bridge_data_tree
 from tests.bridge_source import IndexUnreachable
 from tests.conftest import make_config
+from tests.integration.chatml_dataset import adopt, file_stats, write_chatml_dataset
 
 ROOT = Path(__file__).resolve().parents[2]
 MEGATRON = (
@@ -354,6 +360,41 @@ def test_bridge_reads_video_rows_at_connects_lengths(tmp_path: Path):
     assert cut.message.startswith("1 of 7 videos (1 samples, e.g. long) have more pre-sampled")
     assert "set it to 12" in cut.fix
     assert "7 of 7 videos get other timestamps" in warned["megatron.video_timestamps"].message
+
+
+def _digests(images: list[bytes]) -> list[list]:
+    out = []
+    for data in images:
+        with Image.open(io.BytesIO(data)) as img:
+            rgb = img.convert("RGB")
+            out.append([*rgb.size, hashlib.sha1(rgb.tobytes()).hexdigest()])
+    return out
+
+
+def test_bridge_reads_exactly_the_good_samples_of_an_adopted_chatml_dataset(tmp_path: Path):
+    """An Energon dataset in Bridge's own ChatML layout, adopted in place: Bridge's
+    ``ChatMLWebdataset`` (the source's own ``dataset.yaml``) through prepare's ``bridge.yaml``
+    gives exactly the samples prepare accepted (the bad ones excluded by prepare's split
+    config: none fails, none is skipped), each with its own images, its media placed as
+    packline's conversation places them, and Bridge's Qwen-VL encoder makes a sequence of
+    each; not a file of the source changes."""
+    written = write_chatml_dataset(tmp_path / "source")
+    before = file_stats(written.root)
+    cfg = make_config(tmp_path / "work", *MEGATRON, f"data.source={written.root}")
+    adoption = adopt(cfg, written.root, dataset_dir(cfg))
+    copy_tiny_processor(processor_dir(cfg))
+    seen = _bridge_read(cfg, tmp_path)["samples"]
+    assert {key: s["split"] for key, s in seen.items()} == written.good
+    assert {s["sample_type"] for s in seen.values()} == {"ChatMLSample"}
+    for key, sample in seen.items():
+        row = adoption.rows[key]
+        assert sample["images"] == _digests([img.data for img in row.images]), key
+        assert sample["conversation"] == [
+            [m["role"], [p.get("text", p["type"]) for p in m["content"]]] for m in row.conversation
+        ], key
+        assert sample["length"] > 0 and sample["loss_tokens"] > 0, key
+        assert len(sample["image_grids"]) == len(row.images), key
+    assert file_stats(written.root) == before
 
 
 def test_the_placeholders_are_only_the_listed_names():
