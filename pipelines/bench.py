@@ -61,12 +61,13 @@ def _default_set(
 ) -> tuple[Path, Path, list[int]]:
     """Prepare and connect the default set (``config`` with ``overrides``, e.g.
     ``data.video_share=1.0`` for a set of video conversations) under ``work_dir`` (skipped
-    when up to date): the dataset dir, the processor dir and the train lengths."""
+    when up to date): what the loaders open (:func:`stages.base.dataset_path`), the processor
+    dir and the train lengths."""
     import pandas as pd
 
     # The stages are the only way to a prepared dataset; this entry point may use them.
     from schemas.config import load_config
-    from stages.base import stage_dir
+    from stages.base import dataset_path, stage_dir
     from stages.runner import run_stage
 
     cfg = load_config(config, [*(overrides or []), f"work_dir={work_dir}", "mlflow.enabled=false"])
@@ -74,7 +75,7 @@ def _default_set(
     run_stage(cfg, "connect")
     df = pd.read_parquet(stage_dir(cfg, "connect") / "lengths.parquet")
     lengths = [int(n) for n in df.loc[df["split"] == "train", "total_tokens"]]
-    return stage_dir(cfg, "prepare"), stage_dir(cfg, "connect") / "processor", lengths
+    return dataset_path(cfg), stage_dir(cfg, "connect") / "processor", lengths
 
 
 def bench_packing(
@@ -105,7 +106,7 @@ def bench_packing(
     work_dir = Path(work_dir) if work_dir is not None else Path("runs") / "bench"
     with _measuring(as_json):
         console.log(f"bench packing: default set under {work_dir}")
-        dataset_dir, processor_dir, default_lengths = _default_set(work_dir, config, overrides)
+        dataset_path, processor_dir, default_lengths = _default_set(work_dir, config, overrides)
 
         result: dict[str, Any] = {}
         vlm = vlm_sft_lengths(num_vlm_samples, seed=seed)
@@ -118,7 +119,7 @@ def bench_packing(
         )
 
         loader, loader_runs, throughput = measure_loader(
-            dataset_dir,
+            dataset_path,
             processor_dir,
             num_samples=len(default_lengths),
             throughput_samples=throughput_samples,
@@ -162,9 +163,9 @@ def bench_loader(
     work_dir = Path(work_dir) if work_dir is not None else Path("runs") / "bench"
     with _measuring(as_json):
         console.log(f"bench loader: default set under {work_dir}")
-        dataset_dir, processor_dir, lengths = _default_set(work_dir, config, overrides)
+        dataset_path, processor_dir, lengths = _default_set(work_dir, config, overrides)
         result, loader_runs, throughput = measure_loader(
-            dataset_dir,
+            dataset_path,
             processor_dir,
             num_samples=len(lengths),
             throughput_samples=throughput_samples,

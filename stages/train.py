@@ -48,7 +48,7 @@ from schemas.config import PipelineConfig, TrainBackend
 from schemas.errors import UserError
 from stages.base import (
     StageResult,
-    dataset_dir,
+    dataset_path,
     fingerprint,
     is_up_to_date,
     processor_dir,
@@ -71,7 +71,7 @@ def training_stream(cfg: PipelineConfig, *, rank: int = 0, world: int = 1) -> Tr
     stream = TrainerSettings.from_config(cfg, packed=True).stream
     return TrainStream(
         stream,
-        dataset_dir=dataset_dir(cfg),
+        dataset_path=dataset_path(cfg),
         processor_dir=processor_dir(cfg),
         rank=rank,
         world=world,
@@ -112,7 +112,7 @@ def train_run(
         cfg,
         processor,
         packed=packed,
-        dataset_dir=dataset_dir(cfg),
+        dataset_path=dataset_path(cfg),
         processor_dir=processor_dir(cfg),
         run_dir=run_dir,
         device=train_device(),

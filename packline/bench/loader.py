@@ -66,7 +66,7 @@ def torch_threads(num_threads: int) -> Iterator[None]:
 
 
 def run_loader(
-    dataset_dir: Path,
+    dataset_path: Path,
     processor_dir: Path,
     *,
     mode: str,
@@ -86,7 +86,7 @@ def run_loader(
     (RuntimeError if they have not within 30 s)."""
     baseline = child_pids()
     run = _one_pass(
-        dataset_dir,
+        dataset_path,
         processor_dir,
         mode=mode,
         buffer_size=buffer_size,
@@ -106,7 +106,7 @@ def run_loader(
 
 
 def _one_pass(
-    dataset_dir: Path,
+    dataset_path: Path,
     processor_dir: Path,
     *,
     mode: str,
@@ -122,7 +122,7 @@ def _one_pass(
     encoder = make_encoder(mode, processor_dir, PackingSettings(seq_length=seq_length))
     encoder.encoder  # noqa: B018 - load the processor now, outside the timing (forks inherit it)
     loader = train_loader(
-        dataset_dir,
+        dataset_path,
         encoder,
         packing_buffer_size=buffer_size,
         num_workers=num_workers,
@@ -167,7 +167,7 @@ def _one_pass(
 
 
 def measure_loader(
-    dataset_dir: Path,
+    dataset_path: Path,
     processor_dir: Path,
     *,
     num_samples: int,
@@ -190,7 +190,7 @@ def measure_loader(
     for mode, b in RSS_RUNS:
         name = f"{mode}_ffd@{b}"
         run = run_loader(
-            dataset_dir,
+            dataset_path,
             processor_dir,
             mode=mode,
             buffer_size=b,
@@ -223,7 +223,7 @@ def measure_loader(
         for name, buffer_size in (("encode_only", None), (packed_name, THROUGHPUT_BUFFER)):
             with torch_threads(1):
                 run = run_loader(
-                    dataset_dir,
+                    dataset_path,
                     processor_dir,
                     mode="lazy",
                     buffer_size=buffer_size,

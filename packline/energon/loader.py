@@ -14,7 +14,7 @@ from megatron.energon import (
 
 
 def train_loader(
-    dataset_dir: Path,
+    dataset_path: Path,
     encoder,
     *,
     packing_buffer_size: int | None,
@@ -31,7 +31,7 @@ def train_loader(
         rank=rank, world_size=world_size, num_workers=num_workers, seed_offset=seed_offset
     )
     dataset = get_train_dataset(
-        Path(dataset_dir),
+        Path(dataset_path),
         split_part="train",
         worker_config=worker_config,
         batch_size=1,
@@ -45,12 +45,12 @@ def train_loader(
 
 
 def val_loader(
-    dataset_dir: Path, encoder, *, packing_buffer_size: int | None, num_workers: int = 0
+    dataset_path: Path, encoder, *, packing_buffer_size: int | None, num_workers: int = 0
 ):
     """The val split once, packed the same way (rank 0 of 1)."""
     worker_config = WorkerConfig(rank=0, world_size=1, num_workers=num_workers)
     dataset = get_val_dataset(
-        Path(dataset_dir),
+        Path(dataset_path),
         split_part="val",
         worker_config=worker_config,
         batch_size=1,

@@ -41,13 +41,13 @@ class StreamSettings:
 
 
 class TrainStream:
-    """Rank ``rank`` of ``world``'s endless stream of packed rows from ``dataset_dir``."""
+    """Rank ``rank`` of ``world``'s endless stream of packed rows from ``dataset_path``."""
 
     def __init__(
         self,
         settings: StreamSettings,
         *,
-        dataset_dir: Path,
+        dataset_path: Path,
         processor_dir: Path,
         rank: int = 0,
         world: int = 1,
@@ -55,7 +55,7 @@ class TrainStream:
         self.settings = settings
         encoder = make_encoder(settings.encoder_mode, processor_dir, settings.packing)
         self.loader = train_loader(
-            dataset_dir,
+            dataset_path,
             encoder,
             packing_buffer_size=settings.packing_buffer_size,
             rank=rank,

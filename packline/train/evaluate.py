@@ -25,7 +25,7 @@ from packline.video import VideoHeader, decode_frames
 @torch.no_grad()
 def eval_loss(
     model,
-    dataset_dir: Path,
+    dataset_path: Path,
     processor_dir: Path,
     settings: PackingSettings,
     *,
@@ -36,7 +36,7 @@ def eval_loss(
     """(mean token loss, target tokens) over the whole val split, packed."""
     model.eval()
     loader = val_loader(
-        dataset_dir, make_encoder("lazy", processor_dir, settings), packing_buffer_size=buffer
+        dataset_path, make_encoder("lazy", processor_dir, settings), packing_buffer_size=buffer
     )
     device = next(model.parameters()).device
     total = torch.zeros((), dtype=torch.float64)
@@ -54,11 +54,11 @@ def eval_loss(
     return (float(total / targets) if targets else float("nan")), targets
 
 
-def _val_questions(dataset_dir: Path, max_samples: int):
+def _val_questions(dataset_path: Path, max_samples: int):
     """(sample, its first checkable question) for the first ``max_samples`` val
     conversations that have one, in the val split's fixed order."""
     ds = get_val_dataset(
-        Path(dataset_dir),
+        Path(dataset_path),
         split_part="val",
         worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0),
         batch_size=1,
@@ -75,14 +75,14 @@ def _val_questions(dataset_dir: Path, max_samples: int):
             yield sample, answers[0]
 
 
-def chance_accuracy(dataset_dir: Path, *, max_samples: int) -> tuple[float, dict[str, float]]:
+def chance_accuracy(dataset_path: Path, *, max_samples: int) -> tuple[float, dict[str, float]]:
     """Accuracy of guessing uniformly among the answers a question kind can have, on the
     questions :func:`eval_accuracy` asks: (Σ 1/|answers of the question's kind| / N, that
     per kind). A kind's answers are those the built-in set can give it
     (:data:`~packline.synthetic.ANSWER_CHOICES`), or at least the distinct ones asked."""
     kinds = [
         (q["kind"], normalize_answer(q["answer"]))
-        for _, q in _val_questions(dataset_dir, max_samples)
+        for _, q in _val_questions(dataset_path, max_samples)
     ]
     if not kinds:
         return float("nan"), {}
@@ -95,7 +95,7 @@ def chance_accuracy(dataset_dir: Path, *, max_samples: int) -> tuple[float, dict
 
 @torch.no_grad()
 def eval_accuracy(
-    model, processor, dataset_dir: Path, *, max_samples: int, max_new_tokens: int = 32
+    model, processor, dataset_path: Path, *, max_samples: int, max_new_tokens: int = 32
 ) -> tuple[float, int, dict[str, dict[str, float]]]:
     """(share of correct answers, questions asked, per question kind: its questions and
     share of correct answers): for each val conversation with a checkable answer, the model
@@ -104,7 +104,7 @@ def eval_accuracy(
     device = next(model.parameters()).device
     asked: Counter[str] = Counter()
     correct: Counter[str] = Counter()
-    for sample, first in _val_questions(dataset_dir, max_samples):
+    for sample, first in _val_questions(dataset_path, max_samples):
         prompt = sample.conversation[: first["turn"]]
         parts = [p for m in prompt for p in m["content"] if isinstance(p, dict)]
         n_images = sum(1 for p in parts if p.get("type") == "image")
@@ -158,7 +158,7 @@ class Evaluator:
     def __init__(
         self,
         *,
-        dataset_dir: Path,
+        dataset_path: Path,
         processor_dir: Path,
         processor,
         packing: PackingSettings,
@@ -167,7 +167,7 @@ class Evaluator:
         eval_samples: int,
         video_token_id: int | None = None,
     ):
-        self.dataset_dir = Path(dataset_dir)
+        self.dataset_path = Path(dataset_path)
         self.processor_dir = Path(processor_dir)
         self.processor = processor
         self.packing = packing
@@ -178,12 +178,12 @@ class Evaluator:
 
     def chance(self) -> tuple[float, dict[str, float]]:
         """:func:`chance_accuracy` of the questions :meth:`evaluate` asks."""
-        return chance_accuracy(self.dataset_dir, max_samples=self.eval_samples)
+        return chance_accuracy(self.dataset_path, max_samples=self.eval_samples)
 
     def evaluate(self, model) -> EvalResult:
         loss, _ = eval_loss(
             model,
-            self.dataset_dir,
+            self.dataset_path,
             self.processor_dir,
             self.packing,
             buffer=self.packing_buffer_size,
@@ -191,6 +191,6 @@ class Evaluator:
             video_token_id=self.video_token_id,
         )
         acc, asked, by_kind = eval_accuracy(
-            model, self.processor, self.dataset_dir, max_samples=self.eval_samples
+            model, self.processor, self.dataset_path, max_samples=self.eval_samples
         )
         return EvalResult(loss=loss, accuracy=acc, questions=asked, by_kind=by_kind)

@@ -127,14 +127,14 @@ def build_trainer(
     processor,
     *,
     packed: bool,
-    dataset_dir: Path,
+    dataset_path: Path,
     processor_dir: Path,
     run_dir: Path,
     device: torch.device | None = None,
     tracker: Tracker | None = None,
 ) -> Trainer:
     """A :class:`Trainer` for one run of ``cfg`` (packing on or off) over the prepared
-    dataset in ``dataset_dir`` and the processor in ``processor_dir``: the configured model
+    dataset in ``dataset_path`` and the processor in ``processor_dir``: the configured model
     with LoRA (seeded by ``train.seed``) on ``device``, its evaluator, logging to
     ``tracker`` and writing to ``run_dir``."""
     settings = TrainerSettings.from_config(cfg, packed=packed)
@@ -162,7 +162,7 @@ def build_trainer(
         )
         model = engine.model
     evaluator = Evaluator(
-        dataset_dir=dataset_dir,
+        dataset_path=dataset_path,
         processor_dir=processor_dir,
         processor=processor,
         packing=settings.packing,
@@ -175,7 +175,7 @@ def build_trainer(
     return Trainer(
         model,
         settings=settings,
-        dataset_dir=dataset_dir,
+        dataset_path=dataset_path,
         processor_dir=processor_dir,
         run_dir=run_dir,
         flops_model=flops_model_for(cfg, processor),

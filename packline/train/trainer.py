@@ -221,7 +221,7 @@ class Trainer:
         model,
         *,
         settings: TrainerSettings,
-        dataset_dir: Path,
+        dataset_path: Path,
         processor_dir: Path,
         run_dir: Path,
         flops_model: FlopsModel,
@@ -278,7 +278,7 @@ class Trainer:
         )
         self.stream = TrainStream(
             settings.stream,
-            dataset_dir=dataset_dir,
+            dataset_path=dataset_path,
             processor_dir=processor_dir,
             rank=self.coords.d,
             world=self.layout.data,

@@ -8,7 +8,7 @@ from pathlib import Path
 from packline.qwen.processor import load_processor
 from packline.train.setup import build_trainer
 from packline.train.trainer import Trainer
-from stages.base import dataset_dir, processor_dir
+from stages.base import dataset_path, processor_dir
 
 SMALL = (
     "data.num_train=120",
@@ -25,7 +25,7 @@ def trainer_for(cfg, packed: bool, run_dir: Path) -> Trainer:
         cfg,
         processor,
         packed=packed,
-        dataset_dir=dataset_dir(cfg),
+        dataset_path=dataset_path(cfg),
         processor_dir=processor_dir(cfg),
         run_dir=run_dir,
     )
