@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import pickle
+from itertools import islice
 from pathlib import Path
 
 import pytest
@@ -198,6 +199,30 @@ def test_packed_loaders_read_every_good_sample_of_an_adopted_dataset(adopted, tm
     assert sorted(keys["train"]) == sorted(k for k, s in written.good.items() if s == "train")
     assert sorted(keys["val"]) == sorted(k for k, s in written.good.items() if s == "val")
     assert file_stats(written.root) == before
+
+
+def test_a_saved_loader_state_of_an_adopted_dataset_resumes_the_same_rows(adopted, tmp_path):
+    _, _, cfg, _ = adopted
+    processor = copy_tiny_processor(tmp_path / "processor")
+
+    def loader():
+        encoder = make_encoder("lazy", processor, PackingSettings(seq_length=256))
+        return train_loader(dataset_path(cfg), encoder, packing_buffer_size=3)
+
+    straight = [pack.batch.keys for pack in islice(loader(), 8)]
+    first = loader()
+    it = iter(first)
+    head = [next(it).batch.keys for _ in range(3)]
+    resumed = loader()
+    resumed.restore_state_rank(first.save_state_rank())
+    assert head + [pack.batch.keys for pack in islice(resumed, 5)] == straight
+
+
+def test_the_stages_open_the_files_adoption_writes():
+    from stages import base, megatron_overrides
+
+    assert base.PACKLINE_METADATASET == PACKLINE_METADATASET
+    assert megatron_overrides.BRIDGE_METADATASET == BRIDGE_METADATASET
 
 
 # --- other layouts and edge cases ---------------------------------------------------------------
