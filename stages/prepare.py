@@ -36,21 +36,35 @@ prepare's fingerprint.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import shutil
 import time
 from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import webdataset as wds
 import yaml
 
-from packline.conversations import ConversationRow, Rejected, VideoLimits, parse_row
+from packline.conversations import (
+    ConversationRow,
+    FolderMedia,
+    MediaSource,
+    Rejected,
+    VideoLimits,
+    llava_record,
+    parse_record,
+)
+from packline.parallel import ordered_map
 from packline.progress import console, progress
 from packline.qwen.vision import ImageGeometry, VideoGeometry
-from schemas.config import PipelineConfig, TrainBackend
+from packline.sources import SourceError, chunked, jsonl_rows, llava_records
+from schemas.config import PipelineConfig, SourceKind, TrainBackend
 from schemas.errors import UserError
 from schemas.tables import REJECT_REASONS, ManifestModel, RejectsModel, validate_table
 from stages.base import StageResult, building, fingerprint, hash_tree, stage_dir, write_record
@@ -137,8 +151,9 @@ def synthetic_source_dir(cfg: PipelineConfig) -> Path:
 
 
 def resolve_source(cfg: PipelineConfig) -> Path:
-    """The folder to read: the user's, or the built-in set generated once into the work dir."""
-    if cfg.data.source != "synthetic":
+    """What to read: the user's folder, LLaVA JSON file or Energon dataset, or the built-in
+    set generated once into the work dir."""
+    if cfg.data.kind is not SourceKind.synthetic:
         return Path(cfg.data.source).expanduser().resolve()
     out = synthetic_source_dir(cfg)
     if (out / SOURCE_DONE).is_file():
@@ -166,6 +181,15 @@ def resolve_source(cfg: PipelineConfig) -> Path:
     return out
 
 
+def media_dir(cfg: PipelineConfig) -> Path:
+    """The folder a row's media paths are relative to: the conversation folder, or for a
+    LLaVA JSON file ``data.media_dir`` (default: the file's folder)."""
+    source = resolve_source(cfg)
+    if cfg.data.kind is SourceKind.llava:
+        return Path(cfg.data.media_dir or source.parent).expanduser().resolve()
+    return source
+
+
 def writes_bridge_frames(cfg: PipelineConfig) -> bool:
     """Whether prepare writes each video's pre-sampled frames for Megatron-Bridge (see the
     module docstring): for ``train.backend: megatron``."""
@@ -173,11 +197,18 @@ def writes_bridge_frames(cfg: PipelineConfig) -> bool:
 
 
 def fingerprint_inputs(cfg: PipelineConfig) -> str:
-    """Config sections prepare depends on, plus the source folder's files when user-given
-    (and whether Bridge's frames are written)."""
-    source = None
-    if cfg.data.source != "synthetic":
-        source = hash_tree(Path(cfg.data.source).expanduser().resolve())
+    """Config sections prepare depends on, plus the user's source when user-given (every
+    file's path, size and mtime: the folder, the LLaVA file and its media dir, or the
+    Energon dataset), and whether Bridge's frames are written."""
+    source: list[str] = []
+    kind = cfg.data.kind
+    if kind is SourceKind.llava:
+        path = Path(cfg.data.source).expanduser().resolve()
+        st = path.stat()
+        media = Path(cfg.data.media_dir or path.parent).expanduser().resolve()
+        source = [f"{path}:{st.st_size}:{st.st_mtime_ns}", hash_tree(media)]
+    elif kind is not SourceKind.synthetic:
+        source = [hash_tree(Path(cfg.data.source).expanduser().resolve())]
     geometry = image_geometry(cfg)
     videos = video_geometry(cfg)
     bridge = ["bridge-frames"] if writes_bridge_frames(cfg) else []
@@ -210,41 +241,251 @@ def _bridge_frames(row: ConversationRow, geometry: VideoGeometry) -> tuple[dict,
     return parts, presampled
 
 
-def _write_shards(
-    rows: list[ConversationRow],
-    out: Path,
-    split: str,
-    per_shard: int,
-    frames: VideoGeometry | None,
-    tally: Counter,
-) -> list[str]:
-    """Write the rows' shards; ``frames``: the sampling of each video's frames for
-    Megatron-Bridge, None to write none (``tally`` counts them and their bytes)."""
-    names = []
-    for start in range(0, len(rows), per_shard):
-        name = f"{split}-{start // per_shard:06d}.tar"
-        names.append(name)
-        # Fixed mtime: the same rows give byte-identical shards.
-        with wds.TarWriter(str(out / name), mtime=0) as sink:
-            for row in rows[start : start + per_shard]:
-                entry: dict[str, object] = {"__key__": row.key, "json": row.sample_json()}
-                for k, img in enumerate(row.images):
-                    entry[f"img{k}.{img.ext}"] = img.data
-                for k, video in enumerate(row.videos):
-                    entry[f"vid{k}.{video.ext}"] = video.data
-                if frames is not None and row.videos:
-                    parts, presampled = _bridge_frames(row, frames)
-                    doc = json.loads(row.sample_json())
-                    doc["presampled"] = presampled
-                    entry["json"] = json.dumps(doc, ensure_ascii=False, sort_keys=True).encode()
-                    entry.update(parts)
-                    tally["frames"] += len(parts)
-                    tally["bytes"] += sum(map(len, parts.values()))
-                    tally["max_per_video"] = max(
-                        tally["max_per_video"], *(len(p["indices"]) for p in presampled)
-                    )
-                sink.write(entry)
-    return names
+# --- checking rows in worker processes ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RowContext:
+    """What every row check needs, set once per worker process (:func:`_init_worker`)."""
+
+    kind: SourceKind
+    media: MediaSource | None
+    geometry: ImageGeometry
+    videos: VideoLimits
+    max_images: int
+    val_fraction: float
+    #: the sampling of each video's frames for Megatron-Bridge; None writes none
+    frames: VideoGeometry | None
+
+
+@dataclass
+class Accepted:
+    """A row that passed every check: its WebDataset entry (all parts, ready to write) and
+    its manifest columns (``shard`` is filled in by the writer)."""
+
+    position: int
+    key: str
+    id: str
+    split: str
+    entry: dict[str, object]
+    manifest: dict[str, object]
+    #: video header caveats and Bridge's frames, summed into the stage's metrics
+    counts: Counter
+
+
+@dataclass
+class Refused:
+    """A rejected row: its ``rejects.jsonl`` record."""
+
+    record: dict[str, object]
+
+
+_CONTEXT: RowContext | None = None
+
+
+def _init_worker(context: RowContext) -> None:
+    global _CONTEXT
+    _CONTEXT = context
+
+
+def _check_rows(chunk: list[tuple[int, Any]]) -> list[Accepted | Refused]:
+    """Check a chunk of ``(position, payload)`` rows (jsonl lines or LLaVA records) in this
+    worker: each becomes its whole shard entry, or a reject with the reason."""
+    ctx = _CONTEXT
+    assert ctx is not None, "_init_worker sets the row context first"
+    out: list[Accepted | Refused] = []
+    for position, payload in chunk:
+        try:
+            if ctx.kind is SourceKind.llava:
+                record = llava_record(payload)
+            else:
+                try:
+                    record = json.loads(payload)
+                except json.JSONDecodeError as exc:
+                    raise Rejected(
+                        "malformed_json", f"not JSON: {exc.msg} at column {exc.colno}"
+                    ) from None
+            row = parse_record(
+                record,
+                ctx.media,
+                geometry=ctx.geometry,
+                max_images=ctx.max_images,
+                val_fraction=ctx.val_fraction,
+                videos=ctx.videos,
+            )
+        except Rejected as rej:
+            out.append(Refused(_reject(position, rej)))
+            continue
+        out.append(_accepted(position, row, ctx.frames))
+    return out
+
+
+def _reject(position: int, rej: Rejected) -> dict[str, object]:
+    return {"line": position, "id": rej.id, "reason": rej.reason, "detail": rej.detail}
+
+
+def _accepted(position: int, row: ConversationRow, frames: VideoGeometry | None) -> Accepted:
+    """The row's shard entry (its JSON, media bytes and, for Megatron-Bridge, its videos'
+    pre-sampled frames) and manifest columns."""
+    entry: dict[str, object] = {"__key__": row.key, "json": row.sample_json()}
+    for k, img in enumerate(row.images):
+        entry[f"img{k}.{img.ext}"] = img.data
+    for k, video in enumerate(row.videos):
+        entry[f"vid{k}.{video.ext}"] = video.data
+    counts: Counter = Counter(
+        frames_counted=sum(v.header.counted for v in row.videos),
+        variable_rate=sum(v.header.variable_rate for v in row.videos),
+        rotated=sum(v.header.rotation != 0 for v in row.videos),
+    )
+    if frames is not None and row.videos:
+        parts, presampled = _bridge_frames(row, frames)
+        doc = json.loads(row.sample_json())
+        doc["presampled"] = presampled
+        entry["json"] = json.dumps(doc, ensure_ascii=False, sort_keys=True).encode()
+        entry.update(parts)
+        counts["bridge_frames"] = len(parts)
+        counts["bridge_frame_bytes"] = sum(map(len, parts.values()))
+        counts["bridge_max_per_video"] = max(len(p["indices"]) for p in presampled)
+    split = row.split or "train"
+    manifest = {
+        "key": row.key,
+        "id": row.id,
+        "split": split,
+        "shard": "",
+        "num_images": len(row.images),
+        "num_turns": len(row.conversation),
+        "num_assistant_turns": row.num_assistant_turns,
+        "text_chars": row.text_chars,
+        "image_bytes": sum(len(i.data) for i in row.images),
+        "num_videos": len(row.videos),
+        "video_bytes": sum(len(v.data) for v in row.videos),
+        "video_frames": sum(v.header.num_frames for v in row.videos),
+    }
+    return Accepted(position, row.key, row.id, split, entry, manifest, counts)
+
+
+# --- writing, one row at a time -----------------------------------------------------------------
+
+
+class ShardSink:
+    """The shards of the splits, written as rows arrive: ``<split>-NNNNNN.tar`` holding
+    ``per_shard`` rows each (a fixed mtime: the same rows give byte-identical shards)."""
+
+    def __init__(self, out: Path, per_shard: int):
+        self.out = out
+        self.per_shard = per_shard
+        self.names: dict[str, list[str]] = {"train": [], "val": []}
+        self._open: dict[str, tuple[wds.TarWriter, int]] = {}
+
+    def write(self, split: str, entry: dict[str, object]) -> str:
+        """Write one entry; returns the shard it went to."""
+        writer, count = self._open.get(split, (None, self.per_shard))
+        if writer is None or count >= self.per_shard:
+            if writer is not None:
+                writer.close()
+            name = f"{split}-{len(self.names[split]):06d}.tar"
+            self.names[split].append(name)
+            writer, count = wds.TarWriter(str(self.out / name), mtime=0), 0
+        writer.write(entry)
+        self._open[split] = (writer, count + 1)
+        return self.names[split][-1]
+
+    def close(self) -> dict[str, list[str]]:
+        for writer, _ in self._open.values():
+            writer.close()
+        self._open.clear()
+        return self.names
+
+
+class TableSink:
+    """A parquet table written in row groups of ``batch_rows`` rows, each validated with its
+    pandera model as it is written (the whole table is never in memory)."""
+
+    def __init__(self, path: Path, model: type, name: str, batch_rows: int = 10_000):
+        self.path, self.model, self.name, self.batch_rows = path, model, name, batch_rows
+        self.rows: list[dict[str, object]] = []
+        self.num_rows = 0
+        self._writer = None
+
+    def add(self, row: dict[str, object]) -> None:
+        self.rows.append(row)
+        if len(self.rows) >= self.batch_rows:
+            self.flush()
+
+    def flush(self) -> None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        if not self.rows:
+            return
+        frame = validate_table(self.model, pd.DataFrame(self.rows), self.name)
+        table = pa.Table.from_pandas(frame, preserve_index=False)
+        if self._writer is None:
+            self._writer = pq.ParquetWriter(self.path, table.schema)
+        self._writer.write_table(table)
+        self.num_rows += len(self.rows)
+        self.rows = []
+
+    def close(self) -> None:
+        self.flush()
+        if self._writer is not None:
+            self._writer.close()
+
+
+class RejectSink:
+    """``rejects.jsonl``: one record per rejected row, validated in batches, counted by
+    reason."""
+
+    def __init__(self, path: Path, batch_rows: int = 1000):
+        self.file = path.open("w")
+        self.batch_rows = batch_rows
+        self.rows: list[dict[str, object]] = []
+        self.by_reason: Counter = Counter()
+
+    def add(self, record: dict[str, object]) -> None:
+        self.rows.append(record)
+        self.by_reason[str(record["reason"])] += 1
+        if len(self.rows) >= self.batch_rows:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.rows:
+            return
+        validate_table(
+            RejectsModel,
+            pd.DataFrame(self.rows, columns=["line", "id", "reason", "detail"]).astype(
+                {"line": "int64", "reason": "str", "detail": "str"}
+            ),
+            "rejects.jsonl",
+        )
+        self.file.writelines(json.dumps(r) + "\n" for r in self.rows)
+        self.rows = []
+
+    def close(self) -> None:
+        self.flush()
+        self.file.close()
+
+    @property
+    def count(self) -> int:
+        return sum(self.by_reason.values())
+
+
+class SeenKeys:
+    """The keys accepted so far, as 8-byte digests (about 80 bytes a row, the one part of
+    prepare's memory that grows with the dataset): a key seen twice is a duplicate id. A
+    key is a function of the id (:func:`~packline.conversations.key_for_id`), so unique keys
+    mean unique ids too."""
+
+    def __init__(self) -> None:
+        self._seen: set[bytes] = set()
+
+    def add(self, key: str) -> bool:
+        """Record ``key``; False when it was already there."""
+        digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
+        if digest in self._seen:
+            return False
+        self._seen.add(digest)
+        return True
 
 
 def _energon_prepare(out: Path, shards: dict[str, list[str]], workers: int) -> None:
@@ -283,151 +524,129 @@ def _write_bridge_view(out: Path, splits: list[str]) -> None:
     (out / BRIDGE_METADATASET).write_text(yaml.safe_dump(metadataset, sort_keys=False))
 
 
-def prepare_dataset(cfg: PipelineConfig, fp: str | None = None) -> StageResult:
-    """Read, check and shard the conversations; index them for Energon."""
-    t0 = time.perf_counter()
-    fp = fp or fingerprint_inputs(cfg)
-    source = resolve_source(cfg)
+#: Rows a worker checks per task: large enough to amortise the hand-over, small enough that
+#: the rows in flight (a window of two tasks per worker) stay a few MB.
+ROWS_PER_TASK = 16
+
+
+def row_context(cfg: PipelineConfig) -> RowContext:
+    """The checks' settings for ``cfg``'s source."""
+    kind = cfg.data.kind
+    return RowContext(
+        kind=kind,
+        media=None if kind is SourceKind.energon else FolderMedia(media_dir(cfg)),
+        geometry=image_geometry(cfg),
+        videos=video_limits(cfg),
+        max_images=cfg.prepare.max_images,
+        val_fraction=cfg.prepare.val_fraction,
+        frames=video_geometry(cfg) if writes_bridge_frames(cfg) else None,
+    )
+
+
+def _source_rows(
+    cfg: PipelineConfig, source: Path, on_offset
+) -> tuple[Path, Iterator[tuple[int, Any]]]:
+    """The file the rows come from and the ``(position, payload)`` stream of its rows."""
+    if cfg.data.kind is SourceKind.llava:
+        return source, llava_records(source, on_offset)
     jsonl = source / "conversations.jsonl"
     if not jsonl.is_file():
         raise UserError([f"{jsonl} does not exist"], "prepare: no conversations")
-    geometry = image_geometry(cfg)
-    videos = video_limits(cfg)
-    lines = jsonl.read_text(encoding="utf-8", errors="replace").splitlines()
-    accepted: dict[str, list[ConversationRow]] = {"train": [], "val": []}
-    rejects: list[dict[str, object]] = []
-    seen_ids: set[str] = set()
-    seen_keys: set[str] = set()
-    num_rows = 0
-    with progress() as bar:
-        task = bar.add_task("prepare rows", total=len(lines))
-        for lineno, line in enumerate(lines, start=1):
-            bar.advance(task)
-            if not line.strip():
-                continue
-            num_rows += 1
-            try:
-                row = parse_row(
-                    line,
-                    source,
-                    geometry=geometry,
-                    max_images=cfg.prepare.max_images,
-                    val_fraction=cfg.prepare.val_fraction,
-                    videos=videos,
-                )
-                if row.id in seen_ids or row.key in seen_keys:
-                    raise Rejected("duplicate_id", f"id {row.id!r} already seen", row.id)
-            except Rejected as rej:
-                rejects.append(
-                    {"line": lineno, "id": rej.id, "reason": rej.reason, "detail": rej.detail}
-                )
-                continue
-            seen_ids.add(row.id)
-            seen_keys.add(row.key)
-            accepted[row.split or "train"].append(row)
+    return jsonl, jsonl_rows(jsonl, on_offset)
 
-    num_accepted = sum(len(v) for v in accepted.values())
-    reject_fraction = len(rejects) / num_rows if num_rows else 0.0
-    by_reason = Counter(str(r["reason"]) for r in rejects)
+
+class Tally:
+    """The stage's counts, summed row by row as the rows are written."""
+
+    def __init__(self) -> None:
+        self.counts: Counter = Counter()
+        self.max_frames_per_video = 0
+
+    def add(self, row: Accepted) -> None:
+        m = row.manifest
+        self.counts.update(
+            {
+                f"{row.split}_samples": 1,
+                "images": m["num_images"],
+                "image_bytes": m["image_bytes"],
+                "videos": m["num_videos"],
+                "video_bytes": m["video_bytes"],
+                "video_frames": m["video_frames"],
+            }
+        )
+        self.counts.update({k: v for k, v in row.counts.items() if k != "bridge_max_per_video"})
+        self.max_frames_per_video = max(
+            self.max_frames_per_video, row.counts.get("bridge_max_per_video", 0)
+        )
+
+
+def prepare_dataset(cfg: PipelineConfig, fp: str | None = None) -> StageResult:
+    """Read, check and shard the conversations, streaming, over ``prepare.num_workers``
+    processes; index them for Energon. An Energon source is adopted in place instead."""
+    t0 = time.perf_counter()
+    fp = fp or fingerprint_inputs(cfg)
+    source = resolve_source(cfg)
+    if cfg.data.kind is SourceKind.energon:
+        return _adopt_energon(cfg, fp, source, t0)
+    context = row_context(cfg)
+    seen = SeenKeys()
+    tally = Tally()
+    num_rows = 0
     with building(cfg, STAGE) as out:
-        frames = video_geometry(cfg) if writes_bridge_frames(cfg) else None
-        tally: Counter = Counter()
-        shards = {
-            split: _write_shards(rows, out, split, cfg.prepare.samples_per_shard, frames, tally)
-            for split, rows in accepted.items()
-        }
-        validate_table(
-            RejectsModel,
-            pd.DataFrame(rejects, columns=["line", "id", "reason", "detail"]).astype(
-                {"line": "int64", "reason": "str", "detail": "str"}
-            ),
-            "rejects.jsonl",
-        )
-        with (out / "rejects.jsonl").open("w") as f:
-            for r in rejects:
-                f.write(json.dumps(r) + "\n")
-        if num_accepted == 0:
-            raise UserError(
-                [f"none of the {num_rows} rows of {jsonl} is usable; reasons: {dict(by_reason)}"],
-                "prepare: no usable rows",
+        sink = ShardSink(out, cfg.prepare.samples_per_shard)
+        manifest = TableSink(out / "manifest.parquet", ManifestModel, "manifest.parquet")
+        rejects = RejectSink(out / "rejects.jsonl")
+        with progress() as bar:
+            task = bar.add_task("prepare rows", total=None)
+            path, rows = _source_rows(
+                cfg, source, lambda offset: bar.update(task, completed=offset)
             )
-        if reject_fraction > cfg.prepare.max_reject_fraction:
-            _keep_rejects(cfg, out / "rejects.jsonl")
-            raise UserError(
-                [
-                    f"{len(rejects)} of {num_rows} rows rejected ({reject_fraction:.1%}) exceeds "
-                    f"prepare.max_reject_fraction={cfg.prepare.max_reject_fraction}; "
-                    f"reasons: {dict(by_reason)}; see {cfg.work_path / 'prepare.rejects.jsonl'}",
-                ],
-                "prepare: too many bad rows",
+            bar.update(task, total=path.stat().st_size, description=f"prepare {path.name}")
+            checked = ordered_map(
+                _check_rows,
+                chunked(rows, ROWS_PER_TASK),
+                num_workers=cfg.prepare.num_workers,
+                initializer=_init_worker,
+                initargs=(context,),
+                preload=(__name__,),
             )
-        shard_of = {
-            row.key: name
-            for split, names in shards.items()
-            for i, name in enumerate(names)
-            for row in accepted[split][
-                i * cfg.prepare.samples_per_shard : (i + 1) * cfg.prepare.samples_per_shard
-            ]
-        }
-        manifest = pd.DataFrame(
-            [
-                {
-                    "key": row.key,
-                    "id": row.id,
-                    "split": split,
-                    "shard": shard_of[row.key],
-                    "num_images": len(row.images),
-                    "num_turns": len(row.conversation),
-                    "num_assistant_turns": row.num_assistant_turns,
-                    "text_chars": row.text_chars,
-                    "image_bytes": sum(len(i.data) for i in row.images),
-                    "num_videos": len(row.videos),
-                    "video_bytes": sum(len(v.data) for v in row.videos),
-                    "video_frames": sum(v.header.num_frames for v in row.videos),
-                }
-                for split, rows in accepted.items()
-                for row in rows
-            ]
-        )
-        validate_table(ManifestModel, manifest, "manifest.parquet").to_parquet(
-            out / "manifest.parquet", index=False
-        )
+            try:
+                for outcomes in checked:
+                    for outcome in outcomes:
+                        num_rows += 1
+                        if isinstance(outcome, Accepted) and not seen.add(outcome.key):
+                            dup = Rejected(
+                                "duplicate_id", f"id {outcome.id!r} already seen", outcome.id
+                            )
+                            outcome = Refused(_reject(outcome.position, dup))
+                        if isinstance(outcome, Refused):
+                            rejects.add(outcome.record)
+                            continue
+                        outcome.manifest["shard"] = sink.write(outcome.split, outcome.entry)
+                        manifest.add(outcome.manifest)
+                        tally.add(outcome)
+            except SourceError as exc:
+                raise UserError([str(exc)], "prepare: the source cannot be read") from None
+        shards = sink.close()
+        manifest.close()
+        rejects.close()
+        _check_outcome(cfg, out, num_rows, manifest.num_rows, rejects, str(path))
         console.log(f"prepare: indexing {sum(map(len, shards.values()))} shards with Energon")
         _energon_prepare(out, shards, cfg.prepare.num_workers)
 
-    out_dir = stage_dir(cfg, STAGE)
-    all_videos = [v for rows in accepted.values() for row in rows for v in row.videos]
-    metrics = {
-        "prepare/rows_total": num_rows,
-        "prepare/rows_accepted": num_accepted,
-        "prepare/rows_rejected": len(rejects),
-        "prepare/reject_fraction": reject_fraction,
-        "prepare/train_samples": len(accepted["train"]),
-        "prepare/val_samples": len(accepted["val"]),
-        "prepare/images": int(manifest["num_images"].sum()),
-        "prepare/image_bytes": int(manifest["image_bytes"].sum()),
-        "prepare/shards": sum(len(v) for v in shards.values()),
-        "prepare/videos": int(manifest["num_videos"].sum()),
-        "prepare/video_bytes": int(manifest["video_bytes"].sum()),
-        "prepare/video_frames": int(manifest["video_frames"].sum()),
-        # The container caveats taken as counted fallbacks (each video once, see the docstring).
-        "prepare/video_frames_counted": sum(v.header.counted for v in all_videos),
-        "prepare/video_variable_rate": sum(v.header.variable_rate for v in all_videos),
-        "prepare/video_rotated": sum(v.header.rotation != 0 for v in all_videos),
-        # Megatron-Bridge's pre-sampled frames (train.backend megatron; see the docstring)
-        "prepare/bridge_frames": tally["frames"],
-        "prepare/bridge_frame_bytes": tally["bytes"],
-    }
-    metrics.update({f"prepare/rejected_{r}": by_reason.get(r, 0) for r in REJECT_REASONS})
+    frames = context.frames
     result = StageResult(
         stage=STAGE,
-        out_dir=out_dir,
+        out_dir=stage_dir(cfg, STAGE),
         fingerprint=fp,
         skipped=False,
-        metrics={k: float(v) for k, v in metrics.items()},
+        metrics=_metrics(
+            num_rows, manifest.num_rows, rejects, tally, sum(map(len, shards.values()))
+        ),
         summary={
             "source": str(source),
-            "rejects_by_reason": dict(by_reason),
+            "source_kind": cfg.data.kind.value,
+            "rejects_by_reason": dict(rejects.by_reason),
             "bridge_frames": {
                 "written": frames is not None,
                 # the configured processor's sampling, which chose every video's frames
@@ -438,19 +657,75 @@ def prepare_dataset(cfg: PipelineConfig, fp: str | None = None) -> StageResult:
                     "min_frames": frames.min_frames,
                     "max_frames": frames.max_frames,
                 },
-                "frames": tally["frames"],
-                "bytes": tally["bytes"],
-                "max_per_video": tally["max_per_video"],
+                "frames": tally.counts["bridge_frames"],
+                "bytes": tally.counts["bridge_frame_bytes"],
+                "max_per_video": tally.max_frames_per_video,
             },
             "artifacts": [
-                str(out_dir / "rejects.jsonl"),
-                str(out_dir / ".nv-meta" / "dataset.yaml"),
+                str(stage_dir(cfg, STAGE) / "rejects.jsonl"),
+                str(stage_dir(cfg, STAGE) / ".nv-meta" / "dataset.yaml"),
             ],
         },
         seconds=time.perf_counter() - t0,
     )
     write_record(cfg, result)
     return result
+
+
+def _check_outcome(
+    cfg: PipelineConfig, out: Path, num_rows: int, num_accepted: int, rejects: RejectSink, what: str
+) -> None:
+    """Fail (exit 2) when no row is usable or too many were rejected, keeping the rejects."""
+    reasons = dict(rejects.by_reason)
+    if num_accepted == 0:
+        raise UserError(
+            [f"none of the {num_rows} rows of {what} is usable; reasons: {reasons}"],
+            "prepare: no usable rows",
+        )
+    fraction = rejects.count / num_rows if num_rows else 0.0
+    if fraction > cfg.prepare.max_reject_fraction:
+        _keep_rejects(cfg, out / "rejects.jsonl")
+        raise UserError(
+            [
+                f"{rejects.count} of {num_rows} rows rejected ({fraction:.1%}) exceeds "
+                f"prepare.max_reject_fraction={cfg.prepare.max_reject_fraction}; "
+                f"reasons: {reasons}; see {cfg.work_path / 'prepare.rejects.jsonl'}",
+            ],
+            "prepare: too many bad rows",
+        )
+
+
+def _metrics(
+    num_rows: int, num_accepted: int, rejects: RejectSink, tally: Tally, num_shards: int
+) -> dict[str, float]:
+    c = tally.counts
+    metrics = {
+        "prepare/rows_total": num_rows,
+        "prepare/rows_accepted": num_accepted,
+        "prepare/rows_rejected": rejects.count,
+        "prepare/reject_fraction": rejects.count / num_rows if num_rows else 0.0,
+        "prepare/train_samples": c["train_samples"],
+        "prepare/val_samples": c["val_samples"],
+        "prepare/images": c["images"],
+        "prepare/image_bytes": c["image_bytes"],
+        "prepare/shards": num_shards,
+        "prepare/videos": c["videos"],
+        "prepare/video_bytes": c["video_bytes"],
+        "prepare/video_frames": c["video_frames"],
+        # The container caveats taken as counted fallbacks (each video once, see the docstring).
+        "prepare/video_frames_counted": c["frames_counted"],
+        "prepare/video_variable_rate": c["variable_rate"],
+        "prepare/video_rotated": c["rotated"],
+        # Megatron-Bridge's pre-sampled frames (train.backend megatron; see the docstring)
+        "prepare/bridge_frames": c["bridge_frames"],
+        "prepare/bridge_frame_bytes": c["bridge_frame_bytes"],
+    }
+    metrics.update({f"prepare/rejected_{r}": rejects.by_reason.get(r, 0) for r in REJECT_REASONS})
+    return {k: float(v) for k, v in metrics.items()}
+
+
+def _adopt_energon(cfg: PipelineConfig, fp: str, source: Path, t0: float) -> StageResult:
+    raise NotImplementedError("adoption lands with packline.energon.chatml")
 
 
 def _keep_rejects(cfg: PipelineConfig, path: Path) -> None:

@@ -549,10 +549,20 @@ def bridge_fetch_video(frames: Sequence[Image.Image]) -> torch.Tensor:
 def read_image_size(data: bytes) -> tuple[int, int]:
     """(width, height) from an encoded image's header; the pixels are not decoded.
 
-    Raises ``ValueError`` when the bytes are not an image PIL can identify.
+    Raises ``ValueError`` when the bytes are not an image PIL can identify (its message
+    holds no object address, so the same bytes give the same message in any process).
+
+    >>> read_image_size(b"not an image")
+    Traceback (most recent call last):
+    ...
+    ValueError: unreadable image: cannot identify the image format
     """
+    from PIL import UnidentifiedImageError
+
     try:
         with Image.open(io.BytesIO(data)) as img:
             return img.size
-    except Exception as exc:  # PIL raises UnidentifiedImageError, OSError, SyntaxError...
+    except UnidentifiedImageError as exc:  # its message holds the BytesIO's repr
+        raise ValueError("unreadable image: cannot identify the image format") from exc
+    except Exception as exc:  # OSError, SyntaxError... on a damaged header
         raise ValueError(f"unreadable image: {exc}") from exc
