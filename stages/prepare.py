@@ -43,7 +43,7 @@ import shutil
 import time
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +67,15 @@ from packline.sources import SourceError, chunked, jsonl_rows, llava_records
 from schemas.config import PipelineConfig, SourceKind, TrainBackend
 from schemas.errors import UserError
 from schemas.tables import REJECT_REASONS, ManifestModel, RejectsModel, validate_table
-from stages.base import StageResult, building, fingerprint, hash_tree, stage_dir, write_record
+from stages.base import (
+    PACKLINE_METADATASET,
+    StageResult,
+    building,
+    fingerprint,
+    hash_tree,
+    stage_dir,
+    write_record,
+)
 
 STAGE = "prepare"
 SOURCE_DONE = "_SOURCE_COMPLETE"
@@ -256,6 +264,8 @@ class RowContext:
     val_fraction: float
     #: the sampling of each video's frames for Megatron-Bridge; None writes none
     frames: VideoGeometry | None
+    #: the Energon dataset adopted in place (``packline.energon.chatml.ChatMLDataset``)
+    dataset: Any = None
 
 
 @dataclass
@@ -324,14 +334,19 @@ def _reject(position: int, rej: Rejected) -> dict[str, object]:
     return {"line": position, "id": rej.id, "reason": rej.reason, "detail": rej.detail}
 
 
-def _accepted(position: int, row: ConversationRow, frames: VideoGeometry | None) -> Accepted:
+def _accepted(
+    position: int, row: ConversationRow, frames: VideoGeometry | None, *, with_entry: bool = True
+) -> Accepted:
     """The row's shard entry (its JSON, media bytes and, for Megatron-Bridge, its videos'
-    pre-sampled frames) and manifest columns."""
-    entry: dict[str, object] = {"__key__": row.key, "json": row.sample_json()}
-    for k, img in enumerate(row.images):
-        entry[f"img{k}.{img.ext}"] = img.data
-    for k, video in enumerate(row.videos):
-        entry[f"vid{k}.{video.ext}"] = video.data
+    pre-sampled frames; none for an adopted sample, whose shard stays as it is) and
+    manifest columns."""
+    entry: dict[str, object] = {}
+    if with_entry:
+        entry = {"__key__": row.key, "json": row.sample_json()}
+        for k, img in enumerate(row.images):
+            entry[f"img{k}.{img.ext}"] = img.data
+        for k, video in enumerate(row.videos):
+            entry[f"vid{k}.{video.ext}"] = video.data
     counts: Counter = Counter(
         frames_counted=sum(v.header.counted for v in row.videos),
         variable_rate=sum(v.header.variable_rate for v in row.videos),
@@ -724,8 +739,108 @@ def _metrics(
     return {k: float(v) for k, v in metrics.items()}
 
 
+def _check_shard(item: tuple[str, str]) -> list[Accepted | Refused]:
+    """Check every sample of one shard of the adopted dataset (``item``: split, shard) in
+    this worker; the accepted ones carry their manifest columns only (nothing is written)."""
+    from packline.energon.chatml import shard_records
+
+    ctx = _CONTEXT
+    assert ctx is not None and ctx.dataset is not None, "_init_worker sets the context first"
+    _, shard = item
+    out: list[Accepted | Refused] = []
+    for position, (_, record, media) in enumerate(shard_records(ctx.dataset, shard), start=1):
+        try:
+            row = parse_record(
+                record,
+                media,
+                geometry=ctx.geometry,
+                max_images=ctx.max_images,
+                val_fraction=ctx.val_fraction,
+                videos=ctx.videos,
+            )
+        except Rejected as rej:
+            out.append(Refused(_reject(position, rej)))
+            continue
+        accepted = _accepted(position, row, None, with_entry=False)
+        accepted.manifest["shard"] = shard
+        out.append(accepted)
+    return out
+
+
 def _adopt_energon(cfg: PipelineConfig, fp: str, source: Path, t0: float) -> StageResult:
-    raise NotImplementedError("adoption lands with packline.energon.chatml")
+    """Adopt an Energon dataset in Megatron-Bridge's ChatML layout in place: check every
+    sample (its shards over ``prepare.num_workers`` processes), write the manifest, the
+    rejects and the configs that leave the rejected samples out
+    (:func:`packline.energon.chatml.write_adoption`); no shard is copied or rewritten."""
+    from packline.energon.chatml import ChatMLDataset, write_adoption
+
+    try:
+        dataset = ChatMLDataset.open(source)
+    except ValueError as exc:
+        raise UserError([str(exc)], "prepare: the Energon dataset cannot be adopted") from None
+    context = replace(row_context(cfg), dataset=dataset, frames=None)
+    seen = SeenKeys()
+    tally = Tally()
+    excluded: list[str] = []
+    num_rows = 0
+    shards = dataset.shards()
+    with building(cfg, STAGE) as out:
+        manifest = TableSink(out / "manifest.parquet", ManifestModel, "manifest.parquet")
+        rejects = RejectSink(out / "rejects.jsonl")
+        with progress() as bar:
+            task = bar.add_task(f"adopt {source.name} (shards)", total=len(shards))
+            checked = ordered_map(
+                _check_shard,
+                iter(shards),
+                num_workers=cfg.prepare.num_workers,
+                initializer=_init_worker,
+                initargs=(context,),
+                preload=(__name__,),
+            )
+            for outcomes in checked:
+                bar.advance(task)
+                for outcome in outcomes:
+                    num_rows += 1  # the sample's position in the whole dataset
+                    if isinstance(outcome, Accepted) and not seen.add(outcome.key):
+                        dup = Rejected(
+                            "duplicate_id",
+                            f"key {outcome.key!r} was seen in an earlier shard",
+                            outcome.id,
+                        )
+                        outcome = Refused(_reject(num_rows, dup))
+                    if isinstance(outcome, Refused):
+                        outcome.record["line"] = num_rows
+                        rejects.add(outcome.record)
+                        excluded.append(str(outcome.record["id"]))
+                        continue
+                    manifest.add(outcome.manifest)
+                    tally.add(outcome)
+        manifest.close()
+        rejects.close()
+        _check_outcome(cfg, out, num_rows, manifest.num_rows, rejects, str(source))
+        write_adoption(out, stage_dir(cfg, STAGE), dataset, excluded)
+
+    result = StageResult(
+        stage=STAGE,
+        out_dir=stage_dir(cfg, STAGE),
+        fingerprint=fp,
+        skipped=False,
+        metrics=_metrics(num_rows, manifest.num_rows, rejects, tally, len(shards)),
+        summary={
+            "source": str(source),
+            "source_kind": cfg.data.kind.value,
+            "adopted": {"shards": len(shards), "excluded": len(excluded)},
+            "rejects_by_reason": dict(rejects.by_reason),
+            "bridge_frames": {"written": False, "frames": 0, "bytes": 0, "max_per_video": 0},
+            "artifacts": [
+                str(stage_dir(cfg, STAGE) / "rejects.jsonl"),
+                str(stage_dir(cfg, STAGE) / PACKLINE_METADATASET),
+            ],
+        },
+        seconds=time.perf_counter() - t0,
+    )
+    write_record(cfg, result)
+    return result
 
 
 def _keep_rejects(cfg: PipelineConfig, path: Path) -> None:
