@@ -21,7 +21,10 @@ excluded samples never reach either loader (Energon's reader skips them by name)
 
 What is read, per sample (Energon's grouping: consecutive tar members whose names share the
 part before the first dot of the file name, :data:`split_name_re`; ``__key__`` is that base
-name, a dir inside the tar included):
+name, a dir inside the tar included, and is the manifest's ``key``; the manifest's ``id`` is
+``<shard>/<key>``, the name Energon's excludes use). Energon 7.4's prepare refuses a key
+twice in a dataset; an index an older Energon wrote may hold one twice: in one shard both
+copies are rejected here, in another shard the later copy is prepare's ``duplicate_id``.
 
 - ``conversation`` (required): JSON, a list of turns or an object holding them under
   ``conversations``, ``messages`` or ``conversation`` (Bridge's order); turns
@@ -56,8 +59,10 @@ What is refused, and why:
   timestamps between them; a list of frames has neither. A sample with an empty video list
   is read as without videos.
 
-The ``test`` split part is not read (packline trains on ``train`` and evaluates on ``val``);
-samples the source's own split config excludes are not read either, and stay excluded.
+The ``test`` split part is not read (packline trains on ``train`` and evaluates on ``val``;
+a dataset without ``val`` gives views with a ``train`` split only); samples the source's own
+split config excludes are not read either, and stay excluded. Each shard is read twice: once
+over its tar headers (to count keys against the index), once for the mapped parts.
 """
 
 from __future__ import annotations
