@@ -2,7 +2,8 @@
 
     packline run [CONFIG] [key=value ...] [--executor local|slurm] [--from STAGE] [--dryrun]
     packline stage NAME [CONFIG] [key=value ...]
-    packline bench {packing,loader,train} [key=value ...] [--json] [--config PATH] [--work-dir DIR]
+    packline bench {packing,loader,train,data} [key=value ...] [--json] [--config PATH]
+                   [--work-dir DIR] [--samples N]
     packline compare [CONFIG] [key=value ...] [--experiment NAME] [--run RUN_ID]
     packline ui [CONFIG] [key=value ...] [--port N]
 
@@ -65,6 +66,11 @@ def cmd_bench(ns: argparse.Namespace) -> int:
         from pipelines.bench import bench_loader
 
         bench_loader(**common)
+    elif ns.what == "data":
+        from pipelines.bench_data import bench_data
+
+        sizes = {"num_samples": ns.samples} if ns.samples else {}
+        bench_data(**common, **sizes)
     else:
         from pipelines.bench_train import bench_train
 
@@ -108,9 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmarks, measured side by side in one run")
     b.add_argument(
         "what",
-        choices=["packing", "loader", "train"],
+        choices=["packing", "loader", "train", "data"],
         help="packing: fill, loader, selection; loader: the real loader's memory, throughput "
-        "and overhead alone; train: training packing on vs off",
+        "and overhead alone; train: training packing on vs off; data: prepare and connect "
+        "samples/s with 1 and 2 workers, their memory at two dataset sizes",
     )
     b.add_argument(
         "overrides",
@@ -121,6 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", action="store_true", help="print JSON instead of a table")
     b.add_argument("--config", help="pipeline config of the default set (default: tiny_cpu)")
     b.add_argument("--work-dir", help="where the benchmark prepares and runs (default: runs/bench)")
+    b.add_argument(
+        "--samples",
+        type=int,
+        help="bench data: conversations of the large set (default 20,000; the small one is a "
+        "quarter of it)",
+    )
     b.set_defaults(fn=cmd_bench)
 
     c = sub.add_parser("compare", help="packing on vs off from MLflow: table + plots")

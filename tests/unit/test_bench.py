@@ -14,7 +14,7 @@ import time
 import pytest
 from rich.console import Console
 
-from packline.bench import lengths, loader, processes, simulation, targets
+from packline.bench import data, lengths, loader, processes, simulation, targets
 from packline.bench.lengths import VlmSftShape, shuffled, vlm_sft_lengths, vlm_sft_samples
 from packline.bench.loader import LoaderRun, torch_threads
 from packline.bench.processes import WorkerRss, child_pids, wait_for_exit
@@ -31,7 +31,7 @@ from packline.bench.tables import print_loader_report, print_packing_tables
 from packline.bench.targets import loader_targets, packing_targets
 
 
-@pytest.mark.parametrize("module", [lengths, simulation, targets, processes, loader])
+@pytest.mark.parametrize("module", [lengths, simulation, targets, processes, loader, data])
 def test_docstrings_have_worked_examples(module):  # pytest --doctest-modules runs them
     assert any(t.examples for t in doctest.DocTestFinder().find(module))
 

@@ -1,0 +1,172 @@
+"""``packline bench data``: prepare and connect on a set of 20,000 conversations (the
+built-in set at that size), with 1 and 2 workers side by side in one run, their peak RSS at
+two dataset sizes, and the projected time of 10⁶ samples per core.
+
+Each stage runs as its own process (``packline stage NAME --force``, as a user or a SLURM
+task runs it) on the same rows: the large set's folder once generated, and a small set made
+of its first rows (the same media, hard-linked). The figures and targets are
+:mod:`packline.bench.data`'s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from packline.bench.data import StageRun, data_figures, data_targets
+from packline.bench.processes import WorkerRss
+from packline.bench.tables import print_targets
+from packline.progress import console, stdout_to_stderr
+
+#: The samples each stage's count is read from (its completion record's metrics).
+SAMPLE_METRIC = {"prepare": "prepare/rows_total", "connect": "connect/samples"}
+
+
+def _source(work_dir: Path, config: str | Path | None, overrides: list[str], samples: int) -> Path:
+    """The built-in set with ``samples`` conversations (5% of them val), generated once."""
+    from schemas.config import load_config
+    from stages.prepare import resolve_source
+
+    num_val = max(samples // 20, 1)
+    cfg = load_config(
+        config,
+        [
+            *overrides,
+            f"work_dir={work_dir / 'generated'}",
+            f"data.num_train={samples - num_val}",
+            f"data.num_val={num_val}",
+        ],
+    )
+    return resolve_source(cfg)
+
+
+def _first_rows(source: Path, dest: Path, samples: int) -> Path:
+    """A folder of ``source``'s first ``samples`` rows, its media hard-linked (no copy)."""
+    if (dest / "conversations.jsonl").is_file():
+        return dest
+    for path in source.rglob("*"):
+        if path.is_file() and path.name != "conversations.jsonl":
+            target = dest / path.relative_to(source)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if not target.exists():
+                os.link(path, target)
+    with (source / "conversations.jsonl").open() as f:
+        rows = [line for _, line in zip(range(samples), f, strict=False)]
+    (dest / "conversations.jsonl").write_text("".join(rows))
+    return dest
+
+
+def _run_stage(
+    stage: str, work: Path, config: str | Path | None, overrides: list[str], workers: int
+) -> StageRun:
+    """``packline stage STAGE --force`` in its own process, its process tree's RSS watched."""
+    args = [sys.executable, "-m", "pipelines.cli", "stage", stage, "--force"]
+    args += [str(config)] if config else []
+    args += [
+        *overrides,
+        f"work_dir={work}",
+        "mlflow.enabled=false",
+        f"{stage}.num_workers={workers}",
+    ]
+    work.mkdir(parents=True, exist_ok=True)
+    log = work / f"bench-{stage}.log"
+    with WorkerRss(interval_s=0.05) as rss, log.open("w") as out:
+        done = subprocess.run(args, stdout=out, stderr=subprocess.STDOUT)
+    if done.returncode != 0:
+        tail = log.read_text()[-3000:]
+        raise RuntimeError(f"bench data: {stage} failed (exit {done.returncode}):\n{tail}")
+    record = json.loads((work / stage / "_COMPLETE.json").read_text())
+    samples = int(record["metrics"][SAMPLE_METRIC[stage]])
+    return StageRun(stage, samples, workers, float(record["seconds"]), rss.peak_mb)
+
+
+def bench_data(
+    *,
+    as_json: bool = False,
+    work_dir: str | Path | None = None,
+    config: str | Path | None = None,
+    overrides: list[str] | None = None,
+    num_samples: int = 20_000,
+    small_samples: int | None = None,
+) -> dict[str, Any]:
+    """Measure and print (``as_json``: one JSON object); returns the result. The small set
+    is the large one's first ``small_samples`` rows (default: a quarter)."""
+    small_samples = small_samples or num_samples // 4
+    work_dir = Path(work_dir) if work_dir is not None else Path("runs") / "bench"
+    root = work_dir / "data"
+    overrides = list(overrides or [])
+    runs: list[StageRun] = []
+    with stdout_to_stderr(as_json):
+        console.log(f"bench data: the built-in set at {num_samples:,} conversations, {root}")
+        large = _source(root, config, overrides, num_samples)
+        small = _first_rows(large, root / f"first{small_samples}", small_samples)
+        plan = [
+            (large, 1, "large-w1"),
+            (large, 2, "large-w2"),
+            (small, 2, "small-w2"),
+        ]
+        for stage in ("prepare", "connect"):
+            for source, workers, name in plan:
+                run = _run_stage(
+                    stage, root / name, config, [*overrides, f"data.source={source}"], workers
+                )
+                console.log(
+                    f"bench data: {stage} {run.samples:,} samples, {workers} worker(s): "
+                    f"{run.samples_per_s:.1f}/s, peak RSS {run.peak_rss_mib:,.0f} MiB"
+                )
+                runs.append(run)
+        sizes = {r.samples for r in runs if r.stage == "prepare"}
+        figures = data_figures(runs, large=max(sizes), small=min(sizes))
+    result = {
+        "cpu_count": os.cpu_count(),
+        "runs": [r.to_dict() for r in runs],
+        "figures": figures,
+        "targets": data_targets(figures),
+    }
+    if as_json:
+        print(json.dumps(result, indent=2))
+    else:
+        print_data_tables(Console(), result)
+    return result
+
+
+def print_data_tables(out: Console, result: dict[str, Any]) -> None:
+    """The runs, the figures side by side, and the targets."""
+    table = Table(title=f"bench data: each stage in its own process ({result['cpu_count']} CPUs)")
+    for col in ("stage", "samples", "workers", "seconds", "samples/s", "peak RSS MiB"):
+        table.add_column(col, justify="left" if col == "stage" else "right")
+    for r in result["runs"]:
+        table.add_row(
+            r["stage"],
+            f"{r['samples']:,}",
+            str(r["workers"]),
+            f"{r['seconds']:.1f}",
+            f"{r['samples_per_s']:.1f}",
+            f"{r['peak_rss_mib']:,.0f}",
+        )
+    out.print(table)
+    table = Table(title="side by side")
+    for col in ("stage", "2 vs 1 workers", "ms/sample/core", "10⁶ samples/core", "RSS growth"):
+        table.add_column(col, justify="left" if col == "stage" else "right")
+    for stage, f in result["figures"].items():
+        rss = f.get("rss_mib", {})
+        table.add_row(
+            stage,
+            f"{f['speedup_2_vs_1']:.2f}x" if "speedup_2_vs_1" in f else "-",
+            f"{f['ms_per_sample_per_core']:.2f}" if "ms_per_sample_per_core" in f else "-",
+            f"{f['projected_hours_1e6_per_core']:.2f} h"
+            if "projected_hours_1e6_per_core" in f
+            else "-",
+            " → ".join(f"{v:,.0f}" for v in rss.values()) + f" MiB ({f['rss_growth']:+.1%})"
+            if rss
+            else "-",
+        )
+    out.print(table)
+    print_targets(out, result["targets"])

@@ -1,0 +1,43 @@
+"""``packline bench data`` as a user runs it (a subprocess, a small set): prepare and
+connect with 1 and 2 workers on the same rows, their process trees' peak RSS at two sizes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def test_bench_data_cli_measures_both_stages_per_worker_count_and_size(tmp_path):
+    out = subprocess.run(
+        [
+            sys.executable, "-m", "pipelines.cli", "bench", "data", "data.video_share=0.1",
+            "--json", "--work-dir", str(tmp_path), "--samples", "200",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout)
+    runs = {(r["stage"], r["samples"], r["workers"]): r for r in result["runs"]}
+    assert set(runs) == {
+        (stage, n, w) for stage in ("prepare", "connect") for n, w in ((200, 1), (200, 2), (50, 2))
+    }
+    assert all(r["samples_per_s"] > 0 and r["peak_rss_mib"] > 100 for r in runs.values())
+    for stage in ("prepare", "connect"):
+        f = result["figures"][stage]
+        rates = f["samples_per_s"]
+        assert f["speedup_2_vs_1"] == pytest.approx(rates["2"] / rates["1"], rel=1e-2)
+        assert f["projected_hours_1e6_per_core"] == pytest.approx(1e6 / rates["1"] / 3600, rel=1e-2)
+        assert set(f["rss_mib"]) == {"50", "200"}
+        assert result["targets"][f"{stage}.rss_growth"]["value"] == f["rss_growth"]
+    # both sizes are the same rows: the small set is the large one's first 50
+    large = tmp_path / "data" / "large-w1" / "prepare" / "manifest.parquet"
+    small = tmp_path / "data" / "small-w2" / "prepare" / "manifest.parquet"
+    assert list(pd.read_parquet(small)["id"]) == list(pd.read_parquet(large)["id"])[:50]
