@@ -767,6 +767,17 @@ def _check_shard(item: tuple[str, str]) -> list[Accepted | Refused]:
     return out
 
 
+def _shards_checked(
+    checked: Iterator[list[Accepted | Refused]],
+) -> Iterator[list[Accepted | Refused]]:
+    """The shards' outcomes; a shard that changed since it was indexed (``shard_records``'
+    ValueError, raised in a worker) stops the stage as bad input (exit 2), saying so."""
+    try:
+        yield from checked
+    except ValueError as exc:
+        raise UserError([str(exc)], "prepare: the Energon dataset cannot be adopted") from None
+
+
 def _adopt_energon(cfg: PipelineConfig, fp: str, source: Path, t0: float) -> StageResult:
     """Adopt an Energon dataset in Megatron-Bridge's ChatML layout in place: check every
     sample (its shards over ``prepare.num_workers`` processes), write the manifest, the
@@ -797,7 +808,7 @@ def _adopt_energon(cfg: PipelineConfig, fp: str, source: Path, t0: float) -> Sta
                 initargs=(context,),
                 preload=(__name__,),
             )
-            for outcomes in checked:
+            for outcomes in _shards_checked(checked):
                 bar.advance(task)
                 for outcome in outcomes:
                     num_rows += 1  # the sample's position in the whole dataset

@@ -411,3 +411,22 @@ def test_write_adoption_escapes_braces_of_excluded_names(tmp_path):
     write_adoption(out, out, ds, ["train-000.tar/a{1,2}"])
     seen = _read(out / PACKLINE_METADATASET, ConversationReader(), splits=["train"])
     assert set(seen) == {"a1"}
+
+
+def test_prepare_stops_with_exit_2_on_a_shard_changed_since_it_was_indexed(tmp_path):
+    from schemas.errors import UserError
+    from stages.prepare import prepare_dataset
+    from tests.conftest import make_config
+
+    ok = {"conversation.json": _conversation("Hi", "Hello"), "jpgs": pickle.dumps([])}
+    root = _dataset(
+        tmp_path / "src",
+        {"train-000.tar": [{"__key__": "a", **ok}]},
+        {"imgs": "jpgs", "conversation": "conversation.json"},
+    )
+    write_shards(root, {"train-000.tar": [{"__key__": "a", **ok}, {"__key__": "b", **ok}]})
+    for workers in (1, 2):  # raised in this process, or in a worker
+        cfg = make_config(tmp_path / f"w{workers}", f"data.source={root}")
+        cfg.prepare.num_workers = workers
+        with pytest.raises(UserError, match="holds 2 samples, its Energon index says 1"):
+            prepare_dataset(cfg)
