@@ -267,6 +267,17 @@ class RowContext:
     #: the Energon dataset adopted in place (``packline.energon.chatml.ChatMLDataset``)
     dataset: Any = None
 
+    def parse(self, record: Any, media: MediaSource | None) -> ConversationRow:
+        """``record`` checked with these settings (:func:`parse_record`)."""
+        return parse_record(
+            record,
+            media,
+            geometry=self.geometry,
+            max_images=self.max_images,
+            val_fraction=self.val_fraction,
+            videos=self.videos,
+        )
+
 
 @dataclass
 class Accepted:
@@ -315,14 +326,7 @@ def _check_rows(chunk: list[tuple[int, Any]]) -> list[Accepted | Refused]:
                     raise Rejected(
                         "malformed_json", f"not JSON: {exc.msg} at column {exc.colno}"
                     ) from None
-            row = parse_record(
-                record,
-                ctx.media,
-                geometry=ctx.geometry,
-                max_images=ctx.max_images,
-                val_fraction=ctx.val_fraction,
-                videos=ctx.videos,
-            )
+            row = ctx.parse(record, ctx.media)
         except Rejected as rej:
             out.append(Refused(_reject(position, rej)))
             continue
@@ -750,14 +754,7 @@ def _check_shard(item: tuple[str, str]) -> list[Accepted | Refused]:
     out: list[Accepted | Refused] = []
     for position, (_, record, media) in enumerate(shard_records(ctx.dataset, shard), start=1):
         try:
-            row = parse_record(
-                record,
-                media,
-                geometry=ctx.geometry,
-                max_images=ctx.max_images,
-                val_fraction=ctx.val_fraction,
-                videos=ctx.videos,
-            )
+            row = ctx.parse(record, media)
         except Rejected as rej:
             out.append(Refused(_reject(position, rej)))
             continue
