@@ -1,7 +1,8 @@
 """NeMo-Run executor factories from the config: small functions with defaults.
 
 Local: each stage is a subprocess of this machine, in this venv. SLURM: each stage is a batch
-job; ``prepare``/``connect``/``validate`` ask for one task and no GPU, ``train`` asks for
+job; ``prepare``/``connect``/``validate`` ask for one task and no GPU (prepare with a CPU per
+worker process, connect with a CPU per loader worker: :func:`stage_cpus`), ``train`` asks for
 ``nodes`` × ``gpus_per_node`` and starts ``nproc_per_node`` processes per node with torchrun.
 Jobs are submitted from this machine (LocalTunnel) or over SSH (``executor.slurm.host``); the
 project's packages are shipped into each job's ``code/`` dir, which is the job's working
@@ -62,6 +63,23 @@ def slurm_tunnel(cfg: PipelineConfig, *, job_dir: Path) -> run.LocalTunnel | run
     return run.LocalTunnel(job_dir=str(job_dir))
 
 
+def stage_cpus(cfg: PipelineConfig, stage: str) -> int | None:
+    """CPUs a SLURM task of ``stage`` asks for (``--cpus-per-task``): prepare's worker
+    processes, or each connect task's loader workers; None (SLURM's default) for the rest.
+    Without it a cluster that confines tasks to their CPUs runs every worker on one core.
+
+    >>> from schemas.config import load_config
+    >>> cfg = load_config(None, ["prepare.num_workers=8", "connect.num_workers=0"])
+    >>> stage_cpus(cfg, "prepare"), stage_cpus(cfg, "connect"), stage_cpus(cfg, "validate")
+    (8, 1, None)
+    """
+    if stage == "prepare":
+        return cfg.prepare.num_workers
+    if stage == "connect":
+        return max(cfg.connect.num_workers, 1)
+    return None
+
+
 def slurm_executor(cfg: PipelineConfig, *, job_dir: Path, stage: str) -> run.SlurmExecutor:
     """One SLURM batch job for ``stage``; ``train`` gets the GPUs and a torchrun launcher."""
     s = cfg.executor.slurm
@@ -86,6 +104,7 @@ def slurm_executor(cfg: PipelineConfig, *, job_dir: Path, stage: str) -> run.Slu
         nodes=s.nodes if is_train else 1,
         ntasks_per_node=nproc if is_train else 1,
         gpus_per_node=s.gpus_per_node if is_train and s.gpus_per_node else None,
+        cpus_per_task=stage_cpus(cfg, stage),
         mem=s.mem,
         time=s.time,
         container_image=s.container_image,
