@@ -3,11 +3,14 @@
 It takes only plain, serialisable arguments: the path of the resolved pipeline config the
 CLI wrote, the stage name, and the MLflow parent run id. A user error (bad input or
 config) is written to ``<work>/<stage>.error.json`` so the CLI can report it with exit 2.
+A SLURM job may start it as several tasks (connect, ``connect.num_tasks``): each runs its
+share; the one that merges logs the stage, the others end with exit 0 and log nothing.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -26,11 +29,17 @@ def run_stage_task(config_path: str, stage: str, parent_run_id: str = "") -> Non
 
     cfg = load_config(config_path)
     err = error_path(cfg.work_path, stage)
-    err.unlink(missing_ok=True)
+    if int(os.environ.get("SLURM_NTASKS", "1")) == 1:
+        # alone in its job: clear an old report (of several tasks, one could clear another's
+        # report; the pipeline clears them before it submits)
+        err.unlink(missing_ok=True)
     try:
         run_stage(cfg, stage, parent_run_id=parent_run_id or None)
     except UserError as exc:
         header = getattr(exc, "header", str(exc))
-        err.write_text(json.dumps({"header": header, "problems": exc.problems, "exit_code": 2}))
+        report = json.dumps({"header": header, "problems": exc.problems, "exit_code": 2})
+        tmp = err.with_name(f".{err.name}.{os.getpid()}.tmp")  # tasks may fail at once
+        tmp.write_text(report)
+        os.replace(tmp, err)
         print(str(exc), file=sys.stderr)
         sys.exit(2)

@@ -226,7 +226,9 @@ class PrepareConfig(_Section):
 @dataclass(kw_only=True)
 class ConnectConfig(_Section):
     """Stage connect: every sample's exact token length, measured in parts that spread over
-    Energon loader workers and SLURM tasks and that a killed run resumes from."""
+    Energon loader workers and SLURM tasks and that a killed run resumes from. None of these
+    settings changes the lengths, so none of them reruns a connect that is up to date
+    (``--from connect`` does)."""
 
     num_workers: int = 2
     """Energon loader worker processes of each connect task (0: measure in the task's own
@@ -234,16 +236,19 @@ class ConnectConfig(_Section):
     num_tasks: int = 1
     """Tasks of the SLURM connect job (``executor.kind: slurm``): task r of N measures
     Energon's rank r share (``WorkerConfig(rank=r, world_size=N)``) and writes its parts;
-    the task that finishes last merges them into ``lengths.parquet``. A local run is one
-    task."""
+    the task that finishes last merges them into ``lengths.parquet``. A process on its own
+    (a local run, ``packline stage connect``) measures the N shares in turn: the same parts
+    and the same table."""
     nodes: int = 1
     """Nodes of the SLURM connect job; ``num_tasks`` is spread evenly over them."""
     part_size: int = 2000
     """Samples per part file: a killed connect resumes after its last finished part."""
     verify: str = "all"
     """Samples the real processor measures to check the cheap length rule: ``all`` (every
-    sample, the default), or a number N: a seeded sample of N (``train.seed``); the cheap
-    rule measures every sample either way, and the report says which was done."""
+    sample, the default), or a number N: a seeded sample of N (``train.seed``), the others
+    taking the cheap rule's lengths unchecked (no pixel or frame of them decoded); the cheap
+    rule measures every sample either way, and connect's record and metrics say which was
+    done."""
 
     @property
     def verify_samples(self) -> int | None:

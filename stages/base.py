@@ -40,6 +40,9 @@ class StageResult:
     metrics: dict[str, float] = field(default_factory=dict)
     summary: dict[str, Any] = field(default_factory=dict)
     seconds: float = 0.0
+    partial: bool = False
+    """One task's share of a stage spread over several tasks (connect): its part is on disk
+    for the task that merges; no record, nothing to log."""
 
 
 def stage_dir(cfg: PipelineConfig, stage: str) -> Path:

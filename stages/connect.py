@@ -11,10 +11,19 @@ Outputs in ``<work>/connect/``::
                             them (frames kept, re-sampled, its timestamps against the real
                             ones), the figures validate warns with
 
-The real processor runs on every sample once, through Energon's loader. The cheap rule
-(image size from the file header → the resize rule → visual tokens, plus tokenized text) is
-computed too and must equal the processor's count for every sample: the packer's large
-buffers rely on it being exact. Any mismatch fails the stage and is listed.
+Every sample is read once, through Energon's loader over :func:`stages.base.dataset_path`.
+The cheap rule (image size from the file header → the resize rule → visual tokens, plus
+tokenized text) measures every sample; the real processor measures every sample too
+(``connect.verify: all``, the default) or a seeded sample of N (``connect.verify: N``), and
+must agree with the cheap rule wherever it ran: the packer's large buffers rely on it being
+exact. Any mismatch fails the stage and is listed. A sample the processor did not measure
+gets the cheap rule's record (the same columns), and the record says which was done.
+
+The work spreads over ``connect.num_tasks`` tasks (SLURM) and each task's
+``connect.num_workers`` loader workers: task r of N measures Energon's rank-r share and
+writes it in parts that a killed connect resumes from; the task that finishes last merges
+the parts into the stage dir (:mod:`stages.connect_parts`). The table is the same for any
+task and worker count.
 """
 
 from __future__ import annotations
@@ -25,8 +34,9 @@ import random
 import shutil
 import time
 import warnings
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,14 +45,20 @@ from megatron.energon import (
     Cooker,
     WorkerConfig,
     edataclass,
-    get_loader,
+    get_savable_loader,
     get_train_dataset,
     get_val_dataset,
     stateless,
 )
 
 from packline.energon.bridge_sample_loader import frame_parts
-from packline.energon.sample import ConversationReader, ConversationSample, cook_conversation
+from packline.energon.chatml import SOURCE_SUBFLAVOR
+from packline.energon.sample import (
+    ConversationReader,
+    ConversationSample,
+    cook_chatml,
+    cook_conversation,
+)
 from packline.packing.forecast import simulate_packing
 from packline.packing.selection import align_up
 from packline.progress import console, progress
@@ -51,18 +67,28 @@ from packline.qwen.vision import read_image_size
 from schemas.config import Algorithm, PipelineConfig, TrainBackend
 from schemas.errors import UserError
 from schemas.guardrails import train_nproc_per_node, train_world
-from schemas.tables import LengthsModel, validate_table
+from schemas.tables import SPLITS, LengthsModel, validate_table
 from stages.base import (
     PROCESSOR,
     StageResult,
     building,
     dataset_dir,
+    dataset_path,
     fingerprint,
     hash_tree,
+    is_up_to_date,
     processor_dir,
     require_record,
     stage_dir,
     write_record,
+)
+from stages.connect_parts import (
+    PartsDir,
+    PartState,
+    Task,
+    TaskParts,
+    attempt_id,
+    current_task,
 )
 from stages.prepare import image_geometry
 
@@ -98,21 +124,31 @@ class MeasuredSample(ConversationSample):
     presampled: list[dict[str, Any]]
 
 
+def _measured(sample: ConversationSample, **extra: Any) -> MeasuredSample:
+    fields = {f: getattr(sample, f) for f in sample.__dataclass_fields__}
+    return MeasuredSample(**fields, **extra)
+
+
 @stateless
 def cook_measured(raw: dict[str, Any]) -> MeasuredSample:
     """Crude WebDataset dict → :class:`MeasuredSample` (pixels stay encoded)."""
-    sample = cook_conversation(raw)
-    fields = {f: getattr(sample, f) for f in sample.__dataclass_fields__}
-    return MeasuredSample(
-        **fields,
+    return _measured(
+        cook_conversation(raw),
         video_frames=[[raw[k] for k in keys] for keys in frame_parts(raw)],
         presampled=json.loads(raw["json"]).get("presampled", []),
     )
 
 
+@stateless
+def cook_measured_chatml(raw: dict[str, Any]) -> MeasuredSample:
+    """A sample of an Energon dataset adopted in place → :class:`MeasuredSample` (no video)."""
+    return _measured(cook_chatml(raw), video_frames=[], presampled=[])
+
+
 class LengthReader(ConversationReader):
     """Energon task encoder that measures each sample both ways (exact and cheap), rendered
-    as the train backend will render it.
+    as the train backend will render it, and returns its row of a part
+    (:data:`stages.connect_parts.PART_COLUMNS`).
 
     ``bridge=False`` (the local backend): images stay where their markers stand and the
     processor resizes them once. ``bridge=True`` (``train.backend: megatron``): each turn's
@@ -127,9 +163,17 @@ class LengthReader(ConversationReader):
     ``fetch_video`` and the processor called as Bridge calls it (no fps, no metadata, the
     dir's ``do_sample_frames``); cheap, the rule from the recorded frame count and the
     header's size.
+
+    ``verify_keys``: the samples the processor measures (None: every one); any other gets
+    the cheap record as its lengths, and no pixel or frame of it is decoded. ``skip_keys``:
+    samples already in a finished part; one that comes again is returned as ``{"key": ...,
+    "skip": True}``, unmeasured (see :func:`measure_share`).
     """
 
-    cookers = [Cooker(cook_measured)]
+    cookers = [
+        Cooker(cook_measured_chatml, has_subflavors={SOURCE_SUBFLAVOR: "chatml"}),
+        Cooker(cook_measured),
+    ]
 
     def __init__(
         self,
@@ -138,6 +182,8 @@ class LengthReader(ConversationReader):
         *,
         bridge: bool = False,
         max_num_frames: int | None = None,
+        verify_keys: frozenset[str] | None = None,
+        skip_keys: frozenset[str] = frozenset(),
     ):
         super().__init__()
         self.processor_dir = Path(processor_dir)
@@ -146,6 +192,8 @@ class LengthReader(ConversationReader):
         if bridge and max_num_frames is None:
             raise ValueError("measuring as Megatron-Bridge needs its max_num_frames")
         self.max_num_frames = max_num_frames
+        self.verify_keys = verify_keys
+        self.skip_keys = skip_keys
         self._processor = None
         self._geometry = None
         self._bridge_videos = None
@@ -165,14 +213,10 @@ class LengthReader(ConversationReader):
                 )
         return self._processor
 
-    def _bridge_videos_of(self, sample: MeasuredSample, headers: list) -> tuple[list, list, list]:
-        """Bridge's view of the sample's videos: the exact inputs (each video's kept frames
-        through qwen-vl-utils), the cheap plans, and per video the facts connect reports."""
-        from PIL import Image
-
-        from packline.qwen.lengths import PresampledVideo
+    def _bridge_plans(self, sample: MeasuredSample, headers: list) -> tuple[list, list]:
+        """Bridge's view of the sample's videos without decoding a frame: the cheap plans,
+        and per video the facts connect reports."""
         from packline.qwen.processor import processor_video_geometry
-        from packline.qwen.vision import bridge_fetch_video
 
         rule = self._bridge_videos
         if len(sample.video_frames) != len(headers) or len(sample.presampled) != len(headers):
@@ -182,7 +226,7 @@ class LengthReader(ConversationReader):
                 "was not prepared for train.backend megatron (rerun prepare with it)"
             )
         local = processor_video_geometry(self.processor)
-        exact, plans, facts = [], [], []
+        plans, facts = [], []
         for parts, chosen, h in zip(sample.video_frames, sample.presampled, headers, strict=True):
             indices = chosen["indices"]
             if len(parts) != len(indices):
@@ -191,8 +235,6 @@ class LengthReader(ConversationReader):
                     f"{len(indices)} sampled indices recorded"
                 )
             n, kept = len(indices), rule.kept(len(indices))
-            frames = [Image.open(io.BytesIO(b)).convert("RGB") for b in parts[:kept]]
-            exact.append(PresampledVideo(bridge_fetch_video(frames), kept))
             plan = rule.plan(n, h.height, h.width)
             plans.append(plan)
             # the source frames behind each position Bridge's processor takes (the kept ones,
@@ -211,7 +253,22 @@ class LengthReader(ConversationReader):
                     "error": max(abs(a - b) for a, b in zip(bridge_ts, real_ts, strict=True)),
                 }
             )
-        return exact, plans, facts
+        return plans, facts
+
+    def _bridge_frames(self, sample: MeasuredSample) -> list:
+        """The exact inputs of Bridge's videos: each one's kept frames, decoded, through
+        qwen-vl-utils."""
+        from PIL import Image
+
+        from packline.qwen.lengths import PresampledVideo
+        from packline.qwen.vision import bridge_fetch_video
+
+        out = []
+        for parts in sample.video_frames:
+            kept = self._bridge_videos.kept(len(parts))
+            frames = [Image.open(io.BytesIO(b)).convert("RGB") for b in parts[:kept]]
+            out.append(PresampledVideo(bridge_fetch_video(frames), kept))
+        return out
 
     def encode_sample(self, sample: MeasuredSample) -> dict[str, Any]:
         from PIL import Image
@@ -220,26 +277,17 @@ class LengthReader(ConversationReader):
         from packline.qwen.vision import bridge_fetch_image
         from packline.video import VideoHeader, decode_frames
 
+        if sample.__key__ in self.skip_keys:
+            return {"key": sample.__key__, "skip": True}
         processor = self.processor
         sizes = [read_image_size(b) for b in sample.images]
-        images = [Image.open(io.BytesIO(b)) for b in sample.images]
         rendered = media_first(sample.conversation)
         moved = rendered != sample.conversation
-        conversation = sample.conversation
+        conversation = rendered if self.bridge else sample.conversation
         headers = [VideoHeader.from_dict(h) for h in sample.video_headers]
         plans, facts = None, []
         if self.bridge:
-            conversation = rendered
-            images = [bridge_fetch_image(image) for image in images]
-            videos, plans, facts = self._bridge_videos_of(sample, headers)
-        else:
-            videos = [
-                DecodedVideo(decode_frames(data, range(h.num_frames), rotation=h.rotation), h)
-                for data, h in zip(sample.videos, headers, strict=True)
-            ]
-        exact = exact_lengths(
-            processor, conversation, images, videos=videos, turn_newline=self.bridge
-        )
+            plans, facts = self._bridge_plans(sample, headers)
         cheap = cheap_lengths(
             processor,
             conversation,
@@ -249,16 +297,33 @@ class LengthReader(ConversationReader):
             video_plans=plans,
             turn_newline=self.bridge,
         )
+        verified = self.verify_keys is None or sample.__key__ in self.verify_keys
+        exact = cheap
+        if verified:  # the real processor: every pixel and (local backend) every frame decoded
+            images = [Image.open(io.BytesIO(b)) for b in sample.images]
+            if self.bridge:
+                images = [bridge_fetch_image(image) for image in images]
+                videos = self._bridge_frames(sample)
+            else:
+                videos = [
+                    DecodedVideo(decode_frames(data, range(h.num_frames), rotation=h.rotation), h)
+                    for data, h in zip(sample.videos, headers, strict=True)
+                ]
+            exact = exact_lengths(
+                processor, conversation, images, videos=videos, turn_newline=self.bridge
+            )
         grids = [list(self._geometry.grid_thw(h, w)) for w, h in sizes]
         return {
             "key": sample.__key__,
-            "exact": _record(exact),
-            "cheap": _record(cheap),
+            "verified": verified,
+            "exact": json.dumps(_record(exact)),
+            "cheap": json.dumps(_record(cheap)),
             "image_grids": json.dumps(grids),
             "images_moved": moved,
             "video_grids": json.dumps([list(g) for g in exact.video_grids]),
             "video_frame_counts": json.dumps(list(exact.video_frame_counts)),
-            "bridge_videos": facts,  # per video, what Bridge's encoder makes of it
+            # per video, what Bridge's encoder makes of it
+            "bridge_videos": json.dumps(facts),
         }
 
 
@@ -285,15 +350,20 @@ def bridge_max_num_frames(cfg: PipelineConfig) -> int:
 
 
 def bridge_video_summary(
-    records: list[tuple[str, dict[str, Any]]], *, max_num_frames: int, do_sample_frames: bool
+    records: pd.DataFrame, *, max_num_frames: int, do_sample_frames: bool
 ) -> dict[str, Any]:
-    """What Bridge's encoder makes of the videos (``bridge_videos.json``): the frames it
-    keeps of each video's pre-sampled ones (``max_num_frames``), those its processor drops by
-    re-sampling (``do_sample_frames``), and its timestamps (frame positions over 24 fps)
-    against the real times of the frames behind them."""
+    """What Bridge's encoder makes of the videos (``bridge_videos.json``) of ``records``
+    (parts' rows: ``key`` and ``bridge_videos``, JSON): the frames it keeps of each video's
+    pre-sampled ones (``max_num_frames``), those its processor drops by re-sampling
+    (``do_sample_frames``), and its timestamps (frame positions over 24 fps) against the real
+    times of the frames behind them."""
     from qwen_vl_utils import vision_process
 
-    videos = [(rec["key"], v) for _, rec in records for v in rec.get("bridge_videos", [])]
+    videos = [
+        (key, v)
+        for key, facts in zip(records["key"], records["bridge_videos"], strict=True)
+        for v in json.loads(facts)
+    ]
 
     def part(rows: list[tuple[str, dict]]) -> dict[str, Any]:
         return {
@@ -405,48 +475,145 @@ def materialize_processor(cfg: PipelineConfig, out: Path) -> Path:
     return dest
 
 
-def measure_lengths(
-    dataset_dir: Path,
-    processor_dir: Path,
-    *,
-    num_workers: int,
-    visual_tokens: VisualRule | None = None,
-    expected: int | None = None,
-    bridge: bool = False,
-    max_num_frames: int | None = None,
-) -> list[tuple[str, dict[str, Any]]]:
-    """(split, record) for every sample of the prepared dataset, through Energon, rendered
-    as Megatron-Bridge renders it when ``bridge`` (see :class:`LengthReader`)."""
+@dataclass(frozen=True)
+class Measuring:
+    """What every connect task measures with: the same for all tasks of a run."""
+
+    dataset: Path
+    """What Energon opens (:func:`stages.base.dataset_path`)."""
+    processor: Path
+    splits: tuple[str, ...]
+    """The splits prepare's manifest holds, in order."""
+    num_workers: int
+    part_size: int
+    verify_keys: frozenset[str] | None
+    """The samples the processor measures (None: every one)."""
+    visual_tokens: VisualRule | None = None
+    bridge: bool = False
+    max_num_frames: int | None = None
+
+    def encoder(self, skip_keys: frozenset[str] = frozenset()) -> LengthReader:
+        return LengthReader(
+            self.processor,
+            self.visual_tokens,
+            bridge=self.bridge,
+            max_num_frames=self.max_num_frames,
+            verify_keys=self.verify_keys,
+            skip_keys=skip_keys,
+        )
+
+
+def share_loader(m: Measuring, split: str, task: Task, encoder: LengthReader):
+    """A savable loader of task ``task``'s share of ``split``: Energon's
+    ``WorkerConfig(rank, world_size, num_workers)`` split of the samples (the union of the
+    ranks' shares is every sample once), read once in order (no repeat, no shuffle buffer,
+    no cap on the samples read in a row from a shard), one sample per batch.
+
+    Each worker keeps a checkpoint after every sample (not every 60 s, Energon's default):
+    a restored state then starts at the sample after the part's last, instead of encoding,
+    i.e. measuring, the samples since an older checkpoint once more to skip them."""
+    wc = WorkerConfig(rank=task.rank, world_size=task.world, num_workers=m.num_workers)
+    common = dict(batch_size=1, task_encoder=encoder, worker_config=wc)
+    if split == "train":
+        ds = get_train_dataset(
+            m.dataset,
+            split_part=split,
+            shuffle_buffer_size=None,
+            max_samples_per_sequence=None,
+            repeat=False,
+            **common,
+        )
+    else:
+        ds = get_val_dataset(m.dataset, split_part=split, **common)
+    return get_savable_loader(ds, checkpoint_every_sec=0, checkpoint_every_min_n_samples=1)
+
+
+def measure_share(m: Measuring, parts: TaskParts, *, attempt: str) -> dict[str, Any]:
+    """Measure task ``parts.task``'s share of every split, writing a part after every
+    ``m.part_size`` samples and one closing each split; resume after the last finished part
+    of an earlier run. Returns what the task's ``.done`` file records (also written).
+
+    A resumed loader continues after the part's last sample, with one exception Energon 7.4
+    has: a worker that had read its whole share before the part ended restores as a fresh
+    epoch and reads that share again. Those samples are all in finished parts; the encoder
+    (``skip_keys``) returns them unmeasured and they are dropped here, counted as
+    ``replayed``."""
     # Energon's loader asks for pinned memory; on a CPU-only machine torch warns each time.
     warnings.filterwarnings("ignore", message=".*pin_memory.*no accelerator.*")
-    records: list[tuple[str, dict[str, Any]]] = []
-    encoder = LengthReader(
-        processor_dir, visual_tokens, bridge=bridge, max_num_frames=max_num_frames
-    )
-    common = dict(batch_size=1, task_encoder=encoder)
+    t0 = time.perf_counter()
+    task = parts.task
+    finished = parts.clean()
+    info: dict[str, Any] = {
+        "rank": task.rank,
+        "world": task.world,
+        "attempt": attempt,
+        "parts_resumed": len(finished),
+        "samples_resumed": sum(state.samples for _, state in finished),
+    }
+    last: dict[str, PartState] = {}
+    seen: dict[str, set[str]] = {split: set() for split in m.splits}
+    for path, state in finished:
+        last[state.split] = state
+        seen[state.split].update(pd.read_parquet(path, columns=["key"])["key"])
+    k, tally = len(finished), Counter()
+    name = "connect lengths" + (f" (task {task.rank} of {task.world})" if task.world > 1 else "")
     with progress() as bar:
-        task = bar.add_task("connect lengths", total=expected)
-        for split in ("train", "val"):
-            if not any(dataset_dir.glob(f"{split}-*.tar")):
+        for split in m.splits:
+            if split in last and last[split].split_done:
                 continue
-            wc = WorkerConfig(rank=0, world_size=1, num_workers=num_workers)
-            if split == "train":
-                ds = get_train_dataset(
-                    dataset_dir,
-                    split_part="train",
-                    worker_config=wc,
-                    shuffle_buffer_size=None,
-                    max_samples_per_sequence=None,
-                    repeat=False,
-                    **common,
-                )
-            else:
-                ds = get_val_dataset(dataset_dir, split_part="val", worker_config=wc, **common)
-            for batch in get_loader(ds):
-                for rec in batch:
-                    records.append((split, rec))
-                    bar.advance(task)
-    return records
+            loader = share_loader(m, split, task, m.encoder(frozenset(seen[split])))
+            if split in last:
+                loader.restore_state_rank(last[split].loader)
+            shown = bar.add_task(f"{name}: {split}", total=max(len(loader) - len(seen[split]), 0))
+            rows: list[dict[str, Any]] = []
+            for batch in loader:
+                for row in batch:
+                    if row.get("skip"):
+                        tally["replayed"] += 1
+                        continue
+                    rows.append({**row, "split": split})
+                    bar.advance(shown)
+                if len(rows) >= m.part_size:
+                    state = PartState(split, len(rows), False, loader.save_state_rank())
+                    k, rows = _write_part(parts, k, rows, state, tally), []
+            k = _write_part(parts, k, rows, PartState(split, len(rows), True, None), tally)
+            del loader  # its worker processes end here, not at the next split
+    info.update(
+        {
+            "parts": k,
+            "samples": info["samples_resumed"] + tally["measured"],
+            "samples_measured": tally["measured"],
+            "verified_measured": tally["verified"],
+            "replayed": tally["replayed"],
+            "seconds": round(time.perf_counter() - t0, 3),
+        }
+    )
+    parts.mark_done(info)
+    return info
+
+
+def _write_part(
+    parts: TaskParts, k: int, rows: list[dict[str, Any]], state: PartState, tally: Counter
+) -> int:
+    """Write part ``k`` and count it; the next part's number."""
+    parts.write(k, rows, state)
+    tally["measured"] += len(rows)
+    tally["verified"] += sum(bool(row["verified"]) for row in rows)
+    return k + 1
+
+
+def verify_keys(cfg: PipelineConfig, keys: list[str]) -> frozenset[str] | None:
+    """The samples the processor measures: every one (None) for ``connect.verify: all``, else
+    a seeded sample of N of the manifest's keys (seed ``train.seed``): the same for every task.
+
+    >>> from schemas.config import load_config
+    >>> sorted(verify_keys(load_config(None, ["connect.verify=2"]), ["a", "b", "c", "d"]))
+    ['b', 'd']
+    """
+    n = cfg.connect.verify_samples
+    if n is None:
+        return None
+    return frozenset(random.Random(cfg.train.seed).sample(sorted(keys), min(n, len(keys))))
 
 
 def data_parallel_ranks(cfg: PipelineConfig) -> int:
@@ -645,66 +812,156 @@ def _histogram(df: pd.DataFrame, seq_length: int, path: Path) -> None:
 
 
 def connect_processor(
-    cfg: PipelineConfig, fp: str | None = None, *, visual_tokens: VisualRule | None = None
+    cfg: PipelineConfig,
+    fp: str | None = None,
+    *,
+    visual_tokens: VisualRule | None = None,
+    task: tuple[int, int] | None = None,
 ) -> StageResult:
-    """Measure every sample with the real processor and check the cheap rule against it."""
+    """Measure every sample with the cheap rule and (``connect.verify``) the real processor,
+    check that they agree, and publish the lengths, the forecast and the record.
+
+    ``task=(r, N)`` measures only task r's share of N (``N`` must be ``connect.num_tasks``);
+    without it, a task of a SLURM job step measures its own (:func:`current_task`), and a
+    process on its own measures every task's share in turn. Whichever task finishes last
+    merges the parts and returns the stage's result; any other returns a ``partial`` result
+    (its share is measured; no record, nothing to log). A killed run resumes from its
+    finished parts. ``visual_tokens`` replaces the cheap rule's image-token rule (tests).
+    """
     t0 = time.perf_counter()
     fp = fp or fingerprint_inputs(cfg)
     require_record(cfg, "prepare", by="connect")
-    dataset = dataset_dir(cfg)
-    manifest = pd.read_parquet(dataset / "manifest.parquet")
-    with building(cfg, STAGE) as out:
-        processor = materialize_processor(cfg, out)
-        records = measure_lengths(
-            dataset,
-            processor,
-            num_workers=cfg.prepare.num_workers,
-            visual_tokens=visual_tokens,
-            expected=len(manifest),
-            bridge=renders_for_bridge(cfg),
-            max_num_frames=bridge_max_num_frames(cfg) if renders_for_bridge(cfg) else None,
-        )
-        mismatches = [
-            f"{rec['key']}: the processor counts {rec['exact']['total_tokens']} tokens "
-            f"({rec['exact']['image_tokens']} image, {rec['exact']['loss_tokens']} loss), the "
-            f"cheap rule {rec['cheap']['total_tokens']} ({rec['cheap']['image_tokens']} image, "
-            f"{rec['cheap']['loss_tokens']} loss)"
-            for _, rec in records
-            if rec["exact"] != rec["cheap"]
-        ]
-        if mismatches:
-            raise UserError(
-                mismatches[:50]
-                + ([f"... and {len(mismatches) - 50} more"] if len(mismatches) > 50 else []),
-                f"connect: the cheap length rule disagrees with the processor on "
-                f"{len(mismatches)} of {len(records)} samples",
+    if task is None:
+        task = current_task(cfg)
+    if task is not None:
+        task = Task(*task)
+        if task.world != cfg.connect.num_tasks or not 0 <= task.rank < task.world:
+            raise ValueError(
+                f"connect task {task.rank} of {task.world}: connect.num_tasks is "
+                f"{cfg.connect.num_tasks}, the task must be one of them"
             )
-        df = pd.DataFrame(
-            [
-                {
-                    "key": rec["key"],
-                    "split": split,
-                    **rec["exact"],
-                    "image_grids": rec["image_grids"],
-                    "images_moved": rec["images_moved"],
-                    "video_grids": rec["video_grids"],
-                    "video_frame_counts": rec["video_frame_counts"],
-                }
-                for split, rec in records
-            ]
+        if is_up_to_date(cfg, STAGE, fp):  # a task that starts after another one merged
+            return _task_result(cfg, fp, {"rank": task.rank, "world": task.world}, t0)
+    manifest = pd.read_parquet(dataset_dir(cfg) / "manifest.parquet")
+    parts = PartsDir(cfg, fp)
+    bridge = renders_for_bridge(cfg)
+    measuring = Measuring(
+        dataset=dataset_path(cfg),
+        processor=parts.materialize(lambda out: materialize_processor(cfg, out)),
+        splits=tuple(split for split in SPLITS if (manifest["split"] == split).any()),
+        num_workers=cfg.connect.num_workers,
+        part_size=cfg.connect.part_size,
+        verify_keys=verify_keys(cfg, list(manifest["key"])),
+        visual_tokens=visual_tokens,
+        bridge=bridge,
+        max_num_frames=bridge_max_num_frames(cfg) if bridge else None,
+    )
+    attempt = attempt_id()
+    info: dict[str, Any] = {}
+    for rank in range(parts.world) if task is None else [task.rank]:
+        info = measure_share(measuring, parts.task(rank), attempt=attempt)
+    if not parts.take_merge(attempt):
+        console.log(
+            f"connect: task {info['rank']} of {info['world']} measured its share "
+            f"({info['samples']:,} samples, {info['samples_resumed']:,} of them resumed from "
+            "finished parts); the task that finishes last merges"
         )
-        df = df[LENGTH_COLUMNS]
-        df = df.sort_values(["split", "key"], kind="stable").reset_index(drop=True)
+        return _task_result(cfg, fp, info, t0)
+    return merge_parts(cfg, fp, parts, manifest, t0)
+
+
+def _task_result(cfg: PipelineConfig, fp: str, info: dict[str, Any], t0: float) -> StageResult:
+    """What a task that does not merge returns: its share, no record."""
+    return StageResult(
+        stage=STAGE,
+        out_dir=stage_dir(cfg, STAGE),
+        fingerprint=fp,
+        skipped=False,
+        metrics={
+            "connect/task_samples": float(info.get("samples", 0)),
+            "connect/task_samples_measured": float(info.get("samples_measured", 0)),
+        },
+        summary={"task": info},
+        seconds=time.perf_counter() - t0,
+        partial=True,
+    )
+
+
+def _mismatch(key: str, exact: dict[str, Any], cheap: dict[str, Any]) -> str:
+    return (
+        f"{key}: the processor counts {exact['total_tokens']} tokens "
+        f"({exact['image_tokens']} image, {exact['loss_tokens']} loss), the "
+        f"cheap rule {cheap['total_tokens']} ({cheap['image_tokens']} image, "
+        f"{cheap['loss_tokens']} loss)"
+    )
+
+
+def merge_parts(
+    cfg: PipelineConfig, fp: str, parts: PartsDir, manifest: pd.DataFrame, t0: float
+) -> StageResult:
+    """Every task's parts → the stage dir (lengths, forecast, histogram, Bridge's videos) and
+    its record; then the parts are removed. The processor must agree with the cheap rule on
+    every sample it measured, and every manifest key must have come out of the loader:
+    otherwise a UserError lists them (and the parts are dropped: a rerun measures again)."""
+    records = parts.records()
+    infos = parts.done_info()
+    twice = sorted(set(records["key"][records["key"].duplicated()]))
+    if twice:  # an internal invariant: Energon's shares are disjoint, resumes skip done keys
+        raise RuntimeError(f"connect: {len(twice)} samples measured twice, e.g. {twice[:5]}")
+    exact = [json.loads(x) for x in records["exact"]]
+    cheap = [json.loads(x) for x in records["cheap"]]
+    verified = records["verified"].astype(bool).tolist()
+    mismatches = [
+        _mismatch(key, e, c)
+        for key, e, c, v in zip(records["key"], exact, cheap, verified, strict=True)
+        if v and e != c
+    ]
+    if mismatches:
+        parts.remove()
+        raise UserError(
+            mismatches[:50]
+            + ([f"... and {len(mismatches) - 50} more"] if len(mismatches) > 50 else []),
+            f"connect: the cheap length rule disagrees with the processor on "
+            f"{len(mismatches)} of {sum(verified)} samples",
+        )
+    missing = sorted(set(manifest["key"]) - set(records["key"]))
+    if missing:
+        parts.remove()
+        raise UserError(
+            [f"{len(missing)} manifest keys never came out of the loader, e.g. {missing[:5]}"],
+            "connect: samples lost between prepare and connect",
+        )
+    df = pd.DataFrame(
+        [
+            {
+                "key": key,
+                "split": split,
+                **e,
+                "image_grids": grids,
+                "images_moved": bool(moved),
+                "video_grids": video_grids,
+                "video_frame_counts": counts,
+            }
+            for key, split, e, grids, moved, video_grids, counts in zip(
+                records["key"],
+                records["split"],
+                exact,
+                records["image_grids"],
+                records["images_moved"],
+                records["video_grids"],
+                records["video_frame_counts"],
+                strict=True,
+            )
+        ],
+        columns=LENGTH_COLUMNS,
+    )
+    df = df[LENGTH_COLUMNS].sort_values(["split", "key"], kind="stable").reset_index(drop=True)
+    with building(cfg, STAGE) as out:
+        processor = out / PROCESSOR
+        shutil.copytree(parts.processor, processor)
         validate_table(LengthsModel, df, "lengths.parquet").to_parquet(
             out / "lengths.parquet", index=False
         )
-        missing = sorted(set(manifest["key"]) - set(df["key"]))
-        if missing:
-            raise UserError(
-                [f"{len(missing)} manifest keys never came out of the loader, e.g. {missing[:5]}"],
-                "connect: samples lost between prepare and connect",
-            )
-
         m = cfg.packing.alignment
         train = df[df["split"] == "train"]
         aligned = [align_up(int(n), m) for n in train["total_tokens"]]
@@ -736,6 +993,13 @@ def connect_processor(
     out_dir = stage_dir(cfg, STAGE)
     seconds = time.perf_counter() - t0
     total = df["total_tokens"]
+    n_verified = sum(verified)
+    verify = {
+        "mode": "all" if cfg.connect.verify_samples is None else "sample",
+        "samples": n_verified,
+        "of": len(df),
+        "seed": None if cfg.connect.verify_samples is None else cfg.train.seed,
+    }
     metrics: dict[str, float] = {
         "connect/samples": len(df),
         "connect/train_samples": len(train),
@@ -749,6 +1013,13 @@ def connect_processor(
         "connect/length_max": int(total.max()),
         "connect/overlength": forecast["overlength"],
         "connect/cheap_mismatches": 0,
+        "connect/verified_samples": n_verified,
+        "connect/verify_all": float(cfg.connect.verify_samples is None),
+        "connect/tasks": parts.world,
+        "connect/parts": sum(i["parts"] for i in infos),
+        "connect/parts_resumed": sum(i["parts_resumed"] for i in infos),
+        "connect/samples_resumed": sum(i["samples_resumed"] for i in infos),
+        "connect/samples_measured": sum(i["samples_measured"] for i in infos),
         "connect/fill_lower_bound": forecast["lower_bound"]["fill"],
         "connect/fill_unpacked": forecast["unpacked"]["fill"],
         "connect/ms_per_sample": 1000 * seconds / max(len(df), 1),
@@ -769,6 +1040,7 @@ def connect_processor(
                 "connect/bridge_videos_timestamps_differ": bridge_videos["timestamps"]["videos"],
             }
         )
+    console.log(verify_line(verify))
     console.log(
         "connect: forecast fill "
         + ", ".join(f"B={b}: {v['fill']:.3f}" for b, v in forecast["buffers"].items())
@@ -782,6 +1054,8 @@ def connect_processor(
         metrics={k: float(v) for k, v in metrics.items()},
         summary={
             "processor_dir": str(processor_dir(cfg)),
+            "verify": verify,
+            "tasks": infos,
             "artifacts": [
                 str(out_dir / "forecast.json"),
                 str(out_dir / "length_histogram.png"),
@@ -791,4 +1065,23 @@ def connect_processor(
         seconds=seconds,
     )
     write_record(cfg, result)
+    parts.remove()
     return result
+
+
+def verify_line(verify: dict[str, Any]) -> str:
+    """The console line that says what the processor checked (the record's ``verify``).
+
+    >>> verify_line({"mode": "all", "samples": 2200, "of": 2200, "seed": None})
+    'connect: the processor measured all 2,200 samples and agrees with the cheap rule on each'
+    """
+    if verify["mode"] == "all":
+        return (
+            f"connect: the processor measured all {verify['of']:,} samples and agrees with "
+            "the cheap rule on each"
+        )
+    return (
+        f"connect: the processor measured a seeded sample of {verify['samples']:,} of "
+        f"{verify['of']:,} samples (seed {verify['seed']}) and agrees with the cheap rule on "
+        f"each; the other {verify['of'] - verify['samples']:,} have the cheap rule's lengths"
+    )

@@ -22,10 +22,21 @@ REGISTRY: dict[str, tuple[Callable[[PipelineConfig], str], Callable[..., StageRe
 }
 #: stages whose own MLflow runs nest under the stage's run
 NESTS_RUNS = {"train"}
+#: stages that may run as several tasks at once (connect, :mod:`stages.connect_parts`): one
+#: MLflow run is logged, after the stage, by the task that merges (or a FAILED one by a task
+#: that fails); a task that only measured its share logs nothing, and of several tasks that
+#: find the stage up to date only task 0 logs the skip
+SPREADS = {"connect"}
 
 
 def available_stages() -> list[str]:
     return list(REGISTRY)
+
+
+def _task_rank(cfg: PipelineConfig, name: str) -> int:
+    """This process's task of a stage in :data:`SPREADS` (0 when it runs alone)."""
+    task = connect.current_task(cfg) if name in SPREADS else None
+    return task.rank if task is not None else 0
 
 
 def run_stage(
@@ -36,32 +47,36 @@ def run_stage(
         raise ValueError(f"unknown stage {name!r}; stages: {', '.join(REGISTRY)}")
     fingerprint_fn, stage_fn = REGISTRY[name]
     fp = fingerprint_fn(cfg)
+    tags = {"packline.stage": name, "packline.skipped": "false"}
     if not force and is_up_to_date(cfg, name, fp):
         result = result_from_record(cfg, name)
         console.log(f"[green]{name}: up to date[/] (completion record matches), skipped")
-        tracker = Tracker.start(
-            cfg,
-            name,
-            parent_run_id=parent_run_id,
-            tags={"packline.stage": name, "packline.skipped": "true"},
-        )
-        tracker.log_metrics(result.metrics)
-        tracker.end()
+        if _task_rank(cfg, name) == 0:
+            tracker = Tracker.start(
+                cfg, name, parent_run_id=parent_run_id, tags={**tags, "packline.skipped": "true"}
+            )
+            tracker.log_metrics(result.metrics)
+            tracker.end()
         return result
-    tracker = Tracker.start(
-        cfg,
-        name,
-        parent_run_id=parent_run_id,
-        tags={"packline.stage": name, "packline.skipped": "false"},
-    )
-    try:
-        if name in NESTS_RUNS:
-            result = stage_fn(cfg, fp, parent_run_id=tracker.run_id)
-        else:
+    if name in SPREADS:
+        try:
             result = stage_fn(cfg, fp)
-    except BaseException:
-        tracker.end("FAILED")
-        raise
+        except BaseException:
+            Tracker.start(cfg, name, parent_run_id=parent_run_id, tags=tags).end("FAILED")
+            raise
+        if result.partial:
+            return result
+        tracker = Tracker.start(cfg, name, parent_run_id=parent_run_id, tags=tags)
+    else:
+        tracker = Tracker.start(cfg, name, parent_run_id=parent_run_id, tags=tags)
+        try:
+            if name in NESTS_RUNS:
+                result = stage_fn(cfg, fp, parent_run_id=tracker.run_id)
+            else:
+                result = stage_fn(cfg, fp)
+        except BaseException:
+            tracker.end("FAILED")
+            raise
     tracker.log_metrics({**result.metrics, f"{name}/seconds": result.seconds})
     for artifact in result.summary.get("artifacts", []):
         tracker.log_artifact(Path(artifact))

@@ -165,3 +165,291 @@ def test_flops_forecast_equals_an_actual_epoch_through_the_loader(default_set):
     assert forecast["padding_share_packed"] == 0.0
     assert 0.2 < forecast["padding_share_unpacked"] < 1
     assert result.metrics["flops/saving"] == pytest.approx(forecast["saving"])
+
+
+# --- spreading over tasks and workers, parts, resume, verify ---------------------------------
+
+#: the small built-in set in 7 shards (6 train, 1 val): the tasks' shares cut across shards
+SHARDED = ("prepare.samples_per_shard=10",)
+#: a connect run as a task of a SLURM job (with the SLURM variables set) takes its rank there
+ON_SLURM = ("executor.kind=slurm", "executor.slurm.account=a")
+
+
+def _lengths(result) -> pd.DataFrame:
+    return pd.read_parquet(result.out_dir / "lengths.parquet")
+
+
+@pytest.fixture(scope="module")
+def one_task(tmp_path_factory):
+    """The small set connected as one task: the table every other layout must equal."""
+    cfg = make_config(tmp_path_factory.mktemp("one") / "work", *SHARDED)
+    prepare_dataset(cfg)
+    result = connect_processor(cfg)
+    return cfg, result, _lengths(result)
+
+
+def _measuring(cfg, processor: Path, *, num_workers: int, part_size: int = 1):
+    from stages.base import dataset_path
+    from stages.connect import Measuring
+
+    return Measuring(
+        dataset=dataset_path(cfg),
+        processor=processor,
+        splits=("train", "val"),
+        num_workers=num_workers,
+        part_size=part_size,
+        verify_keys=None,
+    )
+
+
+def _share_keys(loader) -> list[str]:
+    return [sample.__key__ for batch in loader for sample in batch]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_task_shares_hold_every_sample_once_for_any_task_count(one_task, num_workers):
+    from packline.energon.sample import ConversationReader
+    from stages.connect import share_loader
+    from stages.connect_parts import Task
+
+    cfg, result, _ = one_task
+    manifest = pd.read_parquet(cfg.work_path / "prepare" / "manifest.parquet")
+    m = _measuring(cfg, result.out_dir / "processor", num_workers=num_workers)
+    for world in (2, 3):
+        for split in ("train", "val"):
+            keys = [
+                key
+                for rank in range(world)
+                for key in _share_keys(
+                    share_loader(m, split, Task(rank, world), ConversationReader())
+                )
+            ]
+            assert sorted(keys) == sorted(manifest.loc[manifest["split"] == split, "key"])
+            assert len(keys) == len(set(keys)), (world, split)
+
+
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_a_restored_share_continues_after_the_saved_sample(one_task, split):
+    """Energon's own save_state_rank/restore_state_rank on a task's share, with 2 workers:
+    the restored loader yields the samples after the saved one, in the same order. Where a
+    worker had already handed over its whole share (the last samples of the share), Energon
+    7.4 restores that worker as a fresh epoch and it yields its share again: samples seen
+    before the cut, which measure_share drops unmeasured (LengthReader's skip_keys)."""
+    import pickle
+
+    from packline.energon.sample import ConversationReader
+    from stages.connect import share_loader
+    from stages.connect_parts import Task
+
+    cfg, result, _ = one_task
+    m = _measuring(cfg, result.out_dir / "processor", num_workers=2)
+    task = Task(0, 2)
+    full = _share_keys(share_loader(m, split, task, ConversationReader()))
+    for cut in sorted({1, len(full) // 2, len(full) - 2, len(full) - 1} - {0}):
+        loader = share_loader(m, split, task, ConversationReader())
+        batches = iter(loader)
+        first = [sample.__key__ for _ in range(cut) for sample in next(batches)]
+        state = pickle.dumps(loader.save_state_rank())
+        # saving does not disturb the stream (and a loader read to its end shuts its
+        # workers down at once; one left in the middle takes seconds)
+        assert first + [sample.__key__ for batch in batches for sample in batch] == full
+        restored = share_loader(m, split, task, ConversationReader())
+        restored.restore_state_rank(pickle.loads(state))
+        rest = _share_keys(restored)
+        again = [key for key in rest if key in set(first)]
+        assert first + [key for key in rest if key not in set(first)] == full, cut
+        if cut < len(full) - m.num_workers:  # no worker had handed over its whole share
+            assert again == [], cut
+
+
+def test_connect_as_two_slurm_tasks_equals_one_task_and_logs_one_run(
+    one_task, tmp_path: Path, monkeypatch
+):
+    from mlflow.tracking import MlflowClient
+
+    from packline.tracking import tracking_uri
+    from stages.base import read_record
+    from stages.runner import run_stage
+
+    _, reference, table = one_task
+    cfg = make_config(
+        tmp_path / "work", *SHARDED, *ON_SLURM, "connect.num_tasks=2", "connect.part_size=7"
+    )
+    prepare_dataset(cfg)
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    first = run_stage(cfg, "connect")
+    assert first.partial and read_record(cfg, "connect") is None
+    assert not (cfg.work_path / "connect").exists()
+    client = MlflowClient(tracking_uri=tracking_uri(cfg))
+    assert (
+        client.get_experiment_by_name(cfg.name) is None
+    )  # the task that did not merge logs nothing
+    monkeypatch.setenv("SLURM_PROCID", "1")
+    second = run_stage(cfg, "connect")
+    assert not second.partial
+    pd.testing.assert_frame_equal(_lengths(second), table)
+    m = second.metrics
+    assert (m["connect/tasks"], m["connect/samples"], m["connect/samples_measured"]) == (2, 68, 68)
+    assert m["connect/parts_resumed"] == 0
+    tasks = second.summary["tasks"]
+    assert [t["rank"] for t in tasks] == [0, 1] and sum(t["samples"] for t in tasks) == 68
+    assert 0 < tasks[0]["samples"] < 68
+    # (the packed forecast differs: executor slurm trains on the SLURM job's 8 ranks)
+    for key in ("flops/epoch_useful", "flops/tokens_real", "connect/tokens_total"):
+        assert m[key] == reference.metrics[key], key
+    assert not (cfg.work_path / "connect.parts").exists()  # merged, then removed
+    runs = client.search_runs([client.get_experiment_by_name(cfg.name).experiment_id])
+    assert [(r.info.run_name, r.info.status) for r in runs] == [("connect", "FINISHED")]
+    assert runs[0].data.metrics["connect/tasks"] == 2
+    # A third task that starts once the stage is up to date logs no second run.
+    monkeypatch.setenv("SLURM_PROCID", "1")
+    run_stage(cfg, "connect")
+    assert len(client.search_runs([runs[0].info.experiment_id])) == 1
+
+
+def test_connect_tasks_given_explicitly_with_no_loader_workers_equal_one_task(
+    one_task, tmp_path: Path
+):
+    _, _, table = one_task
+    cfg = make_config(tmp_path / "work", *SHARDED, "connect.num_tasks=3", "connect.num_workers=0")
+    prepare_dataset(cfg)
+    results = [connect_processor(cfg, task=(rank, 3)) for rank in (2, 0, 1)]
+    assert [r.partial for r in results] == [True, True, False]
+    pd.testing.assert_frame_equal(_lengths(results[-1]), table)
+    with pytest.raises(ValueError, match="connect.num_tasks is 3"):
+        connect_processor(cfg, task=(0, 2))
+
+
+def test_connect_in_a_job_step_of_another_task_count_is_refused(tmp_path: Path, monkeypatch):
+    from stages.connect_parts import Task, current_task
+
+    cfg = make_config(tmp_path / "work", *ON_SLURM, "connect.num_tasks=2")
+    assert current_task(cfg) is None  # not in a SLURM job: one process, every share
+    monkeypatch.setenv("SLURM_PROCID", "1")
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    assert current_task(cfg) == Task(1, 2)
+    assert current_task(make_config(tmp_path / "local", "connect.num_tasks=2")) is None
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    with pytest.raises(UserError) as info:
+        current_task(cfg)
+    assert "set connect.num_tasks=4" in info.value.problems[0]
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    assert current_task(cfg) is None
+
+
+def test_connect_resumes_after_its_last_finished_part_at_any_cut(one_task, tmp_path: Path):
+    """A task's parts cut after part k (what a kill leaves: the later parts and the done file
+    gone, a torn temp file) resume to the same parts, measuring only the samples after k;
+    one cut lies in the share's last samples, where a worker had finished (see
+    test_a_restored_share_continues_after_the_saved_sample)."""
+    from stages.connect import measure_share
+    from stages.connect_parts import PartsDir
+
+    cfg = make_config(tmp_path / "work", *SHARDED, "connect.num_tasks=2", "connect.part_size=3")
+    prepare_dataset(cfg)
+    _, result, _ = one_task
+    parts = PartsDir(cfg, "f" * 64)
+    m = _measuring(cfg, result.out_dir / "processor", num_workers=2, part_size=3)
+    task = parts.task(0)
+    whole = measure_share(m, task, attempt="whole")
+    keys = [list(pd.read_parquet(path)["key"]) for path, _ in task.finished()]
+    assert sum(map(len, keys)) == whole["samples"] == whole["samples_measured"]
+    train_parts = [state.split for _, state in task.finished()].count("train")
+    for cut in (1, train_parts - 1):
+        for path, _ in task.finished()[cut:]:
+            path.unlink()
+            path.with_suffix(".state").unlink()
+        task.done_path.unlink()
+        (task.dir / f".task000-part{cut:05d}.parquet.tmp").write_bytes(b"torn")
+        resumed = measure_share(m, task, attempt=f"cut{cut}")
+        assert resumed["parts_resumed"] == cut
+        assert resumed["samples_resumed"] == sum(map(len, keys[:cut]))
+        assert resumed["samples_measured"] == whole["samples"] - resumed["samples_resumed"]
+        assert [list(pd.read_parquet(path)["key"]) for path, _ in task.finished()] == keys
+        assert not list(task.dir.glob(".*.tmp"))
+
+
+@pytest.mark.slow
+def test_connect_killed_after_its_first_part_resumes_to_the_same_table(one_task, tmp_path: Path):
+    """``packline stage connect`` SIGKILLed (its whole process group: the loader workers too)
+    as soon as its first part is finished; the rerun measures only the rest."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from schemas.config import PROJECT_ROOT
+    from stages.base import read_record
+    from stages.runner import run_stage
+
+    _, _, table = one_task
+    overrides = [f"work_dir={tmp_path / 'work'}", "data.num_train=60", "data.num_val=8"]
+    overrides += [*SHARDED, "prepare.num_workers=1", "connect.part_size=5", "mlflow.enabled=false"]
+    cfg = make_config(tmp_path / "work", *overrides[1:])
+    prepare_dataset(cfg)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipelines.cli", "stage", "connect", *overrides],
+        cwd=PROJECT_ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    parts = cfg.work_path / "connect.parts"
+    deadline = time.monotonic() + 300
+    while not list(parts.glob("*/*/task000-part00000.state")):
+        assert proc.poll() is None and time.monotonic() < deadline, "connect ended first"
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert read_record(cfg, "connect") is None
+    (task_dir,) = parts.glob("*/tasks*")
+    assert not (task_dir / "task000.done").exists()
+
+    result = run_stage(cfg, "connect")
+    m = result.metrics
+    assert m["connect/parts_resumed"] >= 1
+    assert m["connect/samples_resumed"] == 5 * m["connect/parts_resumed"]
+    assert m["connect/samples_measured"] == 68 - m["connect/samples_resumed"]
+    pd.testing.assert_frame_equal(_lengths(result), table)
+    assert not parts.exists()
+
+
+def test_connect_verify_a_sample_gives_the_same_table_and_says_so(one_task, tmp_path: Path):
+    """``connect.verify: 10``: the processor measures 10 seeded samples, the rest take the
+    cheap rule's lengths, the same on the built-in set (videos included); measured as 2 tasks
+    in turn by one process."""
+    _, _, table = one_task
+    cfg = make_config(
+        tmp_path / "work", *SHARDED, "connect.verify=10", "connect.num_tasks=2", "train.seed=3"
+    )
+    prepare_dataset(cfg)
+    result = connect_processor(cfg)
+    assert not result.partial
+    pd.testing.assert_frame_equal(_lengths(result), table)
+    assert table["num_videos"].sum() > 0
+    assert result.metrics["connect/verified_samples"] == 10
+    assert result.metrics["connect/verify_all"] == 0
+    assert result.summary["verify"] == {"mode": "sample", "samples": 10, "of": 68, "seed": 3}
+    record = json.loads((result.out_dir / "_COMPLETE.json").read_text())
+    assert record["summary"]["verify"]["mode"] == "sample"
+    assert [t["verified_measured"] for t in result.summary["tasks"]] != [0, 0]
+    assert sum(t["verified_measured"] for t in result.summary["tasks"]) == 10
+
+
+def test_connect_verify_a_sample_as_bridge_renders_gives_the_same_outputs(tmp_path: Path):
+    """Backend megatron (Bridge's rendering, its pre-sampled video frames): the cheap rule's
+    records and Bridge's video report without the processor on all but 5 samples equal
+    those of the processor on every one."""
+    megatron = (*SHARDED, "train.backend=megatron", "packing.algorithm=ffd")
+    out = {}
+    for verify in ("all", "5"):
+        cfg = make_config(tmp_path / verify, *megatron, f"connect.verify={verify}")
+        prepare_dataset(cfg)
+        result = connect_processor(cfg)
+        assert result.metrics["connect/verified_samples"] == (68 if verify == "all" else 5)
+        out[verify] = (_lengths(result), (result.out_dir / "bridge_videos.json").read_text())
+    pd.testing.assert_frame_equal(out["5"][0], out["all"][0])
+    assert out["all"][0]["num_videos"].sum() > 0 and out["5"][1] == out["all"][1]
