@@ -1,9 +1,11 @@
 """NeMo-Run executor factories from the config: small functions with defaults.
 
 Local: each stage is a subprocess of this machine, in this venv. SLURM: each stage is a batch
-job; ``prepare``/``connect``/``validate`` ask for one task and no GPU (prepare with a CPU per
-worker process, connect with a CPU per loader worker: :func:`stage_cpus`), ``train`` asks for
-``nodes`` × ``gpus_per_node`` and starts ``nproc_per_node`` processes per node with torchrun.
+job; ``prepare``/``validate`` ask for one task and no GPU, ``connect`` for
+``connect.num_tasks`` tasks over ``connect.nodes`` nodes and no GPU, srun starting each
+(:func:`stage_tasks`; prepare with a CPU per worker process, each connect task with a CPU
+per loader worker: :func:`stage_cpus`), ``train`` asks for ``nodes`` × ``gpus_per_node`` and
+starts ``nproc_per_node`` processes per node with torchrun.
 Jobs are submitted from this machine (LocalTunnel) or over SSH (``executor.slurm.host``); the
 project's packages are shipped into each job's ``code/`` dir, which is the job's working
 directory, so a job runs the code that was submitted, not whatever is installed.
@@ -80,8 +82,28 @@ def stage_cpus(cfg: PipelineConfig, stage: str) -> int | None:
     return None
 
 
+def stage_tasks(cfg: PipelineConfig, stage: str) -> tuple[int, int]:
+    """Nodes and tasks per node of ``stage``'s SLURM job: ``train``, the cluster's nodes ×
+    its processes per node (torchrun starts them); ``connect``, ``connect.nodes`` ×
+    ``connect.num_tasks / connect.nodes`` (srun starts each task, which measures its share);
+    one task on one node for the rest.
+
+    >>> from schemas.config import load_config
+    >>> cfg = load_config(None, ["connect.num_tasks=8", "connect.nodes=2"])
+    >>> stage_tasks(cfg, "connect"), stage_tasks(cfg, "prepare")
+    ((2, 4), (1, 1))
+    """
+    if stage == "train":
+        return cfg.executor.slurm.nodes, train_nproc_per_node(cfg)
+    if stage == "connect":
+        c = cfg.connect
+        return c.nodes, c.num_tasks // c.nodes
+    return 1, 1
+
+
 def slurm_executor(cfg: PipelineConfig, *, job_dir: Path, stage: str) -> run.SlurmExecutor:
-    """One SLURM batch job for ``stage``; ``train`` gets the GPUs and a torchrun launcher."""
+    """One SLURM batch job for ``stage``; ``train`` gets the GPUs and a torchrun launcher,
+    ``connect`` its tasks (:func:`stage_tasks`)."""
     s = cfg.executor.slurm
     is_train = stage == "train"
     env = dict(s.env)  # NeMo-Run exports PYTHONUNBUFFERED=1 itself
@@ -96,13 +118,13 @@ def slurm_executor(cfg: PipelineConfig, *, job_dir: Path, stage: str) -> run.Slu
         if "/nemo_run" in str(job_dir):
             # NeMo-Run rewrites every "/nemo_run" of a host job's sbatch script to the job dir.
             raise UserError([f"work_dir {cfg.work_path} contains '/nemo_run': choose another"])
-    nproc = train_nproc_per_node(cfg)
+    nodes, tasks_per_node = stage_tasks(cfg, stage)
     return run.SlurmExecutor(
         account=s.account,
         partition=s.partition or None,
         job_name_prefix=f"{cfg.name}.",
-        nodes=s.nodes if is_train else 1,
-        ntasks_per_node=nproc if is_train else 1,
+        nodes=nodes,
+        ntasks_per_node=tasks_per_node,
         gpus_per_node=s.gpus_per_node if is_train and s.gpus_per_node else None,
         cpus_per_task=stage_cpus(cfg, stage),
         mem=s.mem,
@@ -115,7 +137,7 @@ def slurm_executor(cfg: PipelineConfig, *, job_dir: Path, stage: str) -> run.Slu
         # A job whose dependency failed is cancelled, not left pending for ever.
         additional_parameters={"kill_on_invalid_dep": "yes"},
         launcher=run.Torchrun() if is_train else None,
-        torchrun_nproc_per_node=nproc if is_train else None,
+        torchrun_nproc_per_node=tasks_per_node if is_train else None,
         poll_estimated_start_time=False,
     )
 

@@ -6,7 +6,8 @@ slurm`` submits one batch job per stage, each after the previous one succeeds; t
 the jobs in SLURM's accounting, the MLflow store, the gathered logs, and that stopping the
 cluster leaves no daemon behind.
 
-The default pipeline's train job asks for 2 of the fake GPUs and runs under torchrun with 2
+The default pipeline's connect job runs as 2 SLURM tasks, whose merged table must equal
+connect as one task. Its train job asks for 2 of the fake GPUs and runs under torchrun with 2
 processes, which train data parallel over gloo (no real GPU here). Two MoE pipelines follow:
 the 30B-A3B EP8 cluster config trained by the local backend on the tiny MoE (EP 8 on 8
 ranks), and PP 2 × EP 2 on 4 ranks.
@@ -180,7 +181,10 @@ def _run_on_slurm(cluster: LocalSlurm, args: list[str], *, ranks: int):
 def test_pipeline_on_local_slurm_runs_stages_in_order(local_slurm: LocalSlurm, tmp_path: Path):
     work = tmp_path / "work"
     t0 = time.perf_counter()
-    result = _run_on_slurm(local_slurm, [f"work_dir={work}", *QUICK], ranks=2)
+    # connect as 2 tasks of its job (srun starts both; the one that finishes last merges)
+    result = _run_on_slurm(
+        local_slurm, [f"work_dir={work}", *QUICK, "connect.num_tasks=2"], ranks=2
+    )
     run_seconds = time.perf_counter() - t0
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-5000:]
@@ -202,6 +206,7 @@ def test_pipeline_on_local_slurm_runs_stages_in_order(local_slurm: LocalSlurm, t
     for before, after in zip(jobs, jobs[1:], strict=False):
         assert after[3] >= before[4], (before, after)  # ISO timestamps compare as text
     assert "gres/gpu=2" in jobs[3][5] and "gres/gpu" not in jobs[0][5]
+    _check_connect_as_two_tasks(local_slurm, work, tmp_path / "one_task", jobs[1][0])
 
     # Each job's logs were gathered; the train job ran under torchrun.
     for stage in stages:
@@ -244,6 +249,41 @@ def test_pipeline_on_local_slurm_runs_stages_in_order(local_slurm: LocalSlurm, t
     )
 
 
+def _check_connect_as_two_tasks(
+    local_slurm: LocalSlurm, work: Path, one_task: Path, job_id: str
+) -> None:
+    """The connect job ran as 2 SLURM tasks, each measuring its share, and its table equals
+    connect as 1 task on the same data (prepared and connected here, in this process)."""
+    import pandas as pd
+
+    from schemas.config import load_config
+    from stages.connect import connect_processor
+    from stages.prepare import prepare_dataset
+
+    steps = subprocess.run(
+        ["sacct", "--parsable2", "--noheader", "-j", job_id, "-o", "JobID,NTasks,State"],
+        env=local_slurm.env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
+    assert any(
+        line.split("|")[1:] == ["2", "COMPLETED"] for line in steps if ".batch" not in line
+    ), steps  # the srun step of the stage: 2 tasks
+    record = json.loads((work / "connect" / "_COMPLETE.json").read_text())
+    tasks = record["summary"]["tasks"]
+    assert [(t["rank"], t["world"]) for t in tasks] == [(0, 2), (1, 2)]
+    assert all(t["samples"] > 0 and t["attempt"] == f"slurm-{job_id}-0" for t in tasks)
+    assert not (work / "connect.parts").exists()
+    cfg = load_config(None, [f"work_dir={one_task}", *QUICK, "mlflow.enabled=false"])
+    prepare_dataset(cfg)
+    alone = connect_processor(cfg)
+    pd.testing.assert_frame_equal(
+        pd.read_parquet(work / "connect" / "lengths.parquet"),
+        pd.read_parquet(alone.out_dir / "lengths.parquet"),
+    )
+
+
 MOE_CONFIG = PROJECT_ROOT / "configs" / "qwen3_vl_30b_a3b_lora_ep8_slurm.yaml"
 #: the 30B-A3B EP8 cluster config, trained by the local backend on the tiny MoE of this
 #: machine: the cluster's paths and container replaced, the same layout (EP 8 on 8 ranks)
@@ -258,6 +298,7 @@ TINY_LOCAL = [
     "executor.slurm.container_mounts=[]",
     "executor.slurm.env={}",
     "train.num_workers=0",
+    "connect.num_workers=1",  # its 8 connect tasks, one CPU each: 8 of the 16 fake CPUs
 ]
 LAYOUTS = {
     # (config, overrides, ranks)

@@ -33,6 +33,17 @@ def test_train_job_gets_gpus_and_torchrun_with_nproc_from_config(tmp_path: Path)
     assert train_nproc_per_node(_cfg(tmp_path, "executor.slurm.gpus_per_node=0")) == 1
 
 
+def test_connect_job_asks_for_its_tasks_over_its_nodes_and_no_gpu(tmp_path: Path):
+    cfg = _cfg(tmp_path, "connect.num_tasks=8", "connect.nodes=2", "connect.num_workers=3")
+    connect = slurm_executor(cfg, job_dir=tmp_path / "jobs", stage="connect")
+    assert (connect.nodes, connect.ntasks_per_node, connect.cpus_per_task) == (2, 4, 3)
+    assert connect.launcher is None and connect.gpus_per_node is None  # srun starts each task
+    one = slurm_executor(_cfg(tmp_path), job_dir=tmp_path / "jobs", stage="connect")
+    assert (one.nodes, one.ntasks_per_node) == (1, 1)
+    with pytest.raises(UserError, match="spread evenly over connect.nodes"):
+        _cfg(tmp_path, "connect.num_tasks=3", "connect.nodes=2")
+
+
 def test_host_jobs_run_this_venv_container_jobs_mount_the_work_dir(tmp_path: Path):
     host = slurm_executor(_cfg(tmp_path), job_dir=tmp_path / "jobs", stage="connect")
     assert host.env_vars["PATH"].startswith(str(Path(sys.executable).parent))
