@@ -206,6 +206,7 @@ def _share_keys(loader) -> list[str]:
     return [sample.__key__ for batch in loader for sample in batch]
 
 
+@pytest.mark.slow  # tens of seconds: several loaders or connects
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_task_shares_hold_every_sample_once_for_any_task_count(one_task, num_workers):
     from packline.energon.sample import ConversationReader
@@ -228,6 +229,7 @@ def test_task_shares_hold_every_sample_once_for_any_task_count(one_task, num_wor
             assert len(keys) == len(set(keys)), (world, split)
 
 
+@pytest.mark.slow  # tens of seconds: several loaders or connects
 @pytest.mark.parametrize("split", ["train", "val"])
 def test_a_restored_share_continues_after_the_saved_sample(one_task, split):
     """Energon's own save_state_rank/restore_state_rank on a task's share, with 2 workers:
@@ -262,6 +264,7 @@ def test_a_restored_share_continues_after_the_saved_sample(one_task, split):
             assert again == [], cut
 
 
+@pytest.mark.slow  # tens of seconds: several loaders or connects
 def test_connect_as_two_slurm_tasks_equals_one_task_and_logs_one_run(
     one_task, tmp_path: Path, monkeypatch
 ):
@@ -339,6 +342,7 @@ def test_connect_in_a_job_step_of_another_task_count_is_refused(tmp_path: Path, 
     assert current_task(cfg) is None
 
 
+@pytest.mark.slow  # tens of seconds: several loaders or connects
 def test_connect_resumes_after_its_last_finished_part_at_any_cut(one_task, tmp_path: Path):
     """A task's parts cut after part k (what a kill leaves: the later parts and the done file
     gone, a torn temp file) resume to the same parts, measuring only the samples after k;
@@ -439,6 +443,7 @@ def test_connect_verify_a_sample_gives_the_same_table_and_says_so(one_task, tmp_
     assert sum(t["verified_measured"] for t in result.summary["tasks"]) == 10
 
 
+@pytest.mark.slow  # tens of seconds: several loaders or connects
 def test_connect_verify_a_sample_as_bridge_renders_gives_the_same_outputs(tmp_path: Path):
     """Backend megatron (Bridge's rendering, its pre-sampled video frames): the cheap rule's
     records and Bridge's video report without the processor on all but 5 samples equal
