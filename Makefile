@@ -6,6 +6,10 @@ STAMP := $(VENV)/.installed
 CONFIG ?=
 ARGS ?=
 WHAT ?= packing
+# pytest-xdist workers for the test targets (each test file stays on one worker, so a module's
+# fixtures, e.g. the local SLURM cluster, start once). TEST_WORKERS=0 runs in this process.
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 .PHONY: run test test-fast bench lint format clean
 
@@ -21,11 +25,11 @@ run: $(STAMP)
 	$(VENV)/bin/packline run $(CONFIG) $(ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q $(XDIST) $(ARGS)
 
 # The inner loop: everything but the tests marked slow (whole pipelines, real subprocesses).
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" $(ARGS)
+	$(PY) -m pytest -q $(XDIST) -m "not slow" $(ARGS)
 
 bench: $(STAMP)
 	$(VENV)/bin/packline bench $(WHAT) $(ARGS)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from tests.bridge_source import CACHE, PINNED, fetch_sources
+from tests.bridge_source import CACHE, PINNED, _fetch_sources, cache_lock
 
 #: Bridge's data-path modules, copied unchanged from the pinned wheel.
 MODULES = (
@@ -92,11 +92,16 @@ def _placeholder_source(names: tuple[str, ...]) -> str:
 
 def bridge_data_tree(cache: Path = CACHE) -> Path:
     """The dir to put on ``PYTHONPATH`` (built once per pinned version)."""
+    with cache_lock(cache):
+        return _bridge_data_tree(cache)
+
+
+def _bridge_data_tree(cache: Path) -> Path:
     root = cache / ("bridge-data-" + "+".join(PINNED))
     stamp = root / ".ok"
     if stamp.is_file():
         return root
-    src = fetch_sources(cache)
+    src = _fetch_sources(cache)
     tmp = root.with_name(root.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)

@@ -9,9 +9,12 @@ following base classes through each module's imports.
 from __future__ import annotations
 
 import ast
+import fcntl
 import subprocess
 import sys
 import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,8 +28,26 @@ class IndexUnreachable(RuntimeError):
     """pip could not reach the package index (no network): the check cannot run here."""
 
 
+@contextmanager
+def cache_lock(cache: Path = CACHE) -> Iterator[None]:
+    """Hold the cache dir's lock: the suite's xdist workers (``make test`` runs two) may ask
+    for the sources at once, and one of them downloads and unpacks while the others wait."""
+    cache.mkdir(parents=True, exist_ok=True)
+    with (cache / ".lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def fetch_sources(cache: Path = CACHE) -> Path:
     """Download (once) and unpack the pinned wheels; return the dir holding ``megatron/``."""
+    with cache_lock(cache):
+        return _fetch_sources(cache)
+
+
+def _fetch_sources(cache: Path) -> Path:
     src = cache / "src"
     stamp = cache / ("+".join(PINNED) + ".ok")
     if stamp.is_file():
