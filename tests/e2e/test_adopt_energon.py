@@ -1,9 +1,10 @@
 """An Energon dataset in Megatron-Bridge's ChatML layout as ``data.source``, as a user runs
-it: ``packline stage prepare`` adopts it in place (every sample checked, the bad ones in
+it: ``packline run``'s prepare adopts it in place (every sample checked, the bad ones in
 ``rejects.jsonl`` with their reason and left out by prepare's own split config, no shard
-copied or rewritten), then ``packline run`` takes the good ones through connect, validate and
-a short training run. The dataset is written by webdataset's writer and indexed by Energon's
-own prepare (``tests/integration/chatml_dataset.py``).
+copied or rewritten), and its connect, validate and a short training run take the good ones
+(tutorial page 2 runs ``packline stage prepare`` alone on such a dataset). The dataset is
+written by webdataset's writer and indexed by Energon's own prepare
+(``tests/integration/chatml_dataset.py``).
 """
 
 from __future__ import annotations
@@ -50,8 +51,8 @@ def test_an_energon_chatml_dataset_is_adopted_in_place_through_the_whole_pipelin
     # 10 of the 24 samples are bad on purpose
     common = [f"work_dir={work}", f"data.source={written.root}", "prepare.max_reject_fraction=0.5"]
 
-    prepared = _packline("stage", "prepare", *common)
-    assert prepared.returncode == 0, prepared.stderr[-3000:]
+    run = _packline("run", *common, *QUICK_TRAIN)
+    assert run.returncode == 0, run.stderr[-3000:]
     out = work / "prepare"
     shard_of = {key: shard for shard, keys in written.shards.items() for key in keys}
     rejects = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
@@ -65,10 +66,7 @@ def test_an_energon_chatml_dataset_is_adopted_in_place_through_the_whole_pipelin
         assert row.num_images == len(written.images[row.key])
     assert not list(out.rglob("*.tar"))  # adopted in place: no shard copied
     assert {"packline.yaml", "bridge.yaml"} <= {p.name for p in out.iterdir()}
-    assert file_stats(written.root) == before
 
-    run = _packline("run", *common, *QUICK_TRAIN)
-    assert run.returncode == 0, run.stderr[-3000:]
     lengths = pd.read_parquet(work / "connect" / "lengths.parquet")
     assert dict(zip(lengths["key"], lengths["split"], strict=True)) == written.good
     report = json.loads((work / "validate" / "report.json").read_text())

@@ -17,6 +17,9 @@ from tests.conftest import make_config
 
 warnings.filterwarnings("ignore", message=".*pin_memory.*")
 SEQ = 2048
+# Enough rows for each of 2 loader workers to fill the largest buffer (256) twice, and they
+# hold row 210, the built-in set's one train conversation longer than SEQ (2,091 tokens).
+EPOCH_ROWS = 1200
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +30,9 @@ def processor_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def default_dataset(tmp_path_factory) -> Path:
     work = tmp_path_factory.mktemp("default") / "work"
-    cfg = make_config(work, "data.num_train=2000", "data.num_val=200", "prepare.num_workers=2")
+    cfg = make_config(
+        work, f"data.num_train={EPOCH_ROWS}", "data.num_val=20", "prepare.num_workers=2"
+    )
     return prepare_dataset(cfg).out_dir
 
 
@@ -60,12 +65,12 @@ def test_one_epoch_yields_every_key_once_and_the_ledger_balances(
         ledger.add(seen=b.seen, packed=b.num_conversations, dropped=b.dropped)
         keys += b.keys + [k for ks in b.dropped.values() for k in ks]
         assert b.input_ids.shape[1] <= SEQ
-    assert len(keys) == len(set(keys)) == 2000  # every key exactly once
+    assert len(keys) == len(set(keys)) == EPOCH_ROWS  # every key exactly once
     ledger.check()
-    assert ledger.seen == 2000
+    assert ledger.seen == EPOCH_ROWS
     assert ledger.dropped == {"overlength": 1}  # the one conversation longer than 2048
     if buffer == 1:  # one conversation per row; the dropped one rides in an empty row
-        assert sum(p.batch.num_conversations == 1 for p in packs) == 1999
+        assert sum(p.batch.num_conversations == 1 for p in packs) == EPOCH_ROWS - 1
         empty = [p.batch for p in packs if p.batch.num_conversations == 0]
         assert len(empty) == 1 and list(empty[0].dropped) == ["overlength"]
 

@@ -298,7 +298,11 @@ TINY_LOCAL = [
     "executor.slurm.container_mounts=[]",
     "executor.slurm.env={}",
     "train.num_workers=0",
-    "connect.num_workers=1",  # its 8 connect tasks, one CPU each: 8 of the 16 fake CPUs
+    # connect as 2 tasks of one worker, not the cluster's 8 of 4: each task loads torch and
+    # the processor, ~6 CPU-seconds on this machine's 2 cores; the pipeline test above checks
+    # that connect's SLURM tasks give one task's table
+    "connect.num_tasks=2",
+    "connect.num_workers=1",
 ]
 LAYOUTS = {
     # (config, overrides, ranks)
