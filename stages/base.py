@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import packline
+from packline.energon.files import PACKLINE_METADATASET
 from schemas.config import STAGES, PipelineConfig, SourceKind
 from schemas.errors import UserError
 
@@ -48,11 +49,6 @@ class StageResult:
 def stage_dir(cfg: PipelineConfig, stage: str) -> Path:
     """``<work>/<stage>``: where ``stage`` publishes its outputs and its record."""
     return cfg.work_path / stage
-
-
-PACKLINE_METADATASET = "packline.yaml"
-"""An adopted Energon dataset's view for packline's own loaders: a ``MetadatasetV2`` in
-prepare's dir over the source dataset, with packline's dataset and split configs."""
 
 
 def dataset_dir(cfg: PipelineConfig) -> Path:

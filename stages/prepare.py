@@ -60,6 +60,7 @@ from packline.conversations import (
     llava_record,
     parse_record,
 )
+from packline.energon.files import BRIDGE_METADATASET, PACKLINE_METADATASET
 from packline.parallel import ordered_map
 from packline.progress import console, progress
 from packline.qwen.vision import ImageGeometry, VideoGeometry
@@ -68,7 +69,6 @@ from schemas.config import PipelineConfig, SourceKind, TrainBackend
 from schemas.errors import UserError
 from schemas.tables import REJECT_REASONS, ManifestModel, RejectsModel, validate_table
 from stages.base import (
-    PACKLINE_METADATASET,
     StageResult,
     building,
     fingerprint,
@@ -90,8 +90,6 @@ BRIDGE_DATASET_YAML = {
     "sample_loader": f"{BRIDGE_SAMPLE_LOADER}:sample_loader",
     "part_filter": f"{BRIDGE_SAMPLE_LOADER}:part_filter",
 }
-#: The file Megatron-Bridge's ``dataset.path`` names (a ``MetadatasetV2`` over the prepare dir).
-BRIDGE_METADATASET = "bridge.yaml"
 #: Bumped when the layout of prepare's outputs changes, so older outputs are rebuilt.
 LAYOUT_VERSION = 3  # 3: videos (<key>.vid<k>.<ext>, "videos" headers, manifest video columns)
 #: Geometry fields of ``processor.*`` that a video processor takes too (the pixel bounds of a

@@ -88,6 +88,7 @@ from packline.conversations import (
     Rejected,
     structure_conversation,
 )
+from packline.energon.files import BRIDGE_METADATASET, PACKLINE_METADATASET
 from schemas.tables import KEY_PATTERN
 
 #: Bridge's sample type, the only dataset config adopted.
@@ -105,8 +106,6 @@ SPLITS = ("train", "val")
 #: The files prepare writes into its dir (see the module docstring).
 SPLIT_CONFIG = "packline_split.yaml"
 DATASET_CONFIG = "packline_dataset.yaml"
-PACKLINE_METADATASET = "packline.yaml"
-BRIDGE_METADATASET = "bridge.yaml"
 #: The subflavor that routes an adopted dataset's crude samples to their cooker
 #: (:data:`packline.energon.sample.CHATML_COOKER`), and the one that carries its field map.
 SOURCE_SUBFLAVOR = "packline_source"

@@ -18,12 +18,11 @@ from megatron.energon import WorkerConfig, get_loader, get_train_dataset, get_va
 
 from packline.conversations import parse_record
 from packline.energon.chatml import (
-    BRIDGE_METADATASET,
-    PACKLINE_METADATASET,
     ChatMLDataset,
     shard_records,
     write_adoption,
 )
+from packline.energon.files import BRIDGE_METADATASET, PACKLINE_METADATASET
 from packline.energon.loader import train_loader, val_loader
 from packline.energon.packing import PackingSettings, make_encoder
 from packline.energon.sample import ConversationReader
@@ -216,13 +215,6 @@ def test_a_saved_loader_state_of_an_adopted_dataset_resumes_the_same_rows(adopte
     resumed = loader()
     resumed.restore_state_rank(first.save_state_rank())
     assert head + [pack.batch.keys for pack in islice(resumed, 5)] == straight
-
-
-def test_the_stages_open_the_files_adoption_writes():
-    from stages import base, megatron_overrides
-
-    assert base.PACKLINE_METADATASET == PACKLINE_METADATASET
-    assert megatron_overrides.BRIDGE_METADATASET == BRIDGE_METADATASET
 
 
 # --- other layouts and edge cases ---------------------------------------------------------------
