@@ -1275,6 +1275,111 @@ def write_shapes_dataset(
     return out_dir
 
 
+# --------------------------------------------------------------------------- pretraining
+
+_CAPTION_PROMPTS = ("<image>", "<image>\nCaption:", "Picture: <image>")
+_FACT_PROMPTS = ("Shapes:", "A fact about shapes.", "Tell me something about shapes.")
+
+
+def _caption_row(seed: int, split: str, index: int, out_dir: Path) -> dict:
+    """An image and its caption (every shape, its colour and position, and their count), as
+    the user's and the assistant's turn: no question is asked."""
+    rng = random.Random(f"packline-pretrain-caption:{seed}:{split}:{index}")
+    row_id = f"pretrain-{split}-{index:06d}"
+    pic = _sample_picture(rng)
+    while (pic.width // 32) * (pic.height // 32) > PRETRAIN_MAX_TOKENS:
+        pic = _sample_picture(rng)  # small pictures: many more of them per packed row
+    rel = f"images/{row_id}.png"
+    _draw_picture(pic).save(out_dir / rel, **_PNG_OPTIONS)
+    caption = _describe_detail(pic) if rng.random() < 0.2 else _describe(pic)
+    return {
+        "id": row_id,
+        "split": split,
+        "images": [rel],
+        "conversations": [
+            {"role": "user", "content": rng.choice(_CAPTION_PROMPTS)},
+            {"role": "assistant", "content": caption},
+        ],
+    }
+
+
+def _fact_row(seed: int, split: str, index: int) -> dict:
+    """Text only: statements about shapes (sides, and groups of shapes counted up), no
+    question asked."""
+    rng = random.Random(f"packline-pretrain-fact:{seed}:{split}:{index}")
+    facts = []
+    for kind in rng.sample(sorted(_SIDES), rng.randint(1, 3)):
+        facts.append(f"{_article(kind).capitalize()} has {_SIDES[kind]} sides.")
+    groups = {}
+    for _ in range(rng.randint(2, 4)):
+        groups.setdefault((rng.choice(COLOUR_NAMES), rng.choice(SHAPE_NAMES)), rng.randint(1, 4))
+    phrases = [
+        f"{NUMBER_WORDS[n]} {colour} {kind if n == 1 else _plural(kind)}"
+        for (colour, kind), n in groups.items()
+    ]
+    total = sum(groups.values())
+    facts.append(f"{_join(phrases).capitalize()} make {total} shapes in all.")
+    rng.shuffle(facts)
+    return {
+        "id": f"pretrain-{split}-{index:06d}",
+        "split": split,
+        "images": [],
+        "conversations": [
+            {"role": "user", "content": rng.choice(_FACT_PROMPTS)},
+            {"role": "assistant", "content": " ".join(facts)},
+        ],
+    }
+
+
+PRETRAIN_TEXT_SHARE = 0.2
+"""Share of the pretraining rows that are text-only statements (the rest are captions)."""
+PRETRAIN_MAX_TOKENS = 256
+"""Pretraining pictures are drawn as the shapes set's, but at most this many visual tokens."""
+
+
+def write_pretraining_set(
+    out_dir: Path,
+    *,
+    num_train: int,
+    num_val: int = 0,
+    seed: int = 0,
+    progress: Callable[[int], None] | None = None,
+) -> Path:
+    """Write the tiny base's pretraining mix to ``out_dir`` (``conversations.jsonl`` and
+    ``images/``, the folder layout :func:`write_shapes_dataset` writes) and return it.
+
+    Not the fine-tuning task: no question is asked. About 80% of the rows are a picture of the
+    shapes set and its caption, which names every shape with its colour and position and
+    counts them; the rest state facts in words (a hexagon's sides, groups of shapes summed).
+    Row ``i`` depends only on ``(seed, split, i)``; the same arguments give the same bytes.
+
+    Example::
+
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as tmp:
+        ...     rows = write_pretraining_set(Path(tmp), num_train=8) / "conversations.jsonl"
+        ...     [json.loads(r)["conversations"][1]["content"][:20] for r in rows.open()][1:3]
+        ['There are 2 shapes: ', 'A hexagon has 6 side']
+    """
+    out_dir = Path(out_dir)
+    (out_dir / "images").mkdir(parents=True, exist_ok=True)
+    final = out_dir / "conversations.jsonl"
+    tmp = out_dir / "conversations.jsonl.tmp"
+    with tmp.open("w", encoding="utf-8", newline="\n") as f:
+        for split, count in (("train", num_train), ("val", num_val)):
+            for index in range(count):
+                text = random.Random(f"packline-pretrain:{seed}:{split}:{index}").random()
+                if text < PRETRAIN_TEXT_SHARE:
+                    row = _fact_row(seed, split, index)
+                else:
+                    row = _caption_row(seed, split, index, out_dir)
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+                if progress is not None:
+                    progress(1)
+    os.replace(tmp, final)
+    return out_dir
+
+
 # --------------------------------------------------------------------------- checking
 
 _SYNONYMS = {

@@ -41,6 +41,8 @@ from schemas.guardrails import Check, Finding, config_findings
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = PROJECT_ROOT / "configs" / "tiny_cpu.yaml"
 STAGES = ("prepare", "connect", "validate", "train")
+TINY_BASE = PROJECT_ROOT / "models" / "tiny-base"
+"""Where ``scripts/build-tiny-base`` writes the tiny Qwen3-VL base by default."""
 
 
 def _check(problems: list[str], ok: bool, message: str) -> None:

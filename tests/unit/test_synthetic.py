@@ -26,11 +26,14 @@ from packline.synthetic import (
     ANSWER_KINDS,
     CLIP_FPS,
     CLIP_KINDS,
+    PRETRAIN_MAX_TOKENS,
+    PRETRAIN_TEXT_SHARE,
     VIDEO_SHARE,
     _Clip,
     _draw_clip,
     _row_clip,
     answer_matches,
+    write_pretraining_set,
     write_shapes_dataset,
 )
 from packline.video import decode_frames, probe_video, write_video
@@ -461,3 +464,32 @@ def test_video_rows_answers_match_their_clips(tmp_path: Path) -> None:
         for ans in row["meta"]["answers"]:
             question = row["conversations"][ans["turn"] - 1]["content"]
             assert ans["answer"] == _expected(question, ans["kind"], facts), row["id"]
+
+
+# --- the tiny base's pretraining mix ------------------------------------------------------------
+
+
+def test_pretraining_mix_is_captions_and_statements_never_a_question(tmp_path: Path) -> None:
+    out = write_pretraining_set(tmp_path / "a", num_train=300, num_val=20)
+    rows = _rows(out)
+    assert [r["split"] for r in rows] == ["train"] * 300 + ["val"] * 20
+    text = [r for r in rows if not r["images"]]
+    assert abs(len(text) / len(rows) - PRETRAIN_TEXT_SHARE) < 0.07
+    for r in rows:
+        user, assistant = r["conversations"]
+        assert (user["role"], assistant["role"]) == ("user", "assistant")
+        assert "?" not in user["content"] + assistant["content"]  # no question asked
+        assert user["content"].count("<image>") == len(r["images"]) <= 1
+    for r in rows:
+        if r["images"]:
+            reply = r["conversations"][1]["content"]
+            with Image.open(out / r["images"][0]) as img:
+                assert (img.width // 32) * (img.height // 32) <= PRETRAIN_MAX_TOKENS
+            n = int(re.search(r"(\d+) shapes?", reply).group(1))  # the caption counts them
+            assert 1 <= n <= 6
+    # deterministic, and a row does not depend on how many are written
+    again = write_pretraining_set(tmp_path / "b", num_train=100, num_val=0)
+    assert _rows(again) == rows[:100]
+    for r in rows[:100]:
+        for image in r["images"]:
+            assert (again / image).read_bytes() == (out / image).read_bytes()
