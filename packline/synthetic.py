@@ -1259,16 +1259,31 @@ def write_shapes_dataset(
     (out_dir / "images").mkdir(parents=True, exist_ok=True)
     if video_share > 0:
         (out_dir / "clips").mkdir(exist_ok=True)
+
+    def make(split: str, index: int) -> dict:
+        if _is_video_row(seed, split, index, video_share):
+            return _make_video_row(seed, split, index, out_dir)
+        return _make_row(seed, split, index, out_dir)
+
+    return _write_rows(out_dir, make, num_train=num_train, num_val=num_val, progress=progress)
+
+
+def _write_rows(
+    out_dir: Path,
+    make: Callable[[str, int], dict],
+    *,
+    num_train: int,
+    num_val: int,
+    progress: Callable[[int], None] | None,
+) -> Path:
+    """``conversations.jsonl`` of ``make(split, index)`` for every train then val row, written
+    to a temp file and moved into place when whole."""
     final = out_dir / "conversations.jsonl"
     tmp = out_dir / "conversations.jsonl.tmp"
     with tmp.open("w", encoding="utf-8", newline="\n") as f:
         for split, count in (("train", num_train), ("val", num_val)):
             for index in range(count):
-                if _is_video_row(seed, split, index, video_share):
-                    row = _make_video_row(seed, split, index, out_dir)
-                else:
-                    row = _make_row(seed, split, index, out_dir)
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+                f.write(json.dumps(make(split, index), ensure_ascii=False) + "\n")
                 if progress is not None:
                     progress(1)
     os.replace(tmp, final)
@@ -1363,21 +1378,14 @@ def write_pretraining_set(
     """
     out_dir = Path(out_dir)
     (out_dir / "images").mkdir(parents=True, exist_ok=True)
-    final = out_dir / "conversations.jsonl"
-    tmp = out_dir / "conversations.jsonl.tmp"
-    with tmp.open("w", encoding="utf-8", newline="\n") as f:
-        for split, count in (("train", num_train), ("val", num_val)):
-            for index in range(count):
-                text = random.Random(f"packline-pretrain:{seed}:{split}:{index}").random()
-                if text < PRETRAIN_TEXT_SHARE:
-                    row = _fact_row(seed, split, index)
-                else:
-                    row = _caption_row(seed, split, index, out_dir)
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
-                if progress is not None:
-                    progress(1)
-    os.replace(tmp, final)
-    return out_dir
+
+    def make(split: str, index: int) -> dict:
+        text = random.Random(f"packline-pretrain:{seed}:{split}:{index}").random()
+        if text < PRETRAIN_TEXT_SHARE:
+            return _fact_row(seed, split, index)
+        return _caption_row(seed, split, index, out_dir)
+
+    return _write_rows(out_dir, make, num_train=num_train, num_val=num_val, progress=progress)
 
 
 # --------------------------------------------------------------------------- checking
