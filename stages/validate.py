@@ -658,6 +658,33 @@ def _model_config(x: Inputs) -> list[Issue]:
     ]
 
 
+@MODEL_RULES.rule(
+    "model.moe", "model", "model.moe says what model.path's checkpoint is (dense or MoE)"
+)
+def _moe_flag(x: Inputs) -> list[Issue] | None:
+    if not x.model_ok or not x.cfg.model.path:
+        return None
+    is_moe = x.model_config.model_type == "qwen3_vl_moe"
+    if is_moe == x.cfg.model.moe:
+        return []
+    what = "an MoE (qwen3_vl_moe)" if is_moe else "a dense (qwen3_vl)"
+    fix = (
+        "set model.moe=true"
+        if is_moe
+        else "set model.path=null to build the tiny MoE at random, or point model.path at an "
+        "MoE checkpoint"
+    )
+    return [
+        error(
+            "model.moe",
+            f"model.moe is {str(x.cfg.model.moe).lower()} but model.path {x.cfg.model.path!r} "
+            f"holds {what} model: the MoE settings (experts, EP, the router's loss) would "
+            "not apply to what trains",
+            fix,
+        )
+    ]
+
+
 #: processor token → model config attribute that must hold the same id
 TOKEN_ID_FIELDS = (
     ("image_token_id", "<|image_pad|>"),

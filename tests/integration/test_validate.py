@@ -501,6 +501,34 @@ def test_lora_targets_matching_nothing_on_moe_experts_are_errors(connected, caps
     assert code == 0 and problems == []
 
 
+def test_model_moe_must_say_what_model_path_holds(connected, tmp_path, capsys):
+    dense = _model_dir(connected, tmp_path)  # a dense Qwen3-VL checkpoint's config.json
+    code, problems, _ = _validate(
+        connected,
+        capsys,
+        "model.moe=true",
+        f"model.path={dense}",
+        "lora.target_modules=[q_proj,k_proj,v_proj,o_proj]",
+        "lora.target_parameters=[mlp.experts.gate_up_proj,mlp.experts.down_proj]",
+    )
+    assert code == 2
+    assert problems[0] == (
+        f"model.moe is true but model.path '{dense}' holds a dense (qwen3_vl) model: the MoE "
+        "settings (experts, EP, the router's loss) would not apply to what trains; fix: set "
+        "model.path=null to build the tiny MoE at random, or point model.path at an MoE "
+        "checkpoint"
+    )
+    moe = tmp_path / "moe"
+    tiny_config(load_processor(connected / "connect" / "processor"), moe=True).save_pretrained(moe)
+    code, problems, _ = _validate(connected, capsys, f"model.path={moe}")
+    assert code == 2
+    assert (
+        f"model.moe is false but model.path '{moe}' holds an MoE (qwen3_vl_moe) model: the MoE "
+        "settings (experts, EP, the router's loss) would not apply to what trains; fix: set "
+        "model.moe=true"
+    ) in problems
+
+
 def test_lora_target_typos_and_unwrappable_modules_are_errors(connected, capsys):
     code, problems, _ = _validate(
         connected,
