@@ -42,7 +42,19 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = PROJECT_ROOT / "configs" / "tiny_cpu.yaml"
 STAGES = ("prepare", "connect", "validate", "train")
 TINY_BASE = PROJECT_ROOT / "models" / "tiny-base"
-"""Where ``scripts/build-tiny-base`` writes the tiny Qwen3-VL base by default."""
+"""Where ``scripts/build-tiny-base`` writes the tiny Qwen3-VL base by default (a config
+names it ``model.path: ${project:models/tiny-base}``)."""
+
+
+def project_path(rel: str = "") -> str:
+    """The ``${project:REL}`` interpolation of a config value: ``REL`` inside this checkout,
+    wherever it lies and whatever the working directory (e.g. a base ``scripts/build-tiny-base``
+    wrote into ``models/``)."""
+    return str(PROJECT_ROOT / rel)
+
+
+if not OmegaConf.has_resolver("project"):
+    OmegaConf.register_resolver("project", project_path)
 
 
 def _check(problems: list[str], ok: bool, message: str) -> None:

@@ -50,6 +50,7 @@ from stages.base import (
     StageResult,
     dataset_path,
     fingerprint,
+    hash_tree,
     is_up_to_date,
     processor_dir,
     require_record,
@@ -84,7 +85,11 @@ def fingerprint_inputs(cfg: PipelineConfig) -> str:
     sections = ["model", "lora", "train", "packing"]
     if cfg.train.backend == TrainBackend.megatron:
         sections.append("megatron")
-    return fingerprint(connect.fingerprint_inputs(cfg), cfg.section_hash(*sections))
+    # The checkpoint's files (path, size, mtime): a base rebuilt at the same path retrains,
+    # and the old run's adapters are not resumed onto it.
+    model_dir = Path(cfg.model.path).expanduser() if cfg.model.path else None
+    weights = hash_tree(model_dir) if model_dir is not None and model_dir.is_dir() else None
+    return fingerprint(connect.fingerprint_inputs(cfg), cfg.section_hash(*sections), weights)
 
 
 def _claim_run_dir(run_dir: Path, fp: str) -> None:

@@ -96,6 +96,28 @@ def test_overrides_apply_after_yaml():
     assert cfg.lora.target_modules == ["q_proj", "v_proj"]
 
 
+def test_project_interpolation_names_a_path_inside_the_checkout(tmp_path: Path):
+    yaml_path = tmp_path / "mine.yaml"
+    yaml_path.write_text("name: mine\nmodel:\n  path: ${project:models/other}\n")
+    assert load_config(yaml_path).model.path == str(PROJECT_ROOT / "models" / "other")
+    cfg = load_config(None, ["model.path=${project:models/tiny-base}"])
+    assert cfg.model.path == str(PROJECT_ROOT / "models" / "tiny-base")
+
+
+def test_a_base_rebuilt_at_the_same_path_changes_the_train_fingerprint(tmp_path: Path):
+    from stages import train
+
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_text("{}")
+    (base / "model.safetensors").write_bytes(b"a" * 8)
+    cfg = load_config(None, [f"work_dir={tmp_path / 'w'}", f"model.path={base}"])
+    first = train.fingerprint_inputs(cfg)
+    assert train.fingerprint_inputs(cfg) == first
+    (base / "model.safetensors").write_bytes(b"b" * 9)  # rebuilt: same config, new weights
+    assert train.fingerprint_inputs(cfg) != first
+
+
 @pytest.mark.parametrize(
     ("tp", "cp", "sp", "expected"),
     [
