@@ -4,7 +4,8 @@ A LoRA fine-tune is meant to adapt a pretrained model, and none can be downloade
 the project makes its own: the tiny dense Qwen3-VL (:func:`packline.qwen.model.build_tiny_model`)
 trained in full, in fp32 on the CPU, from a seed, on a mix that is *not* the default
 fine-tuning task (:func:`packline.synthetic.write_pretraining_set`: captions of the shapes
-pictures, and statements about shapes in words; no question is asked). The data goes the
+pictures, statements about shapes in words and text-only chat; nothing is asked about a
+picture). The data goes the
 way every packline run's does: prepare's shards, the lazy encoder, Energon's online packing
 into rows of ``seq_length`` tokens, the packed forward with its per-token loss.
 
@@ -54,6 +55,18 @@ class PretrainSettings:
     seed: int = 0
     threads: int = 2
     """torch intra-op threads: fixed, so the losses repeat bitwise on one machine kind."""
+    vision_hidden_size: int = 64
+    """Width of the vision tower (the random tiny model's is 64); its MLP is twice as wide."""
+    vision_depth: int = 2
+
+    def vision(self) -> dict:
+        """The vision config entries that differ from the random tiny model's."""
+        return {
+            "hidden_size": self.vision_hidden_size,
+            "intermediate_size": 2 * self.vision_hidden_size,
+            "depth": self.vision_depth,
+            "deepstack_visual_indexes": [self.vision_depth // 2 - 1, self.vision_depth - 1],
+        }
 
 
 def _row_stream(dataset: Path, processor_dir: Path, s: PretrainSettings):
@@ -91,7 +104,7 @@ def _pretrain(out_dir: Path, s: PretrainSettings, dataset: Path, work_dir: Path,
     processor = load_processor(processor_dir)
     ids = special_token_ids(processor)
 
-    model = set_text_attention(build_tiny_model(processor, seed=s.seed), "thd")
+    model = set_text_attention(build_tiny_model(processor, seed=s.seed, vision=s.vision()), "thd")
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=s.lr, weight_decay=s.weight_decay)

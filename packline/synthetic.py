@@ -1296,9 +1296,45 @@ _CAPTION_PROMPTS = ("<image>", "<image>\nCaption:", "Picture: <image>")
 _FACT_PROMPTS = ("Shapes:", "A fact about shapes.", "Tell me something about shapes.")
 
 
+def _caption_by_cell(pic: _Picture) -> str:
+    """Every shape after its grid cell, in reading order, then the counts: the words that
+    say where come first, the colour and kind after them."""
+    lines = [
+        f"{_PREPOSITION[s.position].capitalize()}, {_article(s.colour + ' ' + s.kind)}."
+        for s in pic.shapes
+    ]
+    return " ".join([*lines, _counts(pic)])
+
+
+def _caption_by_kind(pic: _Picture) -> str:
+    """Every shape named by its kind and cell first, its colour last, then the counts."""
+    lines = [f"The {s.kind} {_PREPOSITION[s.position]} is {s.colour}." for s in pic.shapes]
+    return " ".join([*lines, _counts(pic)])
+
+
+def _counts(pic: _Picture) -> str:
+    """How many shapes, of each colour and of each kind, as digits."""
+    n = len(pic.shapes)
+    colours = Counter(s.colour for s in pic.shapes)
+    kinds = Counter(s.kind for s in pic.shapes)
+    return (
+        f"{n} {'shape' if n == 1 else 'shapes'} in all: "
+        + _join([f"{k} {c}" for c, k in sorted(colours.items())])
+        + "; "
+        + _join([f"{k} {c if k == 1 else _plural(c)}" for c, k in sorted(kinds.items())])
+        + "."
+    )
+
+
+_CAPTION_STYLES = (_describe, _caption_by_cell, _caption_by_kind, _describe_detail)
+_CAPTION_WEIGHTS = (0.35, 0.25, 0.25, 0.15)
+
+
 def _caption_row(seed: int, split: str, index: int, out_dir: Path) -> dict:
     """An image and its caption (every shape, its colour and position, and their count), as
-    the user's and the assistant's turn: no question is asked."""
+    the user's and the assistant's turn: no question is asked. The caption lists the shapes
+    in one of four styles (:data:`_CAPTION_STYLES`), so the base learns each attribute from
+    the others, not only in one order."""
     rng = random.Random(f"packline-pretrain-caption:{seed}:{split}:{index}")
     row_id = f"pretrain-{split}-{index:06d}"
     pic = _sample_picture(rng)
@@ -1306,7 +1342,7 @@ def _caption_row(seed: int, split: str, index: int, out_dir: Path) -> dict:
         pic = _sample_picture(rng)  # small pictures: many more of them per packed row
     rel = f"images/{row_id}.png"
     _draw_picture(pic).save(out_dir / rel, **_PNG_OPTIONS)
-    caption = _describe_detail(pic) if rng.random() < 0.2 else _describe(pic)
+    caption = rng.choices(_CAPTION_STYLES, weights=_CAPTION_WEIGHTS)[0](pic)
     return {
         "id": row_id,
         "split": split,
@@ -1319,8 +1355,8 @@ def _caption_row(seed: int, split: str, index: int, out_dir: Path) -> dict:
 
 
 def _fact_row(seed: int, split: str, index: int) -> dict:
-    """Text only: statements about shapes (sides, and groups of shapes counted up), no
-    question asked."""
+    """Text only: statements about shapes (sides, and groups of shapes counted up, in all,
+    by colour and by kind), no question asked."""
     rng = random.Random(f"packline-pretrain-fact:{seed}:{split}:{index}")
     facts = []
     for kind in rng.sample(sorted(_SIDES), rng.randint(1, 3)):
@@ -1333,7 +1369,15 @@ def _fact_row(seed: int, split: str, index: int) -> dict:
         for (colour, kind), n in groups.items()
     ]
     total = sum(groups.values())
-    facts.append(f"{_join(phrases).capitalize()} make {total} shapes in all.")
+    colours, kinds = Counter(), Counter()
+    for (colour, kind), n in groups.items():
+        colours[colour] += n
+        kinds[kind] += n
+    by_colour = _join([f"{n} {c}" for c, n in sorted(colours.items())])
+    by_kind = _join([f"{n} {k if n == 1 else _plural(k)}" for k, n in sorted(kinds.items())])
+    facts.append(
+        f"{_join(phrases).capitalize()} make {total} shapes in all: {by_colour}; {by_kind}."
+    )
     rng.shuffle(facts)
     return {
         "id": f"pretrain-{split}-{index:06d}",
@@ -1346,8 +1390,44 @@ def _fact_row(seed: int, split: str, index: int) -> dict:
     }
 
 
+def _chat_row(seed: int, split: str, index: int) -> dict:
+    """Text-only chat: a short question about a list of words or numbers in the message and
+    its short answer (the bare word or number, or a sentence holding it). Nothing about
+    shapes in pictures: it teaches the base to answer a question from what it is shown."""
+    rng = random.Random(f"packline-pretrain-chat:{seed}:{split}:{index}")
+    words = rng.sample([*COLOUR_NAMES, *SHAPE_NAMES, *DIRECTION_NAMES], rng.randint(3, 6))
+    listed = ", ".join(words)
+    kind = rng.randrange(4)
+    if kind == 0:
+        a, b = rng.randint(0, 9), rng.randint(0, 9)
+        q, short, long = f"What is {a} plus {b}?", str(a + b), f"{a} plus {b} is {a + b}."
+    elif kind == 1:
+        i = rng.randrange(len(words))
+        nth = ("first", "second", "third", "fourth", "fifth", "sixth")[i]
+        q = f"Words: {listed}. What is the {nth} word?"
+        short, long = words[i], f"The {nth} word is {words[i]}."
+    elif kind == 2:
+        i = rng.randrange(len(words) - 1)
+        q = f"Words: {listed}. Which word comes after {words[i]}?"
+        short, long = words[i + 1], f"After {words[i]} comes {words[i + 1]}."
+    else:
+        q = f"Words: {listed}. How many words are there?"
+        short, long = str(len(words)), f"There are {len(words)} words."
+    return {
+        "id": f"pretrain-{split}-{index:06d}",
+        "split": split,
+        "images": [],
+        "conversations": [
+            {"role": "user", "content": q},
+            {"role": "assistant", "content": short if rng.random() < 0.65 else long},
+        ],
+    }
+
+
 PRETRAIN_TEXT_SHARE = 0.2
-"""Share of the pretraining rows that are text-only statements (the rest are captions)."""
+"""Share of the pretraining rows that are text-only statements."""
+PRETRAIN_CHAT_SHARE = 0.2
+"""Share of the pretraining rows that are text-only chat (the rest are captions)."""
 PRETRAIN_MAX_TOKENS = 256
 """Pretraining pictures are drawn as the shapes set's, but at most this many visual tokens."""
 
@@ -1363,18 +1443,20 @@ def write_pretraining_set(
     """Write the tiny base's pretraining mix to ``out_dir`` (``conversations.jsonl`` and
     ``images/``, the folder layout :func:`write_shapes_dataset` writes) and return it.
 
-    Not the fine-tuning task: no question is asked. About 80% of the rows are a picture of the
-    shapes set and its caption, which names every shape with its colour and position and
-    counts them; the rest state facts in words (a hexagon's sides, groups of shapes summed).
-    Row ``i`` depends only on ``(seed, split, i)``; the same arguments give the same bytes.
+    Not the fine-tuning task: nothing is asked about a picture. About 60% of the rows are a
+    picture of the shapes set and its caption, which names every shape with its colour and
+    position and counts them (in one of four styles); 20% state facts in words (a hexagon's
+    sides, groups of shapes summed); 20% are text-only chat, a short question about a list of
+    words or a sum and its short answer (:func:`_chat_row`). Row ``i`` depends only on
+    ``(seed, split, i)``; the same arguments give the same bytes.
 
     Example::
 
         >>> import tempfile
         >>> with tempfile.TemporaryDirectory() as tmp:
         ...     rows = write_pretraining_set(Path(tmp), num_train=8) / "conversations.jsonl"
-        ...     [json.loads(r)["conversations"][1]["content"][:20] for r in rows.open()][1:3]
-        ['There are 2 shapes: ', 'A hexagon has 6 side']
+        ...     [json.loads(r)["conversations"][1]["content"][:20] for r in rows.open()][2:5]
+        ['A hexagon has 6 side', 'In the centre, a gre', 'After red comes down']
     """
     out_dir = Path(out_dir)
     (out_dir / "images").mkdir(parents=True, exist_ok=True)
@@ -1383,6 +1465,8 @@ def write_pretraining_set(
         text = random.Random(f"packline-pretrain:{seed}:{split}:{index}").random()
         if text < PRETRAIN_TEXT_SHARE:
             return _fact_row(seed, split, index)
+        if text < PRETRAIN_TEXT_SHARE + PRETRAIN_CHAT_SHARE:
+            return _chat_row(seed, split, index)
         return _caption_row(seed, split, index, out_dir)
 
     return _write_rows(out_dir, make, num_train=num_train, num_val=num_val, progress=progress)

@@ -26,6 +26,7 @@ from packline.synthetic import (
     ANSWER_KINDS,
     CLIP_FPS,
     CLIP_KINDS,
+    PRETRAIN_CHAT_SHARE,
     PRETRAIN_MAX_TOKENS,
     PRETRAIN_TEXT_SHARE,
     VIDEO_SHARE,
@@ -469,17 +470,22 @@ def test_video_rows_answers_match_their_clips(tmp_path: Path) -> None:
 # --- the tiny base's pretraining mix ------------------------------------------------------------
 
 
-def test_pretraining_mix_is_captions_and_statements_never_a_question(tmp_path: Path) -> None:
+def test_pretraining_mix_is_captions_statements_and_text_chat(tmp_path: Path) -> None:
     out = write_pretraining_set(tmp_path / "a", num_train=300, num_val=20)
     rows = _rows(out)
     assert [r["split"] for r in rows] == ["train"] * 300 + ["val"] * 20
+    chat = [r for r in rows if "?" in r["conversations"][0]["content"]]
     text = [r for r in rows if not r["images"]]
-    assert abs(len(text) / len(rows) - PRETRAIN_TEXT_SHARE) < 0.07
+    assert abs(len(chat) / len(rows) - PRETRAIN_CHAT_SHARE) < 0.07
+    assert abs((len(text) - len(chat)) / len(rows) - PRETRAIN_TEXT_SHARE) < 0.07
     for r in rows:
         user, assistant = r["conversations"]
         assert (user["role"], assistant["role"]) == ("user", "assistant")
-        assert "?" not in user["content"] + assistant["content"]  # no question asked
+        assert "?" not in assistant["content"]
         assert user["content"].count("<image>") == len(r["images"]) <= 1
+    for r in chat:  # the only questions: text-only, never about a picture
+        assert not r["images"]
+        assert not any(k in r["conversations"][0]["content"] for k in ("image", "picture"))
     for r in rows:
         if r["images"]:
             reply = r["conversations"][1]["content"]
