@@ -55,18 +55,6 @@ class PretrainSettings:
     seed: int = 0
     threads: int = 2
     """torch intra-op threads: fixed, so the losses repeat bitwise on one machine kind."""
-    vision_hidden_size: int = 64
-    """Width of the vision tower (the random tiny model's is 64); its MLP is twice as wide."""
-    vision_depth: int = 2
-
-    def vision(self) -> dict:
-        """The vision config entries that differ from the random tiny model's."""
-        return {
-            "hidden_size": self.vision_hidden_size,
-            "intermediate_size": 2 * self.vision_hidden_size,
-            "depth": self.vision_depth,
-            "deepstack_visual_indexes": [self.vision_depth // 2 - 1, self.vision_depth - 1],
-        }
 
 
 def _row_stream(dataset: Path, processor_dir: Path, s: PretrainSettings):
@@ -104,7 +92,7 @@ def _pretrain(out_dir: Path, s: PretrainSettings, dataset: Path, work_dir: Path,
     processor = load_processor(processor_dir)
     ids = special_token_ids(processor)
 
-    model = set_text_attention(build_tiny_model(processor, seed=s.seed, vision=s.vision()), "thd")
+    model = set_text_attention(build_tiny_model(processor, seed=s.seed), "thd")
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=s.lr, weight_decay=s.weight_decay)

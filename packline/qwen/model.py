@@ -57,18 +57,14 @@ TINY_VISION = dict(
 )
 
 
-def tiny_config(
-    processor, *, moe: bool = False, attn: str = "sdpa", vision: dict | None = None
-) -> Qwen3VLConfig:
-    """The tiny Qwen3-VL (or Qwen3-VL-MoE) config matching ``processor``; ``vision``
-    overrides entries of :data:`TINY_VISION` (the pretrained base's wider vision tower)."""
+def tiny_config(processor, *, moe: bool = False, attn: str = "sdpa") -> Qwen3VLConfig:
+    """The tiny Qwen3-VL (or Qwen3-VL-MoE) config matching ``processor``."""
     geometry = processor_geometry(processor)
     text = {**TINY_TEXT, "vocab_size": len(processor.tokenizer)}
     if moe:
         text.update(TINY_MOE)
     vision = {
         **TINY_VISION,
-        **(vision or {}),
         "patch_size": geometry.patch_size,
         "temporal_patch_size": geometry.temporal_patch_size,
         "spatial_merge_size": geometry.merge_size,
@@ -85,10 +81,10 @@ def tiny_config(
 
 
 def build_tiny_model(
-    processor, *, moe: bool = False, attn: str = "sdpa", seed: int = 0, vision: dict | None = None
+    processor, *, moe: bool = False, attn: str = "sdpa", seed: int = 0
 ) -> Qwen3VLForConditionalGeneration:
     """A randomly initialised tiny model; the same seed gives the same weights."""
-    cfg = tiny_config(processor, moe=moe, attn=attn, vision=vision)
+    cfg = tiny_config(processor, moe=moe, attn=attn)
     cls = Qwen3VLMoeForConditionalGeneration if moe else Qwen3VLForConditionalGeneration
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
