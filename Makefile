@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# Exact versions of everything the suite passed on (pyproject.toml keeps the supported ranges).
+LOCK := requirements.lock
 CONFIG ?=
 ARGS ?=
 WHAT ?= packing
@@ -11,14 +13,14 @@ WHAT ?= packing
 TEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),-p no:xdist,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
-.PHONY: run test test-fast bench lint format clean
+.PHONY: run test test-fast bench lint format lock clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first and pinned: an unpinned torch (direct or transitive) pulls a multi-GB CUDA build.
 	$(PY) -m pip install --quiet torch==2.14.1 torchvision==0.29.1
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -c $(LOCK) -e '.[dev]'
 	touch $(STAMP)
 
 run: $(STAMP)
@@ -41,6 +43,15 @@ lint: $(STAMP)
 format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
+
+# Upgrade the venv to the newest versions pyproject.toml allows and write them to the lock.
+# A new release can change what packline measures (transformers 5.25 dropped two tokens per
+# video): run make test on the result before committing it.
+lock: $(STAMP)
+	$(PY) -m pip install --quiet --upgrade --upgrade-strategy eager -e '.[dev]'
+	( sed -n '1,3p' $(LOCK); $(PY) -m pip freeze --exclude-editable ) > $(LOCK).new
+	mv $(LOCK).new $(LOCK)
+	touch $(STAMP)
 
 clean:
 	rm -rf runs .pytest_cache
