@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 
 from rich.console import Console
 from rich.progress import (
@@ -22,10 +23,59 @@ from rich.table import Table
 console = Console(stderr=True)
 
 
-def progress(*, disable: bool = False) -> Progress:
-    """A progress display for long stage work (a no-op refresh when not on a terminal;
-    ``disable`` shows nothing, e.g. on data-parallel ranks other than 0)."""
-    return Progress(
+LOG_EVERY_S = 30.0
+"""Seconds between the plain progress lines written where stderr is not a terminal."""
+
+
+class _Progress(Progress):
+    """rich's Progress that, where stderr is not a terminal (a SLURM job's log, a pipe),
+    writes a plain line per task at most every ``log_every`` seconds and when it finishes,
+    e.g. ``pretraining: loss 0.459  757/900 (84%)  elapsed 0:37:12  remaining 0:07:03``: a
+    log then shows how far a long job is, which the bar alone only does on a terminal."""
+
+    def __init__(self, *columns, log_every: float, **kwargs):
+        super().__init__(*columns, **kwargs)
+        self._log_every = log_every
+        self._logged: dict = {}
+
+    def update(self, task_id, **kwargs) -> None:
+        super().update(task_id, **kwargs)
+        self._log(task_id)
+
+    def advance(self, task_id, advance: float = 1) -> None:
+        super().advance(task_id, advance)
+        self._log(task_id)
+
+    def _log(self, task_id) -> None:
+        if self.disable or self.console.is_terminal:
+            return
+        task = self._tasks[task_id]
+        now = time.monotonic()
+        done = task.total is not None and task.completed >= task.total
+        if not done and now - self._logged.get(task_id, -float("inf")) < self._log_every:
+            return
+        if done and self._logged.get(task_id) == "done":
+            return
+        self._logged[task_id] = "done" if done else now
+        line = f"{task.description}  {task.completed:,.0f}"
+        if task.total is not None:
+            line += f"/{task.total:,.0f} ({task.percentage:.0f}%)"
+        line += f"  elapsed {_clock(task.elapsed)}"
+        if not done and task.time_remaining is not None:
+            line += f"  remaining {_clock(task.time_remaining)}"
+        self.console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+def _clock(seconds: float | None) -> str:
+    s = int(seconds or 0)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+def progress(*, disable: bool = False, log_every: float = LOG_EVERY_S) -> Progress:
+    """A progress display for long stage work: a bar on a terminal; elsewhere a plain line
+    every ``log_every`` seconds and at the end of each task (:class:`_Progress`).
+    ``disable`` shows nothing, e.g. on data-parallel ranks other than 0."""
+    return _Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
@@ -35,6 +85,7 @@ def progress(*, disable: bool = False) -> Progress:
         console=console,
         transient=False,
         disable=disable,
+        log_every=log_every,
     )
 
 
