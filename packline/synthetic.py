@@ -1330,15 +1330,6 @@ _CAPTION_STYLES = (_describe, _caption_by_cell, _caption_by_kind, _describe_deta
 _CAPTION_WEIGHTS = (0.35, 0.25, 0.25, 0.15)
 
 
-def _pretrain_picture(rng: random.Random) -> _Picture:
-    """A picture drawn as the shapes set's, redrawn until it has at most
-    :data:`PRETRAIN_MAX_TOKENS` visual tokens: small pictures, many more per packed row."""
-    pic = _sample_picture(rng)
-    while (pic.width // 32) * (pic.height // 32) > PRETRAIN_MAX_TOKENS:
-        pic = _sample_picture(rng)
-    return pic
-
-
 def _caption_row(seed: int, split: str, index: int, out_dir: Path) -> dict:
     """An image and its caption (every shape, its colour and position, and their count), as
     the user's and the assistant's turn: no question is asked. The caption lists the shapes
@@ -1346,7 +1337,9 @@ def _caption_row(seed: int, split: str, index: int, out_dir: Path) -> dict:
     the others, not only in one order."""
     rng = random.Random(f"packline-pretrain-caption:{seed}:{split}:{index}")
     row_id = f"pretrain-{split}-{index:06d}"
-    pic = _pretrain_picture(rng)
+    pic = _sample_picture(rng)
+    while (pic.width // 32) * (pic.height // 32) > PRETRAIN_MAX_TOKENS:
+        pic = _sample_picture(rng)  # small pictures: many more of them per packed row
     rel = f"images/{row_id}.png"
     _draw_picture(pic).save(out_dir / rel, **_PNG_OPTIONS)
     caption = rng.choices(_CAPTION_STYLES, weights=_CAPTION_WEIGHTS)[0](pic)
@@ -1431,58 +1424,10 @@ def _chat_row(seed: int, split: str, index: int) -> dict:
     }
 
 
-def _image_chat_row(seed: int, split: str, index: int, out_dir: Path) -> dict:
-    """A picture and one to three short questions the fine-tuning task never asks, each with
-    its short answer: the background's colour, what sits in a grid cell ("A green circle.",
-    or "Nothing."), whether a shape of a colour and kind is there ("Yes."/"No."). The base
-    learns that a question after a picture is answered briefly, from the picture, as an
-    instruction-following checkpoint has; counting, a shape's colour or cell, listing and
-    comparing stay the fine-tuning task's."""
-    rng = random.Random(f"packline-pretrain-image-chat:{seed}:{split}:{index}")
-    row_id = f"pretrain-{split}-{index:06d}"
-    pic = _pretrain_picture(rng)
-    rel = f"images/{row_id}.png"
-    _draw_picture(pic).save(out_dir / rel, **_PNG_OPTIONS)
-    present = {(s.colour, s.kind) for s in pic.shapes}
-
-    def background() -> tuple[str, str]:
-        q = rng.choice(("What colour is the background?", "What is the background colour?"))
-        return q, pic.background
-
-    def cell() -> tuple[str, str]:
-        where = rng.choice(POSITION_NAMES)
-        there = [s for s in pic.shapes if s.position == where]
-        reply = _join([_article(f"{s.colour} {s.kind}") for s in there]) if there else "nothing"
-        return f"What is {_PREPOSITION[where]}?", reply[0].upper() + reply[1:] + "."
-
-    def exists() -> tuple[str, str]:
-        if rng.random() < 0.5:
-            colour, kind = rng.choice(sorted(present))
-        else:
-            colour, kind = rng.choice(COLOUR_NAMES), rng.choice(SHAPE_NAMES)
-        reply = "Yes." if (colour, kind) in present else "No."
-        return f"Is there {_article(colour + ' ' + kind)}?", reply
-
-    asks = rng.sample((background, cell, cell, exists, exists), rng.randint(1, 3))
-    conversation = []
-    for i, ask in enumerate(asks):
-        q, reply = ask()
-        if i == 0:
-            q = f"<image>\n{q}" if rng.random() < 0.7 else f"{q}\n<image>"
-        conversation += [
-            {"role": "user", "content": q},
-            {"role": "assistant", "content": reply},
-        ]
-    return {"id": row_id, "split": split, "images": [rel], "conversations": conversation}
-
-
 PRETRAIN_TEXT_SHARE = 0.2
 """Share of the pretraining rows that are text-only statements."""
 PRETRAIN_CHAT_SHARE = 0.2
-"""Share of the pretraining rows that are text-only chat."""
-PRETRAIN_IMAGE_CHAT_SHARE = 0.2
-"""Share of the pretraining rows that are short questions about a picture
-(:func:`_image_chat_row`; the rest are captions)."""
+"""Share of the pretraining rows that are text-only chat (the rest are captions)."""
 PRETRAIN_MAX_TOKENS = 256
 """Pretraining pictures are drawn as the shapes set's, but at most this many visual tokens."""
 
@@ -1498,14 +1443,12 @@ def write_pretraining_set(
     """Write the tiny base's pretraining mix to ``out_dir`` (``conversations.jsonl`` and
     ``images/``, the folder layout :func:`write_shapes_dataset` writes) and return it.
 
-    Not the fine-tuning task: none of its questions is asked. About 40% of the rows are a
+    Not the fine-tuning task: nothing is asked about a picture. About 60% of the rows are a
     picture of the shapes set and its caption, which names every shape with its colour and
-    position and counts them (in one of four styles); 20% are a picture and short questions
-    the fine-tuning task never asks (its background, what sits in a cell, whether a shape is
-    there: :func:`_image_chat_row`); 20% state facts in words (a hexagon's sides, groups of
-    shapes summed); 20% are text-only chat, a short question about a list of words or a sum
-    and its short answer (:func:`_chat_row`). Row ``i`` depends only on ``(seed, split, i)``;
-    the same arguments give the same bytes.
+    position and counts them (in one of four styles); 20% state facts in words (a hexagon's
+    sides, groups of shapes summed); 20% are text-only chat, a short question about a list of
+    words or a sum and its short answer (:func:`_chat_row`). Row ``i`` depends only on
+    ``(seed, split, i)``; the same arguments give the same bytes.
 
     Example::
 
@@ -1524,8 +1467,6 @@ def write_pretraining_set(
             return _fact_row(seed, split, index)
         if text < PRETRAIN_TEXT_SHARE + PRETRAIN_CHAT_SHARE:
             return _chat_row(seed, split, index)
-        if text < PRETRAIN_TEXT_SHARE + PRETRAIN_CHAT_SHARE + PRETRAIN_IMAGE_CHAT_SHARE:
-            return _image_chat_row(seed, split, index, out_dir)
         return _caption_row(seed, split, index, out_dir)
 
     return _write_rows(out_dir, make, num_train=num_train, num_val=num_val, progress=progress)
