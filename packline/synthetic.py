@@ -1312,18 +1312,20 @@ def _caption_by_kind(pic: _Picture) -> str:
     return " ".join([*lines, _counts(pic)])
 
 
+def _tally(colours: Counter, kinds: Counter) -> str:
+    """Shapes counted by colour, then by kind, as digits: ``"1 black and 2 green; 2 circles
+    and 1 star"``."""
+    by_colour = _join([f"{n} {c}" for c, n in sorted(colours.items())])
+    by_kind = _join([f"{n} {k if n == 1 else _plural(k)}" for k, n in sorted(kinds.items())])
+    return f"{by_colour}; {by_kind}"
+
+
 def _counts(pic: _Picture) -> str:
     """How many shapes, of each colour and of each kind, as digits."""
     n = len(pic.shapes)
     colours = Counter(s.colour for s in pic.shapes)
     kinds = Counter(s.kind for s in pic.shapes)
-    return (
-        f"{n} {'shape' if n == 1 else 'shapes'} in all: "
-        + _join([f"{k} {c}" for c, k in sorted(colours.items())])
-        + "; "
-        + _join([f"{k} {c if k == 1 else _plural(c)}" for c, k in sorted(kinds.items())])
-        + "."
-    )
+    return f"{n} {'shape' if n == 1 else 'shapes'} in all: {_tally(colours, kinds)}."
 
 
 _CAPTION_STYLES = (_describe, _caption_by_cell, _caption_by_kind, _describe_detail)
@@ -1373,10 +1375,8 @@ def _fact_row(seed: int, split: str, index: int) -> dict:
     for (colour, kind), n in groups.items():
         colours[colour] += n
         kinds[kind] += n
-    by_colour = _join([f"{n} {c}" for c, n in sorted(colours.items())])
-    by_kind = _join([f"{n} {k if n == 1 else _plural(k)}" for k, n in sorted(kinds.items())])
     facts.append(
-        f"{_join(phrases).capitalize()} make {total} shapes in all: {by_colour}; {by_kind}."
+        f"{_join(phrases).capitalize()} make {total} shapes in all: {_tally(colours, kinds)}."
     )
     rng.shuffle(facts)
     return {
