@@ -49,7 +49,7 @@ format: $(STAMP)
 # video): run make test on the result before committing it.
 lock: $(STAMP)
 	$(PY) -m pip install --quiet --upgrade --upgrade-strategy eager -e '.[dev]'
-	( sed -n '1,3p' $(LOCK); $(PY) -m pip freeze --exclude-editable ) > $(LOCK).new
+	( grep '^#' $(LOCK); $(PY) -m pip freeze --exclude-editable ) > $(LOCK).new
 	mv $(LOCK).new $(LOCK)
 	touch $(STAMP)
 

@@ -13,6 +13,7 @@ from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
     Progress,
+    TaskID,
     TaskProgressColumn,
     TextColumn,
     TimeElapsedColumn,
@@ -36,7 +37,8 @@ class _Progress(Progress):
     def __init__(self, *columns, log_every: float, **kwargs):
         super().__init__(*columns, **kwargs)
         self._log_every = log_every
-        self._logged: dict = {}
+        self._last_line: dict[TaskID, float] = {}
+        self._ended: set[TaskID] = set()
 
     def update(self, task_id, **kwargs) -> None:
         super().update(task_id, **kwargs)
@@ -52,11 +54,13 @@ class _Progress(Progress):
         task = self._tasks[task_id]
         now = time.monotonic()
         done = task.total is not None and task.completed >= task.total
-        if not done and now - self._logged.get(task_id, -float("inf")) < self._log_every:
+        if done:
+            if task_id in self._ended:
+                return
+            self._ended.add(task_id)
+        elif now - self._last_line.get(task_id, -float("inf")) < self._log_every:
             return
-        if done and self._logged.get(task_id) == "done":
-            return
-        self._logged[task_id] = "done" if done else now
+        self._last_line[task_id] = now
         line = f"{task.description}  {task.completed:,.0f}"
         if task.total is not None:
             line += f"/{task.total:,.0f} ({task.percentage:.0f}%)"
