@@ -131,6 +131,9 @@ EVAL_LOSS = "eval/loss"
 """Mean token loss over the whole val split."""
 EVAL_ACCURACY = "eval/accuracy"
 """Share of the checkable val questions answered correctly."""
+EVAL_TOKEN_ACCURACY = "eval/token_accuracy"
+"""Share of the val split's target (reply) tokens that are the model's top prediction, fed
+the conversation up to them (teacher-forced, over the same packed rows as the loss)."""
 EVAL_QUESTIONS = "eval/questions"
 EVAL_ACCURACY_CHANCE = "eval/accuracy_chance"
 """Accuracy of guessing among each question kind's answers (logged once per run)."""
@@ -199,6 +202,7 @@ COMPARE_SPEEDUP_REAL_TOKENS_PER_S = "compare/speedup_real_tokens_per_s"
 COMPARE_FIGURES = (
     "real_tokens_per_s",
     "eval_loss",
+    "eval_token_accuracy",
     "eval_accuracy",
     "final_train_loss",
     "train_seconds",
@@ -274,5 +278,5 @@ STEP_METRICS = (
 )
 """What every optimizer step logs (besides ``data/dropped_<reason>`` and, on a known GPU,
 ``flops/mfu``)."""
-EVAL_METRICS = (EVAL_LOSS, EVAL_ACCURACY, EVAL_QUESTIONS)
+EVAL_METRICS = (EVAL_LOSS, EVAL_TOKEN_ACCURACY, EVAL_ACCURACY, EVAL_QUESTIONS)
 """What every evaluation logs (besides :func:`eval_kind` per question kind)."""

@@ -100,6 +100,19 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Te
     return per_token.double().sum(), int((flat != IGNORE_INDEX).sum())
 
 
+def token_hits(logits: torch.Tensor, labels: torch.Tensor) -> int:
+    """How many target tokens (labels already shifted, as :func:`token_loss_sum`) are the
+    logits' top prediction.
+
+    >>> logits = torch.tensor([[[0.0, 1.0], [2.0, 0.0], [0.0, 3.0]]])
+    >>> token_hits(logits, torch.tensor([[1, 1, IGNORE_INDEX]]))  # right, wrong, not a target
+    1
+    """
+    flat = labels.reshape(-1)
+    keep = flat != IGNORE_INDEX
+    return int((logits.reshape(-1, logits.shape[-1])[keep].argmax(-1) == flat[keep]).sum())
+
+
 def padded_forward(
     model, batch, *, image_token_id: int, video_token_id: int | None = None
 ) -> torch.Tensor:

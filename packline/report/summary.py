@@ -35,7 +35,7 @@ STEP_INPUTS = (
     M.PACK_ROWS,
 )
 """The metrics :func:`summarize_run` reads from every step record."""
-EVAL_INPUTS = (M.EVAL_LOSS, M.EVAL_ACCURACY, M.EVAL_QUESTIONS)
+EVAL_INPUTS = (M.EVAL_LOSS, M.EVAL_TOKEN_ACCURACY, M.EVAL_ACCURACY, M.EVAL_QUESTIONS)
 """The metrics :func:`summarize_run` reads from every eval record."""
 
 
@@ -93,6 +93,9 @@ class RunSummary:
     """Eval loss before the first step (None: the records start after a resume)."""
     eval_loss: float | None
     """Eval loss of the last evaluation (None: never evaluated)."""
+    eval_token_accuracy_start: float | None
+    """Share of the val target tokens predicted right (teacher-forced), before the first step."""
+    eval_token_accuracy: float | None
     eval_accuracy_start: float | None
     eval_accuracy: float | None
     eval_accuracy_chance: float | None
@@ -170,16 +173,21 @@ def summarize_run(
     ...             M.TRAIN_TOKENS_REAL: real, M.TRAIN_PADDED_TOKENS: padded,
     ...             M.TRAIN_CONVERSATIONS: 4, M.TRAIN_FLOPS_USEFUL: 1e12,
     ...             M.TRAIN_FLOPS_EXECUTED: 2e12, M.PACK_ROWS: 2}
-    >>> evals = [{"step": 0, M.EVAL_LOSS: 8.0, M.EVAL_ACCURACY: 0.0, M.EVAL_QUESTIONS: 2},
-    ...          {"step": 2, M.EVAL_LOSS: 6.0, M.EVAL_ACCURACY: 0.5, M.EVAL_QUESTIONS: 2,
+    >>> def ev(n, loss, tokens, accuracy):
+    ...     return {"step": n, M.EVAL_LOSS: loss, M.EVAL_TOKEN_ACCURACY: tokens,
+    ...             M.EVAL_ACCURACY: accuracy, M.EVAL_QUESTIONS: 2}
+    >>> evals = [ev(0, 8.0, 0.1, 0.0),
+    ...          {**ev(2, 6.0, 0.4, 0.5),
     ...           "by_kind": {"count": {"questions": 2, "accuracy": 0.5}}}]
     >>> s = summarize_run([step(1, 3000, 0, 2.0), step(2, 3144, 0, 2.0)], evals,
     ...                   run="packed", seq_length=2048, precision="fp32",
     ...                   chance=0.25, chance_by_kind={"count": 0.25})
     >>> s.real_tokens, s.real_tokens_per_s, s.fill, s.conversations_per_row, s.other_seconds
     (6144, 1536.0, 0.75, 2.0, 2.0)
-    >>> (s.eval_loss_start, s.eval_loss), s.eval_by_kind, s.seconds_to_eval_loss(6.0)
-    ((8.0, 6.0), {'count': {'questions': 2, 'accuracy': 0.5, 'chance': 0.25}}, 4.0)
+    >>> (s.eval_loss_start, s.eval_loss), (s.eval_token_accuracy_start, s.eval_token_accuracy)
+    ((8.0, 6.0), (0.1, 0.4))
+    >>> s.eval_by_kind, s.seconds_to_eval_loss(6.0)
+    ({'count': {'questions': 2, 'accuracy': 0.5, 'chance': 0.25}}, 4.0)
     """
     if run not in RUNS:
         raise ValueError(f"run {run!r} must be one of {RUNS}")
@@ -245,6 +253,8 @@ def summarize_run(
         final_train_loss=steps[-1][M.TRAIN_LOSS],
         eval_loss_start=start[M.EVAL_LOSS] if start else None,
         eval_loss=last[M.EVAL_LOSS] if last else None,
+        eval_token_accuracy_start=start[M.EVAL_TOKEN_ACCURACY] if start else None,
+        eval_token_accuracy=last[M.EVAL_TOKEN_ACCURACY] if last else None,
         eval_accuracy_start=start[M.EVAL_ACCURACY] if start else None,
         eval_accuracy=last[M.EVAL_ACCURACY] if last else None,
         eval_accuracy_chance=chance,
@@ -385,6 +395,7 @@ class PackingComparison:
             "real_tokens",
             "padded_tokens",
             "eval_loss",
+            "eval_token_accuracy",
             "eval_accuracy",
             "eval_questions",
             "eval_by_kind",

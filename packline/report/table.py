@@ -56,6 +56,12 @@ ROWS: tuple[Row, ...] = (
         False,
     ),
     (
+        "eval token accuracy (start → end)",
+        lambda r: _start_end(r.eval_token_accuracy_start, r.eval_token_accuracy, ".3f"),
+        None,
+        False,
+    ),
+    (
         "eval accuracy (start → end)",
         lambda r: _start_end(r.eval_accuracy_start, r.eval_accuracy, ".3f"),
         None,

@@ -16,7 +16,7 @@ from packline.energon.loader import val_loader
 from packline.energon.packing import PackingSettings, make_encoder
 from packline.energon.sample import ConversationReader
 from packline.packing.thd import to_device
-from packline.qwen.forward import packed_forward, token_loss_sum
+from packline.qwen.forward import packed_forward, token_hits, token_loss_sum
 from packline.qwen.lengths import DecodedVideo, run_processor
 from packline.synthetic import ANSWER_CHOICES, answer_matches, normalize_answer
 from packline.video import VideoHeader, decode_frames
@@ -32,15 +32,16 @@ def eval_loss(
     buffer: int,
     image_token_id: int,
     video_token_id: int | None = None,
-) -> tuple[float, int]:
-    """(mean token loss, target tokens) over the whole val split, packed."""
+) -> tuple[float, float, int]:
+    """(mean token loss, token accuracy, target tokens) over the whole val split, packed;
+    token accuracy: the share of target tokens that are the model's top prediction."""
     model.eval()
     loader = val_loader(
         dataset_path, make_encoder("lazy", processor_dir, settings), packing_buffer_size=buffer
     )
     device = next(model.parameters()).device
     total = torch.zeros((), dtype=torch.float64)
-    targets = 0
+    targets = hits = 0
     for pack in loader:
         batch = to_device(pack.batch, device)
         if not batch.num_conversations:
@@ -51,7 +52,10 @@ def eval_loss(
         loss, n = token_loss_sum(logits, batch.labels)
         total += loss.double().cpu()
         targets += n
-    return (float(total / targets) if targets else float("nan")), targets
+        hits += token_hits(logits, batch.labels)
+    if not targets:
+        return float("nan"), float("nan"), 0
+    return float(total / targets), hits / targets, targets
 
 
 def _val_questions(dataset_path: Path, max_samples: int):
@@ -144,6 +148,8 @@ class EvalResult:
 
     loss: float
     """Mean token loss over the whole val split, packed."""
+    token_accuracy: float
+    """Share of the val split's target tokens that are the model's top prediction."""
     accuracy: float
     """Share of the asked questions answered correctly (nan when none was asked)."""
     questions: int
@@ -181,7 +187,7 @@ class Evaluator:
         return chance_accuracy(self.dataset_path, max_samples=self.eval_samples)
 
     def evaluate(self, model) -> EvalResult:
-        loss, _ = eval_loss(
+        loss, token_accuracy, _ = eval_loss(
             model,
             self.dataset_path,
             self.processor_dir,
@@ -193,4 +199,10 @@ class Evaluator:
         acc, asked, by_kind = eval_accuracy(
             model, self.processor, self.dataset_path, max_samples=self.eval_samples
         )
-        return EvalResult(loss=loss, accuracy=acc, questions=asked, by_kind=by_kind)
+        return EvalResult(
+            loss=loss,
+            token_accuracy=token_accuracy,
+            accuracy=acc,
+            questions=asked,
+            by_kind=by_kind,
+        )

@@ -393,6 +393,7 @@ class Trainer:
             result = self.evaluator.evaluate(model)
             metrics = {
                 names.EVAL_LOSS: result.loss,
+                names.EVAL_TOKEN_ACCURACY: result.token_accuracy,
                 names.EVAL_ACCURACY: result.accuracy,
                 names.EVAL_QUESTIONS: float(result.questions),
             }

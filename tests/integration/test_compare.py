@@ -50,7 +50,10 @@ def _log_training_run(cfg, stage_run_id: str, packed: bool, scale: float = 1.0) 
         parent_run_id=stage_run_id,
         tags={M.TAG_STAGE: "train", M.TAG_PACKING: str(packed).lower()},
     )
-    run.log_metrics({M.EVAL_LOSS: 8.4, M.EVAL_ACCURACY: 0.0, M.EVAL_QUESTIONS: 4}, step=0)
+    run.log_metrics(
+        {M.EVAL_LOSS: 8.4, M.EVAL_TOKEN_ACCURACY: 0.1, M.EVAL_ACCURACY: 0.0, M.EVAL_QUESTIONS: 4},
+        step=0,
+    )
     cum, laid_out = 0, 0
     for i in range(3):
         seconds = SECONDS[mode][i] * scale
@@ -77,7 +80,10 @@ def _log_training_run(cfg, stage_run_id: str, packed: bool, scale: float = 1.0) 
             step=i + 1,
         )
         run.log_series(M.PACK_ROW_FILL, row_fills(rows, SEQ), first_step=laid_out - len(rows) + 1)
-    run.log_metrics({M.EVAL_LOSS: 7.1, M.EVAL_ACCURACY: 0.25, M.EVAL_QUESTIONS: 4}, step=3)
+    run.log_metrics(
+        {M.EVAL_LOSS: 7.1, M.EVAL_TOKEN_ACCURACY: 0.3, M.EVAL_ACCURACY: 0.25, M.EVAL_QUESTIONS: 4},
+        step=3,
+    )
     run.end()
     return run.run_id
 
@@ -147,6 +153,7 @@ def test_compare_reads_the_newest_pair_and_its_speedup_from_the_store(store):
     assert off.conversations_per_row == pytest.approx(1.0)
     assert on.final_train_loss == off.final_train_loss == 7.0
     assert (on.eval_loss_start, on.eval_loss) == (8.4, 7.1)
+    assert (on.eval_token_accuracy_start, on.eval_token_accuracy) == (0.1, 0.3)
     assert (on.eval_accuracy_start, on.eval_accuracy) == (0.0, 0.25)
     assert on.tflops_useful == pytest.approx(3.0) and off.tflops_executed == pytest.approx(4.8)
     assert on.steps == 3 and on.first_step == 1

@@ -15,7 +15,7 @@ import torch
 from packline.packing.thd import build_packed_batch, shifted_labels
 from packline.qwen.attention import THD_ATTENTION
 from packline.qwen.encode import ConversationEncoder
-from packline.qwen.forward import packed_forward, token_loss_sum
+from packline.qwen.forward import packed_forward, token_hits, token_loss_sum
 from packline.qwen.model import build_tiny_model
 from packline.qwen.processor import copy_tiny_processor
 from packline.video import probe_video, write_video
@@ -151,18 +151,19 @@ def test_packed_logits_equal_solo_runs(encoder, convs, moe, attn, alignment, pad
         )[0]
         starts = batch.cu_seqlens_padded.tolist()
         solo_loss = torch.tensor(0.0)
-        solo_targets = 0
+        solo_targets = solo_hits = 0
         for conv, start in zip(convs, starts, strict=False):
             solo = _solo(model, encoder, conv)
             diff = (packed[start : start + len(conv)] - solo).abs().max().item()
             assert diff <= 1e-5, f"{conv.key}: max |packed - solo| = {diff:.2e}"
-            loss, n = token_loss_sum(
-                solo.unsqueeze(0), shifted_labels(conv.input_ids, conv.target_mask).view(1, -1)
-            )
+            labels = shifted_labels(conv.input_ids, conv.target_mask).view(1, -1)
+            loss, n = token_loss_sum(solo.unsqueeze(0), labels)
             solo_loss += loss
             solo_targets += n
+            solo_hits += token_hits(solo.unsqueeze(0), labels)
         packed_loss, packed_targets = token_loss_sum(packed.unsqueeze(0), batch.labels)
     assert packed_targets == solo_targets == batch.num_loss_tokens
+    assert token_hits(packed.unsqueeze(0), batch.labels) == solo_hits  # eval/token_accuracy
     assert packed_loss.item() == pytest.approx(solo_loss.item(), rel=1e-6)
 
 

@@ -52,13 +52,23 @@ def _steps(run: str) -> list[dict]:
     ]
 
 
+def _eval_figures(loss: float, token_accuracy: float, accuracy: float) -> dict:
+    return {
+        M.EVAL_LOSS: loss,
+        M.EVAL_TOKEN_ACCURACY: token_accuracy,
+        M.EVAL_ACCURACY: accuracy,
+        M.EVAL_QUESTIONS: 4,
+    }
+
+
 def _evals(final_loss: float = 3.0) -> list[dict]:
     return [
-        {"step": 0, M.EVAL_LOSS: 6.0, M.EVAL_ACCURACY: 0.0, M.EVAL_QUESTIONS: 4},
-        {"step": 1, M.EVAL_LOSS: 4.0, M.EVAL_ACCURACY: 0.25, M.EVAL_QUESTIONS: 4},
+        {"step": 0, **_eval_figures(6.0, 0.1, 0.0)},
+        {"step": 1, **_eval_figures(4.0, 0.3, 0.25)},
         {
             "step": 2,
             M.EVAL_LOSS: final_loss,
+            M.EVAL_TOKEN_ACCURACY: 0.4,
             M.EVAL_ACCURACY: 0.5,
             M.EVAL_QUESTIONS: 4,
             M.EVAL_BY_KIND: {
@@ -101,6 +111,7 @@ def test_summary_sums_the_records_once():
     assert (on.conversations_per_row, off.conversations_per_row) == (2.0, 1.0)
     assert on.final_train_loss == 3.0
     assert (on.eval_loss_start, on.eval_loss) == (6.0, 3.0)
+    assert (on.eval_token_accuracy_start, on.eval_token_accuracy) == (0.1, 0.4)
     assert (on.eval_accuracy_start, on.eval_accuracy, on.eval_questions) == (0.0, 0.5, 4)
     assert on.eval_by_kind == {
         "color": {"questions": 1, "accuracy": 0.0, "chance": 0.125},
@@ -143,7 +154,7 @@ def test_the_mlflow_shaped_records_give_the_same_summary_as_the_files():
         for name in STEP_INPUTS:
             hist.setdefault(name, []).append((r["step"], float(r[name])))
     for e in _evals():
-        for name in (M.EVAL_LOSS, M.EVAL_ACCURACY, M.EVAL_QUESTIONS):
+        for name in M.EVAL_METRICS:
             hist.setdefault(name, []).append((e["step"], float(e[name])))
         for name, v in M.by_kind_metrics(e.get(M.EVAL_BY_KIND, {})).items():
             hist.setdefault(name, []).append((e["step"], v))
@@ -202,7 +213,8 @@ def test_a_pair_without_any_padding_cost_misses_the_speedup_target():
 def test_side_by_side_holds_the_bench_train_json_keys():
     out = PackingComparison.of([_summary("packed"), _summary("unpacked")]).side_by_side()
     per_run = {"real_tokens_per_s", "train_seconds", "real_tokens", "padded_tokens"}
-    per_run |= {"eval_loss", "eval_accuracy", "eval_questions", "eval_by_kind"}
+    per_run |= {"eval_loss", "eval_token_accuracy", "eval_accuracy", "eval_questions"}
+    per_run |= {"eval_by_kind"}
     per_run |= {"seconds_to_eval_loss", "data_seconds", "vision_seconds", "other_seconds"}
     per_run |= {"tflops_executed"}
     for key in per_run:
