@@ -1,10 +1,13 @@
 """The default training run learns, with packing on and off alike.
 
-The train stage of the default config (``configs/tiny_cpu.yaml``: 40 steps, 4 packed rows
-per step, LoRA on the attention and MLP linears and the LM head) on the built-in set, with a
-smaller train split (training cost is per step, not per sample): eval loss drops clearly,
-and packing on and off — which train the very same conversations per step — end with the
-same eval loss (to floating-point noise) and answer accuracy within sampling noise.
+The train stage of the default config (``configs/tiny_cpu.yaml``: LoRA on the shipped tiny
+base ``models/tiny-base``, 40 steps, 4 packed rows per step, on the attention and MLP
+linears and the LM head) on the built-in set, with a smaller train split (training cost is
+per step, not per sample): eval loss drops clearly and the share of reply tokens the model
+predicts right rises clearly, and packing on and off — which train the very same
+conversations per step — end with the same eval loss (to 1e-6) and answer accuracy within
+sampling noise. Answer accuracy is reported per question kind beside its chance; on this
+tiny base it stays near chance (tutorial page 10 says why), so it is not asserted to rise.
 
 The packed run's losses also guard refactors: ``tests/golden/default_packed_losses.json``
 holds every step's ``train/loss`` of this run, and they must come out bitwise equal on the
@@ -27,6 +30,7 @@ from packline.synthetic import ANSWER_KINDS
 from packline.train.records import read_records
 from schemas.config import load_config
 from stages.runner import run_stage
+from tests.losses import assert_losses_repeat
 
 pytestmark = pytest.mark.slow
 
@@ -44,17 +48,7 @@ def _check_golden_losses(losses: list[float]) -> None:
             losses=losses,
         )
         GOLDEN.write_text(json.dumps(golden, indent=1) + "\n")
-    same_machine = (
-        golden["torch"] == torch.__version__
-        and golden["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
-        and golden["threads"] == torch.get_num_threads()
-    )
-    assert len(losses) == len(golden["losses"])
-    if same_machine:
-        assert losses == golden["losses"]  # bitwise: floats read back from JSON exactly
-    else:
-        print(f"golden losses: another machine kind than {GOLDEN.name}'s, compared to 1e-5")
-        assert losses == pytest.approx(golden["losses"], rel=1e-5)
+    assert_losses_repeat(losses, golden["losses"], where=golden)
 
 
 def test_default_training_learns_with_packing_on_and_off(tmp_path: Path):
@@ -74,8 +68,12 @@ def test_default_training_learns_with_packing_on_and_off(tmp_path: Path):
     runs = {r["run"]: r for r in comparison["runs"]}
     assert set(runs) == {"packed", "unpacked"}
     for r in runs.values():
-        # ln(vocab 4096) = 8.3 nats per token at the start; a clear drop, not noise
-        assert r["eval_loss_start"] - r["eval_loss"] >= 2.0, r
+        # the base starts near 2.7 nats per token on the fine-tuning task; make run's 40
+        # steps take it to 1.22 (measured), a clear drop, not noise
+        assert r["eval_loss_start"] - r["eval_loss"] >= 1.0, r
+        # reply tokens predicted right, teacher-forced: 0.55 -> 0.65 measured in make run;
+        # the val split has 4,745 reply tokens, a binomial spread of 0.007
+        assert r["eval_token_accuracy"] - r["eval_token_accuracy_start"] >= 0.05, r
         assert r["eval_loss"] < r["final_train_loss"] + 1.0, r  # no collapse on held-out data
         assert 0 < r["eval_accuracy_chance"] < 1
         # per question kind: the same questions split by kind, each with its chance
@@ -89,7 +87,9 @@ def test_default_training_learns_with_packing_on_and_off(tmp_path: Path):
     _check_golden_losses([s["train/loss"] for s in packed_steps])
     on, off = runs["packed"], runs["unpacked"]
     assert on["real_tokens"] == off["real_tokens"]  # the same conversations
-    assert abs(on["eval_loss"] - off["eval_loss"]) <= 1e-3
+    # the same gradients, laid out two ways: fp32 summation order only (measured 6e-9)
+    assert abs(on["eval_loss"] - off["eval_loss"]) <= 1e-6
+    assert abs(on["eval_token_accuracy"] - off["eval_token_accuracy"]) <= 1e-3
     n = cfg.train.eval_samples  # questions asked
     p = on["eval_accuracy"]
     noise = 2 * math.sqrt(max(p * (1 - p), 0.25 / n) / n)

@@ -20,6 +20,7 @@ from tests.integration.train_helpers import SMALL
 
 MOE_FIXED_WIDTH = (
     "model.moe=true",
+    "model.path=null",  # the tiny MoE at random init (the shipped base is dense)
     "packing.pad_to_max_length=true",
     "lora.target_parameters=[mlp.experts.gate_up_proj,mlp.experts.down_proj]",
 )

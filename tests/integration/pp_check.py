@@ -43,8 +43,8 @@ VISION_LORA = "lora.target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_pro
 CASES = {
     "dense_gpipe": ([], "gpipe", False),
     "dense_1f1b": ([], "1f1b", False),
-    "moe_gpipe": (["model.moe=true"], "gpipe", False),
-    "moe_1f1b": (["model.moe=true"], "1f1b", False),
+    "moe_gpipe": (["model.moe=true", "model.path=null"], "gpipe", False),
+    "moe_1f1b": (["model.moe=true", "model.path=null"], "1f1b", False),
     # the tiny's last deepstack feature follows its last layer (no gradient reaches it);
     # here a carried feature has a layer after it, on the next stage
     "deep_vision_lora_1f1b": ([VISION_LORA], "1f1b", True),

@@ -29,6 +29,7 @@ MOE = (
     "data.num_train=120",
     "data.num_val=8",
     "model.moe=true",
+    "model.path=null",  # the tiny MoE at random init (the shipped base is dense)
     "lora.target_modules=[q_proj,k_proj,v_proj,o_proj,lm_head]",
     "lora.target_parameters=[mlp.experts.gate_up_proj,mlp.experts.down_proj]",
     "packing.pad_to_max_length=true",

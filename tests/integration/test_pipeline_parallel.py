@@ -94,7 +94,7 @@ def test_rows_hold_conversations_images_and_videos(pp_rows):
     "overrides, deep, bf16",
     [
         ([], False, False),
-        (["model.moe=true"], False, False),
+        (["model.moe=true", "model.path=null"], False, False),
         ([VISION_LORA], True, False),
         ([], False, True),
     ],

@@ -311,6 +311,7 @@ LAYOUTS = {
         None,
         [
             "model.moe=true",
+            "model.path=null",
             "lora.target_modules=[q_proj,k_proj,v_proj,o_proj,lm_head]",
             "lora.target_parameters=[mlp.experts.gate_up_proj,mlp.experts.down_proj]",
             "packing.pad_to_max_length=true",

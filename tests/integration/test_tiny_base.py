@@ -9,6 +9,7 @@ import hashlib
 import json
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -16,10 +17,11 @@ import torch
 from safetensors.torch import load_file
 
 from packline.pretrain import MANIFEST, PretrainSettings
-from packline.qwen.processor import load_processor
+from packline.qwen.processor import copy_tiny_processor, load_processor, processor_geometry
 from packline.train.setup import build_model
 from pipelines.tiny_base import build_tiny_base
-from schemas.config import PROJECT_ROOT, load_config
+from schemas.config import PROJECT_ROOT, TINY_BASE, load_config
+from tests.losses import assert_losses_repeat
 
 pytestmark = pytest.mark.slow
 
@@ -54,12 +56,45 @@ def test_the_script_saves_a_checkpoint_that_model_path_loads(tmp_path: Path):
     assert hashlib.sha256(weights.read_bytes()).hexdigest() == manifest["sha256"]
     assert manifest["bytes"] == weights.stat().st_size
 
-    cfg = load_config(None, [f"work_dir={tmp_path / 'work'}", f"model.path={out}"])
-    processor = load_processor(out)  # the built-in processor, saved beside the weights
+    _check_loads_through_model_path(out, tmp_path, f"model.path={out}")
+
+
+def _check_loads_through_model_path(base: Path, tmp_path: Path, *overrides: str) -> None:
+    """The config (with ``overrides``) names ``base``; the train stage's model code loads it
+    whole, with the built-in processor that was saved beside it."""
+    cfg = load_config(None, [f"work_dir={tmp_path / 'work'}", *overrides])
+    assert Path(cfg.model.path) == base
+    processor = load_processor(base)  # the built-in processor, saved beside the weights
+    builtin = load_processor(copy_tiny_processor(tmp_path / "builtin"))
+    assert processor.tokenizer.get_vocab() == builtin.tokenizer.get_vocab()
+    assert processor_geometry(processor) == processor_geometry(builtin)
     model = build_model(cfg, processor)  # AutoModelForImageTextToText.from_pretrained
     assert type(model).__name__ == "Qwen3VLForConditionalGeneration"
     state = model.state_dict()
-    saved = load_file(weights)
+    saved = load_file(base / "model.safetensors")
     assert saved.keys() <= state.keys()
     for name, tensor in saved.items():
         assert torch.equal(state[name], tensor), name
+
+
+def test_the_shipped_base_is_the_default_model_and_what_its_manifest_says(tmp_path: Path):
+    manifest = json.loads((TINY_BASE / MANIFEST).read_text())
+    assert manifest["command"] == "scripts/build-tiny-base"  # the defaults, nothing else
+    assert manifest["settings"] == asdict(PretrainSettings())  # the script's defaults today
+    assert len(manifest["losses"]) == manifest["settings"]["steps"]
+    weights = TINY_BASE / "model.safetensors"
+    assert hashlib.sha256(weights.read_bytes()).hexdigest() == manifest["sha256"]
+    assert manifest["bytes"] == weights.stat().st_size < 10 * 2**20  # small enough to commit
+    _check_loads_through_model_path(TINY_BASE, tmp_path)  # configs/tiny_cpu.yaml's model.path
+
+
+def test_the_shipped_base_repeats_its_first_pretraining_steps(tmp_path: Path):
+    """The script's first steps, rerun from the manifest's settings, give its losses."""
+    manifest = json.loads((TINY_BASE / MANIFEST).read_text())
+    settings = PretrainSettings(**manifest["settings"])
+    rerun = build_tiny_base(tmp_path / "base", settings, work_dir=tmp_path / "w", steps=3)
+    assert not (tmp_path / "base").exists()
+    recorded_on = {**manifest, "threads": settings.threads}  # the threads it pretrained on
+    assert_losses_repeat(
+        rerun["losses"], manifest["losses"][:3], where=recorded_on, threads=settings.threads
+    )

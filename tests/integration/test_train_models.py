@@ -13,6 +13,7 @@ from tests.integration.train_helpers import SMALL, trainer_for
 
 MOE_LORA = (
     "model.moe=true",
+    "model.path=null",  # the tiny MoE at random init (the shipped base is dense)
     "lora.target_modules=[q_proj,k_proj,v_proj,o_proj]",
     "lora.target_parameters=[mlp.experts.gate_up_proj,mlp.experts.down_proj]",
 )

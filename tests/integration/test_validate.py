@@ -481,7 +481,7 @@ def test_validate_reads_no_weights(connected, tmp_path, capsys):
 
 
 def test_lora_targets_matching_nothing_on_moe_experts_are_errors(connected, capsys):
-    code, problems, report = _validate(connected, capsys, "model.moe=true")
+    code, problems, report = _validate(connected, capsys, "model.moe=true", "model.path=null")
     fix = "lora.target_parameters=[mlp.experts.down_proj,mlp.experts.gate_up_proj]"
     assert code == 2
     assert problems == [
@@ -495,6 +495,7 @@ def test_lora_targets_matching_nothing_on_moe_experts_are_errors(connected, caps
         connected,
         capsys,
         "model.moe=true",
+        "model.path=null",
         "lora.target_modules=[q_proj,k_proj,v_proj,o_proj]",
         "lora.target_parameters=[mlp.experts.gate_up_proj,mlp.experts.down_proj]",
     )
