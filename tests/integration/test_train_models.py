@@ -44,7 +44,7 @@ def test_moe_lora_on_experts_learns_the_same_packed_and_unpacked(work, tmp_path)
 def test_trains_a_local_checkpoint_dir_as_it_trains_the_built_model(work, tmp_path):
     """``model.path`` pointing at a saved Qwen3-VL (config.json + safetensors) trains exactly
     like the model it holds: the same first-step loss, bitwise, on the same rows."""
-    cfg = make_config(work, *SMALL)
+    cfg = make_config(work, *SMALL, "model.path=null")  # built here, from the seed
     processor = load_processor(processor_dir(cfg))
     checkpoint = tmp_path / "checkpoint"
     build_tiny_model(processor, seed=cfg.train.seed).save_pretrained(checkpoint)
