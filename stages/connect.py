@@ -33,7 +33,6 @@ import json
 import random
 import shutil
 import time
-import warnings
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -53,6 +52,7 @@ from megatron.energon import (
 
 from packline.energon.bridge_sample_loader import frame_parts
 from packline.energon.chatml import SOURCE_SUBFLAVOR
+from packline.energon.loader import quiet_pin_memory
 from packline.energon.sample import (
     ConversationReader,
     ConversationSample,
@@ -538,8 +538,7 @@ def measure_share(m: Measuring, parts: TaskParts, *, attempt: str) -> dict[str, 
     epoch and reads that share again. Those samples are all in finished parts; the encoder
     (``skip_keys``) returns them unmeasured and they are dropped here, counted as
     ``replayed``."""
-    # Energon's loader asks for pinned memory; on a CPU-only machine torch warns each time.
-    warnings.filterwarnings("ignore", message=".*pin_memory.*no accelerator.*")
+    quiet_pin_memory()
     t0 = time.perf_counter()
     task = parts.task
     finished = parts.clean()

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 from megatron.energon import (
@@ -11,6 +12,13 @@ from megatron.energon import (
     get_train_dataset,
     get_val_dataset,
 )
+
+
+def quiet_pin_memory() -> None:
+    """Energon's loaders ask torch for pinned memory; on a machine without an accelerator
+    torch warns at every loader it builds. Ignore that one message (idempotent: the filter
+    is added once)."""
+    warnings.filterwarnings("ignore", message=".*pin_memory.*no accelerator.*")
 
 
 def train_loader(
@@ -41,6 +49,7 @@ def train_loader(
         task_encoder=encoder,
         repeat=repeat,
     )
+    quiet_pin_memory()
     return get_savable_loader(dataset, checkpoint_every_min_n_samples=1, n_checkpoints=None)
 
 
@@ -57,4 +66,5 @@ def val_loader(
         packing_buffer_size=packing_buffer_size,
         task_encoder=encoder,
     )
+    quiet_pin_memory()
     return get_savable_loader(dataset)

@@ -12,7 +12,7 @@ import torch
 from megatron.energon import WorkerConfig, get_loader, get_val_dataset
 from PIL import Image
 
-from packline.energon.loader import val_loader
+from packline.energon.loader import quiet_pin_memory, val_loader
 from packline.energon.packing import PackingSettings, make_encoder
 from packline.energon.sample import ConversationReader
 from packline.packing.thd import to_device
@@ -69,6 +69,7 @@ def _val_questions(dataset_path: Path, max_samples: int):
         task_encoder=ConversationReader(),
     )
     asked = 0
+    quiet_pin_memory()
     for batch in get_loader(ds):
         if asked >= max_samples:
             return

@@ -307,8 +307,10 @@ def apply_lora_ep(model: nn.Module, lora_cfg, layout: ParallelLayout, groups=Non
 
     ``lora_cfg``: ``schemas.config.LoraConfig`` (rank, alpha, dropout, target_modules,
     target_parameters)."""
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    from packline.train.setup import peft_wrap
 
     targets = list(lora_cfg.target_parameters)
     if targets and lora_cfg.dropout:
@@ -320,7 +322,7 @@ def apply_lora_ep(model: nn.Module, lora_cfg, layout: ParallelLayout, groups=Non
         raise ValueError("expert parallelism needs lora.target_modules for the dense layers")
     rank = dist.get_rank() if dist.is_initialized() else 0
     ep_rank = layout.coords(rank).ep_rank
-    peft_model = get_peft_model(
+    peft_model = peft_wrap(
         model,
         LoraConfig(
             r=lora_cfg.rank,

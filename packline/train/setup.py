@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -103,6 +104,17 @@ def lora_target_matches(
     return out
 
 
+def peft_wrap(model, config: LoraConfig):
+    """PEFT's ``get_peft_model``, without the FutureWarning PEFT's constructor triggers by
+    reading transformers' deprecated ``is_gradient_checkpointing`` (peft 0.21 on
+    transformers 5.24: a skew between the two, nothing packline can act on)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning
+        )
+        return get_peft_model(model, config)
+
+
 def apply_lora(model, lora_cfg):
     """PEFT LoRA on the language model; MoE experts need ``target_parameters``."""
     config = LoraConfig(
@@ -112,7 +124,7 @@ def apply_lora(model, lora_cfg):
         target_modules=list(lora_cfg.target_modules),
         target_parameters=list(lora_cfg.target_parameters) or None,
     )
-    model = get_peft_model(model, config)
+    model = peft_wrap(model, config)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if trainable == 0:
         raise ValueError(

@@ -357,7 +357,9 @@ class Trainer:
                     self.save_checkpoint()
                 if s.eval_every and r.step % s.eval_every == 0 and r.step < s.max_steps:
                     self.evaluate()
-        if self.step % max(s.save_every, 1):
+        # the last step's checkpoint, unless a save_every step wrote it or the run resumed at
+        # max_steps (a rerun of a finished run: that checkpoint is the one it loaded)
+        if self.step > start and self.step % max(s.save_every, 1):
             self.save_checkpoint()
         self.evaluate()
         return RunOutcome(

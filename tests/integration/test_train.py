@@ -174,3 +174,22 @@ def test_checkpoints_of_another_config_are_not_resumed(tmp_path):
     _claim_run_dir(run, "fp-b")  # another config: start fresh
     assert not (run / "checkpoints").exists()
     assert (run / "fingerprint").read_text() == "fp-b"
+
+
+def test_rerunning_a_finished_run_resumes_at_its_end_and_trains_nothing(work, tmp_path):
+    """A run whose last step is not a ``save_every`` step saves it at the end; rerunning it
+    (``packline stage train --force`` on the same config) resumes from that checkpoint,
+    trains no step, evaluates and ends, leaving the checkpoint as it was."""
+    cfg = make_config(work, *SMALL, "train.max_steps=2", "train.save_every=20")
+    run = tmp_path / "p"
+    run.mkdir()  # the stage claims the run dir (stages/train.py): here the test does
+    trainer_for(cfg, True, run).train()
+    (last,) = sorted((run / "checkpoints").iterdir())
+    assert last.name == "step_000002"
+    state = (last / "state.json").read_bytes()
+    again = trainer_for(cfg, True, run)
+    again.train()
+    assert again.step == 2
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000002"]
+    assert (last / "state.json").read_bytes() == state
+    assert [r["step"] for r in read_records(run / "metrics.jsonl")] == [1, 2]
