@@ -310,7 +310,7 @@ def apply_lora_ep(model: nn.Module, lora_cfg, layout: ParallelLayout, groups=Non
     from peft import LoraConfig
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-    from packline.train.setup import peft_wrap
+    from packline.train.lora import peft_wrap
 
     targets = list(lora_cfg.target_parameters)
     if targets and lora_cfg.dropout:

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from peft import LoraConfig, get_peft_model
+from peft import LoraConfig
 from peft.tuners.tuners_utils import check_target_module_exists
 from transformers.pytorch_utils import Conv1D
 
@@ -18,6 +17,7 @@ from packline.tracking import Tracker
 from packline.train.distributed import broadcast_object, rank_world
 from packline.train.evaluate import Evaluator
 from packline.train.layout import ParallelLayout
+from packline.train.lora import peft_wrap
 from packline.train.trainer import Trainer, TrainerSettings, use_bf16
 
 #: Module types PEFT's LoRA wraps (a name match on any other type fails in get_peft_model).
@@ -102,17 +102,6 @@ def lora_target_matches(
                     match.matched.append(key)
         out.append(match)
     return out
-
-
-def peft_wrap(model, config: LoraConfig):
-    """PEFT's ``get_peft_model``, without the FutureWarning PEFT's constructor triggers by
-    reading transformers' deprecated ``is_gradient_checkpointing`` (peft 0.21 on
-    transformers 5.24: a skew between the two, nothing packline can act on)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings(
-            "ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning
-        )
-        return get_peft_model(model, config)
 
 
 def apply_lora(model, lora_cfg):
