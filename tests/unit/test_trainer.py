@@ -6,12 +6,12 @@ import warnings
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from packline.qwen.model import build_tiny_model
 from packline.qwen.processor import copy_tiny_processor, load_processor
 from packline.train.setup import apply_lora
 from packline.train.trainer import lr_lambda, use_bf16
+from schemas.config import LoraConfig
 
 
 def test_precision_on_a_cpu():
@@ -34,13 +34,9 @@ def test_lora_wraps_the_model_without_a_warning(tmp_path):
     and only there: warnings from anything else still show."""
     copy_tiny_processor(tmp_path)
     model = build_tiny_model(load_processor(tmp_path), seed=0)
-    lora = OmegaConf.create(
-        {"rank": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj"]}
-        | {"target_parameters": []}
-    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        wrapped = apply_lora(model, lora)
+        wrapped = apply_lora(model, LoraConfig())  # the schema's default targets
         _ = model.is_gradient_checkpointing  # the same property, outside the wrap: it warns
     assert any(p.requires_grad for p in wrapped.parameters())
     assert [str(w.message)[:40] for w in caught] == ["`is_gradient_checkpointing` is deprecate"]
