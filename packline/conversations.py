@@ -52,6 +52,7 @@ import hashlib
 import io
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -162,6 +163,51 @@ def key_for_id(sample_id: str) -> str:
     if SAFE_KEY_RE.match(sample_id):
         return sample_id
     return "h" + hashlib.sha1(sample_id.encode()).hexdigest()[:24]
+
+
+class SeenKeys:
+    """The keys accepted so far, each as an 8-byte digest with its row's position (about 100
+    bytes a row: the one part of prepare's memory that grows with the dataset). A key seen
+    again is the same id again, or another id that maps to the same key
+    (:func:`key_for_id` hashes an id that is not a safe name); :meth:`add` says which, naming
+    both ids where it can: the earlier one is known when it was its own key, or from
+    ``earlier_id(position, key)`` (an adopted dataset's ``<shard>/<key>``).
+
+        >>> seen = SeenKeys("line")
+        >>> [seen.add(key_for_id(i), i, n) for n, i in enumerate(["a", "b.c", "a"], 1)]
+        [None, None, "id 'a' already seen (line 1)"]
+        >>> seen.add("h3366156682782217faa715bc", "h3366156682782217faa715bc", 4)[:48]
+        "ids 'h3366156682782217faa715bc' and the id at li"
+    """
+
+    def __init__(self, where: str, earlier_id: Callable[[int, str], str] | None = None) -> None:
+        self.where = where
+        self._earlier_id = earlier_id
+        self._seen: dict[bytes, int] = {}  # digest → position, negative when id != key
+
+    def add(self, key: str, sid: str, position: int) -> str | None:
+        """Record the row at ``position`` (id ``sid``, key ``key``); None when the key is
+        new, else why the row is a duplicate."""
+        digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
+        first = self._seen.get(digest)
+        if first is None:
+            self._seen[digest] = position if sid == key else -position
+            return None
+        at = f"{self.where} {abs(first)}"
+        if first > 0:
+            earlier: str | None = key  # a safe name: the id is its key
+        elif self._earlier_id is not None:
+            earlier = self._earlier_id(abs(first), key)
+        else:
+            earlier = sid if sid != key else None  # one hash of both: one id
+        if earlier == sid:
+            return f"id {sid!r} already seen ({at})"
+        if earlier is None:
+            return (
+                f"ids {sid!r} and the id at {at} map to the same key {key!r} (the hash of an "
+                "id that is not a safe name)"
+            )
+        return f"ids {sid!r} and {earlier!r} ({at}) map to the same key {key!r}"
 
 
 def split_for_id(sample_id: str, val_fraction: float) -> str:
@@ -493,6 +539,7 @@ def parse_row(
     max_images: int,
     val_fraction: float,
     videos: VideoLimits,
+    max_text_chars: int,
 ) -> ConversationRow:
     """One jsonl line → :class:`ConversationRow`, or raise :class:`Rejected` with the reason;
     media paths are relative to ``folder``; see :func:`parse_record` for the rest."""
@@ -507,6 +554,7 @@ def parse_row(
         max_images=max_images,
         val_fraction=val_fraction,
         videos=videos,
+        max_text_chars=max_text_chars,
     )
 
 
@@ -532,6 +580,63 @@ def llava_record(record: Any) -> Any:
     return out
 
 
+def text_problem(row: dict[str, Any], max_chars: int) -> tuple[str, str] | None:
+    """``(reason, detail)`` when a record's text is not UTF-8 — a lone surrogate in any of its
+    strings, which is what an undecodable byte (read with ``surrogateescape``) or a
+    ``\\ud800``-style JSON escape becomes — or when its conversation holds more than
+    ``max_chars`` characters; None when neither. Checked before anything encodes, hashes or
+    tokenizes the text.
+
+        >>> text_problem({"id": "a", "conversations": [{"value": "hi"}]}, 10)
+        >>> text_problem({"id": "a", "conversations": [{"value": "ok\\udcff"}]}, 10)
+        ('text_not_utf8', 'conversations[0].value: the byte 0xff at character 3 is not UTF-8')
+        >>> text_problem({"id": "a", "conversations": ["x" * 6, {"value": "y" * 5}]}, 10)[1]
+        'the conversation holds 11 characters of text, prepare.max_text_chars is 10'
+    """
+    chars = 0
+    stack: list[tuple[str, Any]] = [("", row)]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, dict):
+            stack.extend((f"{where}.{k}".lstrip("."), v) for k, v in reversed(value.items()))
+            strings = [str(k) for k in value]
+        elif isinstance(value, list):
+            stack.extend((f"{where}[{i}]", v) for i, v in reversed(list(enumerate(value))))
+            continue
+        elif isinstance(value, str):
+            strings = [value]
+            if where.startswith("conversations"):
+                chars += len(value)
+        else:
+            continue
+        for text in strings:
+            if text.isascii():
+                continue
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                code = ord(text[exc.start])
+                what = (
+                    f"the byte {code - 0xDC00:#04x}"
+                    if 0xDC80 <= code <= 0xDCFF
+                    else f"a lone surrogate U+{code:04X}"
+                )
+                where = where or "a field name"
+                return "text_not_utf8", f"{where}: {what} at character {exc.start + 1} is not UTF-8"
+    if chars > max_chars:
+        return (
+            "text_too_long",
+            f"the conversation holds {chars} characters of text, prepare.max_text_chars is "
+            f"{max_chars}",
+        )
+    return None
+
+
+def printable_id(raw_id: Any) -> str:
+    """An id as a reject record names it: its text, a lone surrogate as its escape."""
+    return str(raw_id).encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def parse_record(
     row: Any,
     media: MediaSource,
@@ -540,9 +645,11 @@ def parse_record(
     max_images: int,
     val_fraction: float,
     videos: VideoLimits,
+    max_text_chars: int,
 ) -> ConversationRow:
     """One source record (a decoded jsonl line, a LLaVA JSON record, an Energon sample's
-    conversation) → :class:`ConversationRow`, or raise :class:`Rejected` with the reason.
+    conversation) → :class:`ConversationRow`, or raise :class:`Rejected` with the reason;
+    its text first (:func:`text_problem`).
     ``media`` resolves the record's ``images`` / ``videos`` entries and says which placement
     rule applies, the row's key and whether its stored sample was readable
     (:class:`MediaSource`); ``videos`` holds the video processor and prepare's video limits.
@@ -552,6 +659,8 @@ def parse_record(
     raw_id = row.get("id")
     if isinstance(raw_id, bool) or not isinstance(raw_id, (str, int)) or str(raw_id) == "":
         raise Rejected("malformed", f"'id' must be a non-empty string or integer, got {raw_id!r}")
+    if (problem := text_problem(row, max_text_chars)) is not None:
+        raise Rejected(*problem, printable_id(raw_id))
     sid = str(raw_id)
     split = row.get("split")
     if split is not None and split not in ("train", "val"):

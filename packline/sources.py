@@ -4,6 +4,12 @@ one row at a time — the 1-based line number and the line's text, or the 1-base
 number and the decoded record — so that no list of all rows is ever held; ``on_offset``
 gets the bytes read so far, for a progress bar over the file's size.
 
+Text must be UTF-8 (a BOM at the start is skipped). A row that is not stays in the stream,
+so that prepare rejects that row alone (``text_not_utf8``), not the file: a jsonl line as
+:class:`NotUtf8`, a LLaVA record with each undecodable byte as the lone surrogate Python's
+``surrogateescape`` gives it (a ``\\ud800``-style escape in the JSON text decodes to a lone
+surrogate too); :func:`packline.conversations.text_problem` finds either.
+
 An Energon dataset adopted in place is read shard by shard instead
 (:mod:`packline.energon.chatml`).
 
@@ -15,58 +21,133 @@ An Energon dataset adopted in place is read shard by shard instead
     >>> _ = (d / "l.json").write_text('[{"id": 1, "image": "a.jpg"}, {"id": 2.5}]')
     >>> list(llava_records(d / "l.json"))
     [(1, {'id': 1, 'image': 'a.jpg'}), (2, {'id': 2.5})]
+    >>> _ = (d / "b.jsonl").write_bytes(b'\\xef\\xbb\\xbf{"id": 1}\\n{"id": "\\xff"}\\n')
+    >>> list(jsonl_rows(d / "b.jsonl"))
+    [(1, '{"id": 1}'), (2, NotUtf8(detail='byte 0xff at column 9 is not UTF-8'))]
+    >>> _ = (d / "b.json").write_bytes(b'\\xef\\xbb\\xbf[{"id": "a\\xffb"}, {"id": "\\\\ud800"}]')
+    >>> list(llava_records(d / "b.json"))
+    [(1, {'id': 'a\\udcffb'}), (2, {'id': '\\ud800'})]
     >>> list(chunked(range(5), 2))
     [[0, 1], [2, 3], [4]]
 """
 
 from __future__ import annotations
 
+import codecs
+import io
 from collections.abc import Callable, Iterable, Iterator
 from itertools import islice
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 T = TypeVar("T")
+
+
+BOM = codecs.BOM_UTF8
 
 
 class SourceError(ValueError):
     """The source as a whole cannot be read (not a JSON list, broken JSON mid-file)."""
 
 
+class NotUtf8(NamedTuple):
+    """A jsonl line that is not UTF-8: where its first undecodable byte is."""
+
+    detail: str
+
+
 def jsonl_rows(
     path: Path, on_offset: Callable[[int], None] | None = None
-) -> Iterator[tuple[int, str]]:
-    """The non-blank lines of a jsonl file with their 1-based line numbers (undecodable
-    bytes replaced: the row is then rejected as malformed JSON, not the file)."""
+) -> Iterator[tuple[int, str | NotUtf8]]:
+    """The non-blank lines of a jsonl file with their 1-based line numbers; a line that is
+    not UTF-8 as :class:`NotUtf8` (the row is rejected, not the file)."""
     with Path(path).open("rb") as f:
         for lineno, raw in enumerate(f, start=1):
             if on_offset is not None:
                 on_offset(f.tell())
-            line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+            if lineno == 1 and raw.startswith(BOM):
+                raw = raw[len(BOM) :]
+            try:
+                line = raw.decode("utf-8").rstrip("\r\n")
+            except UnicodeDecodeError as exc:
+                bad = raw[exc.start]
+                yield lineno, NotUtf8(f"byte {bad:#04x} at column {exc.start + 1} is not UTF-8")
+                continue
             if line.strip():
                 yield lineno, line
+
+
+class _EscapedUtf8(io.RawIOBase):
+    """A JSON file's bytes as a JSON parser may read them: a leading BOM dropped, and each
+    byte that is not UTF-8 written as the JSON escape of the code point ``surrogateescape``
+    decodes it to (``0xff`` → ``\\udcff``), so that the record holding it decodes to a
+    string the row check rejects instead of the parser failing on the file."""
+
+    def __init__(self, raw: io.BufferedReader):
+        self._raw = raw
+        self._decoder = codecs.getincrementaldecoder("utf-8")("surrogateescape")
+        self._pending = b""
+        self._start = True
+
+    def readable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._raw.tell()
+
+    def read(self, size: int = -1) -> bytes:
+        while size < 0 or len(self._pending) < size:
+            chunk = self._raw.read(1 << 16)
+            text = self._decoder.decode(chunk, final=not chunk)
+            if self._start and text:
+                text, self._start = text.removeprefix("\ufeff"), False
+            self._pending += text.encode("utf-8", "backslashreplace")
+            if not chunk:
+                break
+        size = len(self._pending) if size < 0 else size
+        out, self._pending = self._pending[:size], self._pending[size:]
+        return out
+
+    def readinto(self, buffer) -> int:
+        data = self.read(len(buffer))
+        buffer[: len(data)] = data
+        return len(data)
 
 
 def llava_records(
     path: Path, on_offset: Callable[[int], None] | None = None
 ) -> Iterator[tuple[int, Any]]:
     """The records of a LLaVA-style JSON file (one top-level list) with their 1-based
-    numbers, decoded incrementally (ijson): memory holds one record, not the file."""
+    numbers, decoded incrementally (ijson): memory holds one record, not the file.
+
+    ijson's C parser cannot decode a lone surrogate (a ``\\ud800``-style escape, or an
+    undecodable byte, see :class:`_EscapedUtf8`): at the first one the file is read again
+    from its start with ijson's Python parser, about 20 times slower, which yields the
+    records not yet yielded."""
     import ijson
+    from ijson.backends import python as python_parser
 
     with Path(path).open("rb") as f:
-        head = f.read(4096).lstrip()
-        if not head.startswith(b"["):
-            raise SourceError(f"{path}: a LLaVA-style JSON source is one list of records")
-        f.seek(0)
-        number = 0
-        try:
-            for number, record in enumerate(ijson.items(f, "item", use_float=True), start=1):
-                if on_offset is not None:
-                    on_offset(f.tell())
-                yield number, record
-        except ijson.JSONError as exc:
-            raise SourceError(f"{path}: broken JSON after record {number}: {exc}") from None
+        head = f.read(4096).removeprefix(BOM).lstrip()
+    if not head.startswith(b"["):
+        raise SourceError(f"{path}: a LLaVA-style JSON source is one list of records")
+    number = 0
+    for parser in (ijson, python_parser):
+        with Path(path).open("rb") as raw, _EscapedUtf8(raw) as f:
+            try:
+                for n, record in enumerate(parser.items(f, "item", use_float=True), start=1):
+                    if n <= number:
+                        continue  # yielded before the C parser stopped
+                    if on_offset is not None:
+                        on_offset(f.tell())
+                    number = n
+                    yield number, record
+                return
+            except UnicodeDecodeError:
+                if parser is python_parser:
+                    raise
+            except ijson.JSONError as exc:
+                raise SourceError(f"{path}: broken JSON after record {number}: {exc}") from None
 
 
 def chunked(items: Iterable[T], size: int) -> Iterator[list[T]]:

@@ -1268,6 +1268,39 @@ def write_shapes_dataset(
     return _write_rows(out_dir, make, num_train=num_train, num_val=num_val, progress=progress)
 
 
+def shapes_dataset_problem(out_dir: Path, *, num_rows: int) -> str | None:
+    """Why ``out_dir`` is not a whole set of ``num_rows`` rows as :func:`write_shapes_dataset`
+    writes it (None when it is): every row of ``conversations.jsonl`` present and whole, and
+    every image and video it names on disk with some bytes. A set a killed or raced
+    generation left is caught here instead of by prepare's ``missing_image`` rejects.
+
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as tmp:
+        ...     path = write_shapes_dataset(Path(tmp), num_train=4, num_val=1)
+        ...     ok = shapes_dataset_problem(path, num_rows=5)
+        ...     (path / "images" / "shapes-train-000000-0.png").unlink()
+        ...     print(ok, "|", shapes_dataset_problem(path, num_rows=5))
+        None | images/shapes-train-000000-0.png (row 1) is missing or empty
+    """
+    jsonl = Path(out_dir) / "conversations.jsonl"
+    if not jsonl.is_file():
+        return "conversations.jsonl is missing"
+    rows = 0
+    with jsonl.open(encoding="utf-8") as f:
+        for rows, line in enumerate(f, start=1):
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                return f"line {rows} of conversations.jsonl is cut short"
+            for rel in [*(row.get("images") or []), *(row.get("videos") or [])]:
+                media = Path(out_dir) / rel
+                if not media.is_file() or media.stat().st_size == 0:
+                    return f"{rel} (row {rows}) is missing or empty"
+    if rows != num_rows:
+        return f"conversations.jsonl has {rows} rows, not {num_rows}"
+    return None
+
+
 def _write_rows(
     out_dir: Path,
     make: Callable[[str, int], dict],

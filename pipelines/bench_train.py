@@ -12,13 +12,13 @@ accuracy) are :class:`packline.report.summary.PackingComparison`'s.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
 from packline.progress import console, stdout_to_stderr
 from packline.report.summary import PackingComparison, RunSummary
 from packline.report.table import summary_table, target_lines
+from packline.workdir import hold, remove_owned
 
 
 def read_summary(run_dir: Path) -> RunSummary:
@@ -52,11 +52,12 @@ def bench_train(
             f"train.eval_every={eval_every}",
         ],
     )
-    with stdout_to_stderr(as_json):  # --json: stdout holds the JSON object only
+    # --json: stdout holds the JSON object only
+    with stdout_to_stderr(as_json), hold(cfg.work_path):
         for stage in available_stages():  # the inputs of train, skipped when up to date
             if stage != "train":
                 run_stage(cfg, stage)
-        shutil.rmtree(stage_dir(cfg, "train"), ignore_errors=True)  # from scratch, no resume
+        remove_owned(stage_dir(cfg, "train"))  # from scratch, no resume
         console.log("bench train: packing on, then off, from scratch")
         run_stage(cfg, "train", force=True)
     train_dir = stage_dir(cfg, "train")

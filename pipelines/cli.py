@@ -1,25 +1,34 @@
 """``packline`` command line.
 
     packline run [CONFIG] [key=value ...] [--executor local|slurm] [--from STAGE] [--dryrun]
-    packline stage NAME [CONFIG] [key=value ...]
+                 [--wait]
+    packline stage NAME [CONFIG] [key=value ...] [--force] [--wait]
     packline bench {packing,loader,train,data} [key=value ...] [--json] [--config PATH]
                    [--work-dir DIR] [--samples N]
     packline compare [CONFIG] [key=value ...] [--experiment NAME] [--run RUN_ID]
     packline ui [CONFIG] [key=value ...] [--port N]
 
+One packline writes a work dir at a time: ``run`` and ``stage`` hold its lock
+(:mod:`packline.workdir`); a second one stops with exit 2 naming the first, or waits for it
+with ``--wait``.
+
 Exit codes: 0 ok; 2 invalid config or input (every problem listed); 1 other failure.
-Tracebacks are shown only for unexpected failures, or always with PACKLINE_DEBUG=1.
+Tracebacks are shown only for unexpected failures, or always with PACKLINE_DEBUG=1; a crash
+on a user's file prints one line naming the file and sample, its traceback going to the
+stage's log.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 import traceback
 
+from packline.workdir import hold
 from schemas.config import STAGES, load_config
-from schemas.errors import UserError
+from schemas.errors import InputCrash, UserError
 
 
 def _split_config(args: list[str]) -> tuple[str | None, list[str]]:
@@ -34,25 +43,32 @@ def _load(args: list[str], extra: list[str] | None = None):
     return load_config(config, overrides + (extra or []))
 
 
+def _command() -> str:
+    """This invocation as the lock file names it."""
+    return shlex.join(["packline", *sys.argv[1:]])
+
+
 def cmd_run(ns: argparse.Namespace) -> int:
+    extra = [f"executor.kind={ns.executor}"] if ns.executor else []
+    cfg = _load(ns.args, extra)  # first: a refused config costs no heavy import
     from pipelines.experiment import pipeline_stages, run_pipeline
 
-    extra = [f"executor.kind={ns.executor}"] if ns.executor else []
-    cfg = _load(ns.args, extra)
     if ns.from_stage and ns.from_stage not in pipeline_stages():
         have = ", ".join(pipeline_stages())
         raise UserError([f"--from {ns.from_stage}: not a stage of this pipeline ({have})"])
-    run_pipeline(cfg, from_stage=ns.from_stage, dryrun=ns.dryrun)
+    with hold(cfg.work_path, wait=ns.wait, command=_command()):
+        run_pipeline(cfg, from_stage=ns.from_stage, dryrun=ns.dryrun)
     return 0
 
 
 def cmd_stage(ns: argparse.Namespace) -> int:
-    from stages.runner import available_stages, run_stage
+    if ns.name not in STAGES:
+        raise UserError([f"unknown stage {ns.name!r}; stages: {', '.join(STAGES)}"])
+    cfg = _load(ns.args)  # first: a refused config costs no heavy import
+    from stages.runner import run_stage
 
-    if ns.name not in available_stages():
-        raise UserError([f"unknown stage {ns.name!r}; stages: {', '.join(available_stages())}"])
-    cfg = _load(ns.args)
-    run_stage(cfg, ns.name, force=ns.force)
+    with hold(cfg.work_path, wait=ns.wait, command=_command()):
+        run_stage(cfg, ns.name, force=ns.force)
     return 0
 
 
@@ -91,6 +107,9 @@ def cmd_ui(ns: argparse.Namespace) -> int:
     return serve_ui(_load(ns.args), port=ns.port, experiment=ns.experiment)
 
 
+WAIT_HELP = "when another packline writes the work dir, wait for it instead of exiting 2"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="packline",
@@ -103,12 +122,14 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--executor", choices=["local", "slurm"], help="override executor.kind")
     r.add_argument("--from", dest="from_stage", choices=STAGES, help="force this stage and after")
     r.add_argument("--dryrun", action="store_true", help="print the tasks, run nothing")
+    r.add_argument("--wait", action="store_true", help=WAIT_HELP)
     r.set_defaults(fn=cmd_run)
 
     s = sub.add_parser("stage", help="run one stage in this process")
     s.add_argument("name", help="stage name: " + ", ".join(STAGES))
     s.add_argument("args", nargs="*", metavar="[CONFIG] [key=value]")
     s.add_argument("--force", action="store_true", help="rerun even when up to date")
+    s.add_argument("--wait", action="store_true", help=WAIT_HELP)
     s.set_defaults(fn=cmd_stage)
 
     b = sub.add_parser("bench", help="benchmarks, measured side by side in one run")
@@ -178,6 +199,11 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except InputCrash as exc:
+        if debug:
+            traceback.print_exc()
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

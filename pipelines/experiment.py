@@ -3,7 +3,6 @@ the one before it. Stage skipping lives in the stages (completion records), not 
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
 from dataclasses import dataclass
@@ -11,14 +10,15 @@ from pathlib import Path
 
 import nemo_run as run
 from omegaconf import OmegaConf
-from rich.table import Table
 
 from packline.progress import console
 from packline.tracking import Tracker
+from packline.workdir import hold
 from pipelines.executors import make_executor, slurm_problems
+from pipelines.outcome import UP_TO_DATE, pipeline_stages, raise_on_failure, summary_table
 from pipelines.slurm_jobs import SlurmJob, gather_logs, jobs_table, sacct, submitted_jobs
 from pipelines.tasks import error_path, run_stage_task
-from schemas.config import STAGES, ExecutorKind, PipelineConfig, TrainBackend
+from schemas.config import ExecutorKind, PipelineConfig, TrainBackend
 from schemas.errors import UserError
 from stages.base import invalidate_from, is_up_to_date, read_record
 from stages.megatron_overrides import (
@@ -27,7 +27,7 @@ from stages.megatron_overrides import (
     megatron_problems,
     override_lines,
 )
-from stages.runner import REGISTRY, available_stages, headline, run_stage
+from stages.runner import REGISTRY, run_stage
 
 
 @dataclass
@@ -35,12 +35,6 @@ class PipelineOutcome:
     experiment_id: str
     parent_run_id: str | None
     states: dict[str, str]
-
-
-def pipeline_stages() -> list[str]:
-    """The stages this build of packline has, in pipeline order."""
-    have = set(available_stages())
-    return [s for s in STAGES if s in have]
 
 
 def write_resolved_config(cfg: PipelineConfig) -> Path:
@@ -171,8 +165,9 @@ def stages_to_launch(cfg: PipelineConfig) -> list[str]:
 def run_pipeline(
     cfg: PipelineConfig, *, from_stage: str | None = None, dryrun: bool = False
 ) -> PipelineOutcome:
-    """Run the stages in order as NeMo-Run tasks; raise UserError (exit 2) when a stage
-    reported bad input, RuntimeError when one failed otherwise.
+    """Run the stages in order as NeMo-Run tasks, holding the work dir's lock; raise
+    UserError (exit 2) when a stage reported bad input, RuntimeError when one failed
+    otherwise. A failed stage stops the chain: the stages after it never start.
 
     Up-to-date stages are skipped here, in this process, from their completion records
     (logged to MLflow as skipped children); the rest run as dependent NeMo-Run tasks.
@@ -182,6 +177,11 @@ def run_pipeline(
     problems = slurm_problems(cfg) + megatron_problems(cfg)
     if problems:
         raise UserError(problems, f"cannot run this config with executor {cfg.executor.kind.value}")
+    with hold(cfg.work_path):
+        return _run_pipeline(cfg, from_stage=from_stage, dryrun=dryrun)
+
+
+def _run_pipeline(cfg: PipelineConfig, *, from_stage: str | None, dryrun: bool) -> PipelineOutcome:
     config_path = write_resolved_config(cfg)
     if dryrun:
         if cfg.executor.kind == ExecutorKind.slurm:
@@ -207,27 +207,34 @@ def run_pipeline(
         cfg, f"pipeline-{time.strftime('%Y%m%d-%H%M%S')}", tags={"packline.kind": "pipeline"}
     )
     states: dict[str, str] = {}
-    exp_id = ""
+    exp_ids: list[str] = []
     status = "FAILED"
     try:
         for stage in pipeline_stages():
             if stage not in launch:
                 run_stage(cfg, stage, parent_run_id=parent.run_id)  # skips: record matches
-                states[stage] = "SKIPPED"
-        if launch:
-            exp_id = new_experiment_id(cfg)
-            with new_experiment(cfg, exp_id) as exp:
+                states[stage] = UP_TO_DATE
+        if slurm and launch:
+            # One job per stage, each after the one before (afterok): SLURM cancels the jobs
+            # after a failed one (kill_on_invalid_dep), so none of them starts.
+            exp_ids.append(new_experiment_id(cfg))
+            with new_experiment(cfg, exp_ids[-1]) as exp:
                 add_stages(exp, cfg, config_path, parent.run_id, launch)
-                exp.run(
-                    sequential=False,
-                    detach=False,
-                    tail_logs=cfg.executor.kind == ExecutorKind.local,
-                )
-            for name, info in exp.status(return_dict=True).items():
-                states[name] = str(info.get("status", "UNKNOWN")).split(".")[-1]
-            if cfg.executor.kind == ExecutorKind.slurm:
-                report_slurm_jobs(cfg, exp)
-        _raise_on_failure(cfg, states)
+                exp.run(sequential=False, detach=False, tail_logs=False)
+            states.update(task_states(exp))
+            report_slurm_jobs(cfg, exp)
+        else:
+            # NeMo-Run's local executor starts a dependent task whatever its dependency's
+            # outcome: one experiment per stage, and the chain ends at the first failure.
+            for stage in launch:
+                exp_ids.append(new_experiment_id(cfg))
+                with new_experiment(cfg, exp_ids[-1]) as exp:
+                    add_stages(exp, cfg, config_path, parent.run_id, [stage])
+                    exp.run(detach=False, tail_logs=True)
+                states.update(task_states(exp))
+                if states[stage] != "SUCCEEDED":
+                    break
+        raise_on_failure(cfg, states, logs=nemorun_dir(cfg) / "experiments")
         console.print(summary_table(cfg, states))
         for stage in pipeline_stages():
             rec = read_record(cfg, stage) or {}
@@ -235,7 +242,15 @@ def run_pipeline(
         status = "FINISHED"
     finally:
         parent.end(status)
-    return PipelineOutcome(exp_id, parent.run_id, states)
+    return PipelineOutcome(",".join(exp_ids), parent.run_id, states)
+
+
+def task_states(exp: run.Experiment) -> dict[str, str]:
+    """Each task's final state as NeMo-Run reports it (``SUCCEEDED``, ``FAILED``, ...)."""
+    return {
+        name: str(info.get("status", "UNKNOWN")).split(".")[-1]
+        for name, info in exp.status(return_dict=True).items()
+    }
 
 
 def report_slurm_jobs(cfg: PipelineConfig, exp: run.Experiment) -> list[SlurmJob]:
@@ -246,32 +261,3 @@ def report_slurm_jobs(cfg: PipelineConfig, exp: run.Experiment) -> list[SlurmJob
         gather_logs(cfg, exp, jobs)
         console.print(jobs_table(jobs))
     return jobs
-
-
-def _raise_on_failure(cfg: PipelineConfig, states: dict[str, str]) -> None:
-    for stage in pipeline_stages():
-        err = error_path(cfg.work_path, stage)
-        if err.is_file():
-            info = json.loads(err.read_text())
-            raise UserError(info["problems"], info["header"])
-    failed = [s for s in pipeline_stages() if states.get(s) not in ("SUCCEEDED", "SKIPPED")]
-    if failed:
-        logs = nemorun_dir(cfg) / "experiments"
-        raise RuntimeError(
-            f"stage(s) {', '.join(failed)} did not succeed ({states}); logs under {logs}"
-        )
-    done = [f"{s} {states[s]}" for s in pipeline_stages() if s in states]
-    console.log("[green]pipeline finished:[/] " + ", ".join(done))
-
-
-def summary_table(cfg: PipelineConfig, states: dict[str, str]) -> Table:
-    """Stage, state, time and headline figure of the pipeline just run."""
-    table = Table(title=f"packline run · {cfg.name} · {cfg.work_path}", title_justify="left")
-    for col in ("stage", "state", "seconds", "result"):
-        table.add_column(col, justify="right" if col == "seconds" else "left")
-    for stage in pipeline_stages():
-        rec = read_record(cfg, stage) or {}
-        state = states.get(stage, "-")
-        seconds = "-" if state == "SKIPPED" else f"{rec.get('seconds', 0):.1f}"
-        table.add_row(stage, state, seconds, headline(cfg, stage, rec.get("metrics", {})))
-    return table

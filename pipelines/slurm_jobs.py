@@ -7,6 +7,7 @@ NeMo-Run dir into ``<work>/logs/<stage>/`` (through the tunnel, so this works ov
 
 from __future__ import annotations
 
+import shlex
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,13 +55,32 @@ def submitted_jobs(exp: run.Experiment) -> list[SlurmJob]:
     return [SlurmJob(stage=job.id, job_id=job_id(job)) for job in exp.jobs if job_id(job)]
 
 
+def sacct_command(job_ids: list[str]) -> str:
+    """The shell command (a tunnel runs text) that reads the jobs' accounting records; every
+    word quoted.
+
+    >>> sacct_command(["17", "18"])
+    'sacct --parsable2 --noheader -X -j 17,18 -o JobID,JobName,State,Elapsed,Start,End'
+    """
+    args = ["sacct", "--parsable2", "--noheader", "-X", "-j", ",".join(job_ids)]
+    return shlex.join([*args, "-o", ",".join(SACCT_FIELDS)])
+
+
+def listing_command(remote_dir: str) -> str:
+    """The shell command that lists a job's dir, the path quoted.
+
+    >>> listing_command("/w/my runs;x")
+    "ls -1 -- '/w/my runs;x'"
+    """
+    return shlex.join(["ls", "-1", "--", remote_dir])
+
+
 def sacct(tunnel, jobs: list[SlurmJob], *, wait_s: float = 30.0) -> list[SlurmJob]:
     """Fill each job's accounting fields; poll until every job is terminal (sacct lags a job's
     end by seconds) or ``wait_s`` passes."""
     if not jobs:
         return jobs
-    ids = ",".join(j.job_id for j in jobs)
-    cmd = f"sacct --parsable2 --noheader -X -j {ids} -o {','.join(SACCT_FIELDS)}"
+    cmd = sacct_command([j.job_id for j in jobs])
     deadline = time.monotonic() + wait_s
     while True:
         result = tunnel.run(cmd, hide=True, warn=True)
@@ -86,7 +106,7 @@ def gather_logs(cfg: PipelineConfig, exp: run.Experiment, jobs: list[SlurmJob]) 
         tunnel = job.executor.tunnel
         # The job's dir where the jobs run: the tunnel's experiment dir + the task's name.
         remote = f"{tunnel.job_dir}/{Path(job.executor.job_dir).name}"
-        listing = tunnel.run(f"ls -1 {remote}", hide=True, warn=True).stdout or ""
+        listing = tunnel.run(listing_command(remote), hide=True, warn=True).stdout or ""
         dest = cfg.work_path / "logs" / j.stage
         dest.mkdir(parents=True, exist_ok=True)
         for name in listing.split():

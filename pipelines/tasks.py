@@ -2,7 +2,8 @@
 
 It takes only plain, serialisable arguments: the path of the resolved pipeline config the
 CLI wrote, the stage name, and the MLflow parent run id. A user error (bad input or
-config) is written to ``<work>/<stage>.error.json`` so the CLI can report it with exit 2.
+config) is written to ``<work>/<stage>.error.json`` so the CLI can report it with exit 2, a
+crash on the user's input (:class:`~schemas.errors.InputCrash`) likewise, with exit 1.
 A SLURM job may start it as several tasks (connect, ``connect.num_tasks``): each runs its
 share; the one that merges logs the stage, the others end with exit 0 and log nothing.
 """
@@ -14,6 +15,9 @@ import os
 import sys
 from pathlib import Path
 
+from schemas.config import load_config
+from schemas.errors import InputCrash, UserError
+
 ERROR_SUFFIX = ".error.json"
 
 
@@ -23,8 +27,6 @@ def error_path(work_dir: Path, stage: str) -> Path:
 
 def run_stage_task(config_path: str, stage: str, parent_run_id: str = "") -> None:
     """Entry point of one NeMo-Run task: run ``stage`` of the config at ``config_path``."""
-    from schemas.config import load_config
-    from schemas.errors import UserError
     from stages.runner import run_stage
 
     cfg = load_config(config_path)
@@ -36,10 +38,28 @@ def run_stage_task(config_path: str, stage: str, parent_run_id: str = "") -> Non
     try:
         run_stage(cfg, stage, parent_run_id=parent_run_id or None)
     except UserError as exc:
-        header = getattr(exc, "header", str(exc))
-        report = json.dumps({"header": header, "problems": exc.problems, "exit_code": 2})
-        tmp = err.with_name(f".{err.name}.{os.getpid()}.tmp")  # tasks may fail at once
-        tmp.write_text(report)
-        os.replace(tmp, err)
+        _report(err, {"header": exc.header, "problems": exc.problems, "exit_code": 2})
         print(str(exc), file=sys.stderr)
         sys.exit(2)
+    except InputCrash as exc:
+        crash = {"where": exc.where, "error": exc.error, "log": exc.log}
+        _report(err, {"header": str(exc), "problems": [], "exit_code": 1, "crash": crash})
+        print(str(exc), file=sys.stderr)
+        sys.exit(1)
+
+
+def _report(err: Path, report: dict) -> None:
+    tmp = err.with_name(f".{err.name}.{os.getpid()}.tmp")  # tasks may fail at once
+    tmp.write_text(json.dumps(report))
+    os.replace(tmp, err)
+
+
+def reported_error(work_dir: Path, stage: str) -> UserError | InputCrash | None:
+    """The error a task of ``stage`` reported (what the CLI exits with), or None."""
+    err = error_path(work_dir, stage)
+    if not err.is_file():
+        return None
+    info = json.loads(err.read_text())
+    if "crash" in info:
+        return InputCrash(**info["crash"])
+    return UserError(info["problems"], info["header"])

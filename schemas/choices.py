@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from enum import Enum
 
+STAGES = ("prepare", "connect", "validate", "train")
+"""The pipeline's stages, in order: each publishes ``<work_dir>/<stage>``."""
+
 
 class Algorithm(Enum):
     """Packing selection algorithm, run on each buffer round (``packline/packing/selection.py``)."""

@@ -24,6 +24,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from schemas.choices import (
+    STAGES,  # noqa: F401 - re-exported: schemas.config.STAGES
     Algorithm,
     Attention,
     CudaGraphImpl,
@@ -40,7 +41,6 @@ from schemas.guardrails import Check, Finding, config_findings
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = PROJECT_ROOT / "configs" / "tiny_cpu.yaml"
-STAGES = ("prepare", "connect", "validate", "train")
 TINY_BASE = PROJECT_ROOT / "models" / "tiny-base"
 """Where ``scripts/build-tiny-base`` writes the tiny Qwen3-VL base by default (a config
 names it ``model.path: ${project:models/tiny-base}``)."""
@@ -157,6 +157,13 @@ class DataConfig(_Section):
             raise ValueError(f"data.source {self.source!r} names nothing packline reads")
         return kind
 
+    def llava_media_dir(self) -> Path | None:
+        """The folder a LLaVA file's media paths are relative to, resolved: ``media_dir``,
+        else the file's own folder; None for the other sources."""
+        if source_kind(self.source) is not SourceKind.llava:
+            return None
+        return Path(self.media_dir or Path(self.source).expanduser().parent).expanduser().resolve()
+
     def rules(self) -> list[str]:
         p: list[str] = []
         _check(p, self.num_train > 0, f"data.num_train must be > 0, got {self.num_train}")
@@ -206,6 +213,11 @@ class PrepareConfig(_Section):
     ``min_frames``/``max_frames``) are rejected as ``too_many_frames``."""
     max_video_seconds: float = 600.0
     """Videos longer than this (frames / frame rate) are rejected as ``video_too_long``."""
+    max_text_chars: int = 1_000_000
+    """Rows whose conversation holds more characters of text are rejected as
+    ``text_too_long`` before anything tokenizes them (about 250k tokens at 4 characters a
+    token: many times any ``packing.seq_length`` a row must fit, yet it bounds what one row
+    costs connect's processor)."""
     max_reject_fraction: float = 0.05
     """The stage fails (exit 2) when rejected rows exceed this share of all rows."""
     num_workers: int = 2
@@ -217,6 +229,11 @@ class PrepareConfig(_Section):
         _check(p, self.samples_per_shard > 0, "prepare.samples_per_shard must be > 0")
         _check(p, 0.0 <= self.val_fraction < 1.0, "prepare.val_fraction must be in [0, 1)")
         _check(p, self.max_images >= 0, "prepare.max_images must be >= 0")
+        _check(
+            p,
+            self.max_text_chars > 0,
+            f"prepare.max_text_chars must be > 0, got {self.max_text_chars}",
+        )
         _check(p, self.max_videos >= 0, f"prepare.max_videos must be >= 0, got {self.max_videos}")
         _check(
             p,
@@ -751,6 +768,20 @@ class PipelineConfig(_Section):
     def work_path(self) -> Path:
         """Absolute work dir."""
         return Path(self.work_dir or Path("runs") / self.name).expanduser().resolve()
+
+    def inputs(self) -> dict[str, Path]:
+        """The user's inputs this config reads, by setting, resolved: the source (unless
+        the built-in set), a LLaVA file's media dir, the processor and model dirs."""
+        found: dict[str, Path] = {}
+        if self.data.source != "synthetic":
+            found["data.source"] = Path(self.data.source).expanduser().resolve()
+        if (media := self.data.llava_media_dir()) is not None:
+            found["data.media_dir"] = media
+        for section in (self.processor, self.model):
+            if section.path:
+                key = "processor.path" if section is self.processor else "model.path"
+                found[key] = Path(section.path).expanduser().resolve()
+        return found
 
     def to_dict(self) -> dict[str, Any]:
         """Plain, JSON-serialisable dict of the resolved config (enums as values)."""

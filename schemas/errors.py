@@ -25,3 +25,26 @@ class UserError(ValueError):
         lines = [f"{self.header} ({len(self.problems)} problem(s)):"]
         lines += [f"  - {p}" for p in self.problems]
         return "\n".join(lines)
+
+
+class InputCrash(RuntimeError):
+    r"""packline failed on a user's file in a way it has no reason for: a bug. It names the
+    file and sample, what went wrong and the log that holds the traceback; the CLI prints it
+    as one line (exit 1).
+
+    >>> crash = InputCrash("a.jsonl line 7 (id 'a')", "KeyError: 'x'", "p.log")
+    >>> print(str(crash).replace(" — ", "\n"))
+    packline failed on a.jsonl line 7 (id 'a'): KeyError: 'x'
+    a bug in packline, please report it with the traceback in p.log
+    """
+
+    def __init__(self, where: str, error: str, log: str = ""):
+        super().__init__(where, error, log)  # as args: it pickles from a worker process
+        self.where, self.error, self.log = where, error, log
+
+    def __str__(self) -> str:
+        log = f" with the traceback in {self.log}" if self.log else ""
+        return (
+            f"packline failed on {self.where}: {self.error} — a bug in packline, please "
+            f"report it{log}"
+        )

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
-from schemas.choices import CudaGraphImpl, ExecutorKind, TrainBackend
+from schemas.choices import STAGES, CudaGraphImpl, ExecutorKind, TrainBackend
 
 if TYPE_CHECKING:  # annotations only: schemas/config.py imports this module to apply the rules
     from schemas.config import PipelineConfig
@@ -332,6 +332,31 @@ def _delay_wgrad(cfg: PipelineConfig) -> list[Issue] | None:
             "set megatron.delay_wgrad_compute=false",
         )
     ]
+
+
+# --- what packline refuses to touch (schemas/safety.py) -------------------------------------
+
+
+@CONFIG_RULES.rule(
+    "config.shell_safe",
+    "config",
+    "no value that reaches a shell or SLURM command line holds shell syntax or whitespace",
+)
+def _shell_safe(cfg: PipelineConfig) -> list[Issue]:
+    from schemas.safety import shell_problems
+
+    return [error(*found) for found in shell_problems(cfg.to_dict(), cfg.work_path)]
+
+
+@CONFIG_RULES.rule(
+    "config.data_placement",
+    "config",
+    "no input lies in a dir a run replaces, and the work dir is outside the data",
+)
+def _data_placement(cfg: PipelineConfig) -> list[Issue]:
+    from schemas.safety import data_placement_problems
+
+    return [error(*found) for found in data_placement_problems(cfg.work_path, STAGES, cfg.inputs())]
 
 
 def config_findings(cfg: PipelineConfig) -> list[Finding]:

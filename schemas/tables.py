@@ -37,7 +37,10 @@ REJECT_REASONS = [
     "video_frames_unsupported",  # an Energon sample's video given as a list of frames, not a file
     "no_assistant_turn",  # nothing to train on
     "unknown_role",  # a role other than system / user / assistant (or LLaVA's human / gpt)
-    "duplicate_id",  # the id was seen on an earlier row
+    "duplicate_id",  # the id was seen on an earlier row, or another id maps to the same key
+    "text_not_utf8",  # text that is not UTF-8: an undecodable byte, a lone surrogate escape
+    "text_too_long",  # more characters of text than prepare.max_text_chars
+    "shard_unreadable",  # an adopted Energon dataset's shard that cannot be read as a tar
 ]
 
 

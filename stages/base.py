@@ -1,9 +1,10 @@
 """What every stage shares: its output dir, atomic publish, and the completion record.
 
 A stage builds its outputs in ``<work>/.tmp-<stage>-*``, renames that dir to
-``<work>/<stage>`` (replacing an older one), then writes ``<work>/<stage>/_COMPLETE.json``
-holding the fingerprint of its inputs and config. A rerun whose fingerprint matches the
-record is skipped; a dir without a record is stale and is rebuilt.
+``<work>/<stage>`` (replacing an older one only when packline made it:
+:func:`packline.workdir.publish`), then writes ``<work>/<stage>/_COMPLETE.json`` holding the
+fingerprint of its inputs and config. A rerun whose fingerprint matches the record is
+skipped; a dir without a record is stale and is rebuilt.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,10 +22,10 @@ from typing import Any
 
 import packline
 from packline.energon.files import PACKLINE_METADATASET
+from packline.workdir import RECORD_NAME, is_owned, new_temp_dir, not_ours, publish
 from schemas.config import STAGES, PipelineConfig, SourceKind
 from schemas.errors import UserError
 
-RECORD_NAME = "_COMPLETE.json"
 PROCESSOR = "processor"
 """connect's processor dir, inside its stage dir."""
 
@@ -120,23 +120,19 @@ def is_up_to_date(cfg: PipelineConfig, stage: str, fp: str) -> bool:
 
 @contextmanager
 def building(cfg: PipelineConfig, stage: str) -> Iterator[Path]:
-    """Yield a fresh temp dir; on success rename it to ``<work>/<stage>`` atomically."""
-    work = cfg.work_path
-    work.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{stage}-", dir=work))
+    """Yield a fresh temp dir; on success rename it to ``<work>/<stage>`` atomically (an
+    older one is replaced only when packline made it: checked first, so a stage refused
+    there does no work)."""
+    final = stage_dir(cfg, stage)
+    if (final.exists() or final.is_symlink()) and not is_owned(final):
+        raise not_ours(final)
+    tmp = new_temp_dir(cfg.work_path, f".tmp-{stage}-")
     try:
         yield tmp
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    final = stage_dir(cfg, stage)
-    if final.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".old-{stage}-", dir=work))
-        os.replace(final, old / stage)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, final)
+    publish(tmp, final)
 
 
 def write_record(cfg: PipelineConfig, result: StageResult) -> None:

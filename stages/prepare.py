@@ -36,7 +36,7 @@ prepare's fingerprint.
 
 from __future__ import annotations
 
-import hashlib
+import bisect
 import io
 import json
 import shutil
@@ -56,6 +56,7 @@ from packline.conversations import (
     FolderMedia,
     MediaSource,
     Rejected,
+    SeenKeys,
     VideoLimits,
     llava_record,
     parse_record,
@@ -64,7 +65,8 @@ from packline.energon.files import BRIDGE_METADATASET, PACKLINE_METADATASET
 from packline.parallel import ordered_map
 from packline.progress import console, progress
 from packline.qwen.vision import ImageGeometry, VideoGeometry
-from packline.sources import SourceError, chunked, jsonl_rows, llava_records
+from packline.sources import NotUtf8, SourceError, chunked, jsonl_rows, llava_records
+from packline.workdir import mark_owned, new_temp_dir, publish
 from schemas.config import PipelineConfig, SourceKind, TrainBackend
 from schemas.errors import UserError
 from schemas.tables import REJECT_REASONS, ManifestModel, RejectsModel, validate_table
@@ -158,32 +160,40 @@ def synthetic_source_dir(cfg: PipelineConfig) -> Path:
 
 def resolve_source(cfg: PipelineConfig) -> Path:
     """What to read: the user's folder, LLaVA JSON file or Energon dataset, or the built-in
-    set generated once into the work dir."""
+    set generated once into the work dir (in a temp dir of this process, checked whole —
+    every row and the media it names — before it is marked complete and renamed into place;
+    a copy found incomplete is generated again)."""
     if cfg.data.kind is not SourceKind.synthetic:
         return Path(cfg.data.source).expanduser().resolve()
-    out = synthetic_source_dir(cfg)
-    if (out / SOURCE_DONE).is_file():
-        return out
-    from packline.synthetic import write_shapes_dataset
+    from packline.synthetic import shapes_dataset_problem, write_shapes_dataset
 
-    tmp = out.with_name(out.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    out = synthetic_source_dir(cfg)
     total = cfg.data.num_train + cfg.data.num_val
-    with progress() as bar:
-        task = bar.add_task("generate shapes", total=total)
-        write_shapes_dataset(
-            tmp,
-            num_train=cfg.data.num_train,
-            num_val=cfg.data.num_val,
-            seed=cfg.data.seed,
-            video_share=cfg.data.video_share,
-            progress=lambda n: bar.advance(task, n),
-        )
-    (tmp / SOURCE_DONE).write_text("ok\n")
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
+    if (out / SOURCE_DONE).is_file():
+        problem = shapes_dataset_problem(out, num_rows=total)
+        if problem is None:
+            return out
+        console.log(f"[yellow]the built-in set in {out} is incomplete ({problem}): regenerating[/]")
+        mark_owned(out, "built-in set")  # its completion file says packline wrote it
+    tmp = new_temp_dir(out.parent, f".tmp-{out.name}-")
+    try:
+        with progress() as bar:
+            task = bar.add_task("generate shapes", total=total)
+            write_shapes_dataset(
+                tmp,
+                num_train=cfg.data.num_train,
+                num_val=cfg.data.num_val,
+                seed=cfg.data.seed,
+                video_share=cfg.data.video_share,
+                progress=lambda n: bar.advance(task, n),
+            )
+        problem = shapes_dataset_problem(tmp, num_rows=total)
+        assert problem is None, f"the built-in set just written is not whole: {problem}"
+        (tmp / SOURCE_DONE).write_text(f"{total} rows\n")
+        publish(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return out
 
 
@@ -262,6 +272,8 @@ class RowContext:
     val_fraction: float
     #: the sampling of each video's frames for Megatron-Bridge; None writes none
     frames: VideoGeometry | None
+    #: rows whose conversation holds more characters are rejected (``text_too_long``)
+    max_text_chars: int = 0
     #: the Energon dataset adopted in place (``packline.energon.chatml.ChatMLDataset``)
     dataset: Any = None
 
@@ -274,6 +286,7 @@ class RowContext:
             max_images=self.max_images,
             val_fraction=self.val_fraction,
             videos=self.videos,
+            max_text_chars=self.max_text_chars,
         )
 
 
@@ -315,6 +328,8 @@ def _check_rows(chunk: list[tuple[int, Any]]) -> list[Accepted | Refused]:
     out: list[Accepted | Refused] = []
     for position, payload in chunk:
         try:
+            if isinstance(payload, NotUtf8):
+                raise Rejected("text_not_utf8", payload.detail)
             if ctx.kind is SourceKind.llava:
                 record = llava_record(payload)
             else:
@@ -487,24 +502,6 @@ class RejectSink:
         return sum(self.by_reason.values())
 
 
-class SeenKeys:
-    """The keys accepted so far, as 8-byte digests (about 80 bytes a row, the one part of
-    prepare's memory that grows with the dataset): a key seen twice is a duplicate id. A
-    key is a function of the id (:func:`~packline.conversations.key_for_id`), so unique keys
-    mean unique ids too."""
-
-    def __init__(self) -> None:
-        self._seen: set[bytes] = set()
-
-    def add(self, key: str) -> bool:
-        """Record ``key``; False when it was already there."""
-        digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
-        if digest in self._seen:
-            return False
-        self._seen.add(digest)
-        return True
-
-
 def _energon_prepare(out: Path, shards: dict[str, list[str]], workers: int) -> None:
     """Index the shards with Energon's own prepare API and write the dataset.yaml."""
     from megatron.energon.flavors.webdataset.base_webdataset import BaseWebdatasetFactory
@@ -557,6 +554,7 @@ def row_context(cfg: PipelineConfig) -> RowContext:
         max_images=cfg.prepare.max_images,
         val_fraction=cfg.prepare.val_fraction,
         frames=video_geometry(cfg) if writes_bridge_frames(cfg) else None,
+        max_text_chars=cfg.prepare.max_text_chars,
     )
 
 
@@ -606,7 +604,7 @@ def prepare_dataset(cfg: PipelineConfig, fp: str | None = None) -> StageResult:
     if cfg.data.kind is SourceKind.energon:
         return _adopt_energon(cfg, fp, source, t0)
     context = row_context(cfg)
-    seen = SeenKeys()
+    seen = SeenKeys("line")  # a LLaVA record's number, as rejects.jsonl's "line" holds it
     tally = Tally()
     num_rows = 0
     with building(cfg, STAGE) as out:
@@ -631,11 +629,12 @@ def prepare_dataset(cfg: PipelineConfig, fp: str | None = None) -> StageResult:
                 for outcomes in checked:
                     for outcome in outcomes:
                         num_rows += 1
-                        if isinstance(outcome, Accepted) and not seen.add(outcome.key):
-                            dup = Rejected(
-                                "duplicate_id", f"id {outcome.id!r} already seen", outcome.id
+                        if isinstance(outcome, Accepted) and (
+                            dup := seen.add(outcome.key, outcome.id, outcome.position)
+                        ):
+                            outcome = Refused(
+                                _reject(outcome.position, Rejected("duplicate_id", dup, outcome.id))
                             )
-                            outcome = Refused(_reject(outcome.position, dup))
                         if isinstance(outcome, Refused):
                             rejects.add(outcome.record)
                             continue
@@ -785,11 +784,17 @@ def _adopt_energon(cfg: PipelineConfig, fp: str, source: Path, t0: float) -> Sta
     except ValueError as exc:
         raise UserError([str(exc)], "prepare: the Energon dataset cannot be adopted") from None
     context = replace(row_context(cfg), dataset=dataset, frames=None)
-    seen = SeenKeys()
+    shards = dataset.shards()
+    starts: list[int] = []  # the position of each shard's first sample, in shard order
+    seen = SeenKeys(
+        "position",
+        earlier_id=lambda position, key: (
+            f"{shards[bisect.bisect_right(starts, position) - 1][1]}/{key}"
+        ),
+    )
     tally = Tally()
     excluded: list[str] = []
     num_rows = 0
-    shards = dataset.shards()
     with building(cfg, STAGE) as out:
         manifest = TableSink(out / "manifest.parquet", ManifestModel, "manifest.parquet")
         rejects = RejectSink(out / "rejects.jsonl")
@@ -805,15 +810,16 @@ def _adopt_energon(cfg: PipelineConfig, fp: str, source: Path, t0: float) -> Sta
             )
             for outcomes in _shards_checked(checked):
                 bar.advance(task)
+                starts.append(num_rows + 1)
                 for outcome in outcomes:
                     num_rows += 1  # the sample's position in the whole dataset
-                    if isinstance(outcome, Accepted) and not seen.add(outcome.key):
-                        dup = Rejected(
-                            "duplicate_id",
-                            f"key {outcome.key!r} was seen in an earlier shard",
-                            outcome.id,
+                    if isinstance(outcome, Accepted) and (
+                        dup := seen.add(outcome.key, outcome.id, num_rows)
+                    ):
+                        dup += " (an Energon key names one sample in the whole dataset)"
+                        outcome = Refused(
+                            _reject(num_rows, Rejected("duplicate_id", dup, outcome.id))
                         )
-                        outcome = Refused(_reject(num_rows, dup))
                     if isinstance(outcome, Refused):
                         outcome.record["line"] = num_rows
                         rejects.add(outcome.record)

@@ -3,13 +3,17 @@ log it to MLflow as a child of the pipeline's parent run."""
 
 from __future__ import annotations
 
+import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
 from packline import metrics as names
 from packline.progress import console, summary_table
 from packline.tracking import Tracker
+from packline.workdir import hold
 from schemas.config import PipelineConfig
+from schemas.errors import InputCrash, UserError
 from stages import connect, prepare, train, validate
 from stages.base import StageResult, is_up_to_date, result_from_record
 
@@ -45,6 +49,46 @@ def run_stage(
     """Run stage ``name`` (or skip it when up to date) and log it to MLflow."""
     if name not in REGISTRY:
         raise ValueError(f"unknown stage {name!r}; stages: {', '.join(REGISTRY)}")
+    with hold(cfg.work_path):  # one writer per work dir (re-entrant; a task of a run shares it)
+        try:
+            return _run_stage(cfg, name, force=force, parent_run_id=parent_run_id)
+        except (UserError, KeyboardInterrupt, SystemExit):
+            raise
+        except Exception as exc:
+            if name not in READS_USER_FILES:
+                raise
+            raise _crash(cfg, name, exc) from exc
+
+
+#: stages that read the user's files: an unexpected error there is reported as a crash on
+#: that input (:class:`~schemas.errors.InputCrash`), its traceback in the stage's log
+READS_USER_FILES = {"prepare", "connect"}
+
+
+def crash_log(cfg: PipelineConfig, stage: str) -> Path:
+    """Where a crash of ``stage`` writes its traceback."""
+    return cfg.work_path / "logs" / f"{stage}.log"
+
+
+def _crash(cfg: PipelineConfig, stage: str, exc: Exception) -> InputCrash:
+    """``exc`` as one line naming the input (the file and sample the library named, else the
+    source), its traceback appended to :func:`crash_log`."""
+    log = crash_log(cfg, stage)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("a") as f:
+        f.write(f"--- {time.strftime('%Y-%m-%dT%H:%M:%S%z')} packline {stage}\n")
+        f.write("".join(traceback.format_exception(exc)))
+    if isinstance(exc, InputCrash):
+        return InputCrash(exc.where, exc.error, str(log))
+    where = f"data.source {cfg.data.source}"
+    if isinstance(exc, OSError) and exc.filename:
+        where = str(exc.filename)
+    return InputCrash(where, f"{type(exc).__name__}: {exc}", str(log))
+
+
+def _run_stage(
+    cfg: PipelineConfig, name: str, *, force: bool, parent_run_id: str | None
+) -> StageResult:
     fingerprint_fn, stage_fn = REGISTRY[name]
     fp = fingerprint_fn(cfg)
     tags = {"packline.stage": name, "packline.skipped": "false"}

@@ -44,6 +44,7 @@ from packline.train.distributed import (
 from packline.train.records import read_records
 from packline.train.setup import build_trainer
 from packline.train.trainer import EVAL_LOG, METRICS_LOG, TrainerSettings
+from packline.workdir import claim_dir, mark_owned
 from schemas.config import PipelineConfig, TrainBackend
 from schemas.errors import UserError
 from stages.base import (
@@ -60,6 +61,8 @@ from stages.base import (
 
 STAGE = "train"
 RESULT = "result.json"
+RUN_NAMES = ("packed", "unpacked")
+"""The run dirs under ``<work>/train``: packing on, packing off."""
 
 
 def training_stream(cfg: PipelineConfig, *, rank: int = 0, world: int = 1) -> TrainStream:
@@ -92,13 +95,24 @@ def fingerprint_inputs(cfg: PipelineConfig) -> str:
     return fingerprint(connect.fingerprint_inputs(cfg), cfg.section_hash(*sections), weights)
 
 
+def _claim_stage_dir(out: Path) -> Path:
+    """``<work>/train``, made or taken (a dir an earlier packline trained in, without the
+    ownership marker, is known by its run dirs' fingerprints)."""
+    if not out.is_symlink() and any((out / m / "fingerprint").is_file() for m in RUN_NAMES):
+        mark_owned(out, STAGE)
+    return claim_dir(out, STAGE)
+
+
 def _claim_run_dir(run_dir: Path, fp: str) -> None:
     """Checkpoints resume only the run they belong to: a run dir left by another config
     (another fingerprint) is cleared instead of resumed."""
     marker = run_dir / "fingerprint"
-    if run_dir.exists() and (not marker.is_file() or marker.read_text() != fp):
-        shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    if marker.is_file() and not run_dir.is_symlink():  # a run dir packline made
+        if marker.read_text() != fp:
+            shutil.rmtree(run_dir)
+        else:
+            mark_owned(run_dir, "train run")
+    claim_dir(run_dir, "train run")
     marker.write_text(fp)
 
 
@@ -270,13 +284,13 @@ def train_lora(
         from stages.train_megatron import train_megatron
 
         return train_megatron(cfg, fp, parent_run_id=parent_run_id)
-    out = stage_dir(cfg, STAGE)
+    out = _claim_stage_dir(stage_dir(cfg, STAGE))
     modes = [True, False] if cfg.train.compare_packing else [cfg.packing.enabled]
     runs = []
     if launched():
         init_from_env()
     for packed in modes:
-        run_dir = out / ("packed" if packed else "unpacked")
+        run_dir = out / RUN_NAMES[not packed]
         kwargs = {"packed": packed, "run_dir": run_dir, "fp": fp, "parent_run_id": parent_run_id}
         if cfg.train.nproc_per_node > 1 and not launched():
             runs.append(_launch_ranks(cfg, **kwargs))

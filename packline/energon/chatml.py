@@ -346,8 +346,13 @@ def read_sample(parts: dict[str, Any], field_map: dict[str, str]) -> SampleRead:
         reason = f"the sample has no {name!r} part (field_map conversation)"
         return SampleRead(None, [], ("malformed", reason))
     try:
-        payload = json.loads(bytes(parts[name]).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        # As Bridge reads it (json.loads of the bytes): a BOM is skipped, an encoded lone
+        # surrogate decodes to one (which parse_record rejects as text_not_utf8).
+        payload = json.loads(bytes(parts[name]))
+    except UnicodeDecodeError as exc:
+        detail = f"part {name!r}: byte {exc.object[exc.start]:#04x} at {exc.start} is not UTF-8"
+        return SampleRead(None, [], ("text_not_utf8", detail))
+    except json.JSONDecodeError as exc:
         return SampleRead(None, [], ("malformed_json", f"part {name!r} is not JSON: {exc}"))
     turns = payload
     if isinstance(payload, dict):

@@ -25,7 +25,7 @@ import webdataset as wds
 import yaml
 from PIL import Image
 
-from packline.conversations import ConversationRow, Rejected, parse_record
+from packline.conversations import ConversationRow, Rejected
 from packline.energon.chatml import ChatMLDataset, shard_records, write_adoption
 from schemas.config import PipelineConfig
 from tests.conftest import png_bytes
@@ -300,26 +300,19 @@ class Adoption:
 
 def adopt(cfg: PipelineConfig, source: Path, out: Path) -> Adoption:
     """Check every sample of ``source`` as prepare does (``shard_records`` into
-    ``parse_record`` under ``cfg``'s limits) and write the adoption files into ``out``
-    (published there, as prepare's dir)."""
-    from stages.prepare import image_geometry, video_limits
+    ``parse_record`` under ``cfg``'s limits: :func:`stages.prepare.row_context`) and write
+    the adoption files into ``out`` (published there, as prepare's dir)."""
+    from stages.prepare import row_context
 
     ds = ChatMLDataset.open(source)
-    geometry, videos = image_geometry(cfg), video_limits(cfg)
+    context = row_context(cfg)  # prepare's own limits
     adoption = Adoption(ds, {}, {}, {})
     for _, shard in ds.shards():
         for key, record, media in shard_records(ds, shard):
             assert key not in adoption.shard_of, f"{key} read twice"
             adoption.shard_of[key] = shard
             try:
-                adoption.rows[key] = parse_record(
-                    record,
-                    media,
-                    geometry=geometry,
-                    max_images=cfg.prepare.max_images,
-                    val_fraction=cfg.prepare.val_fraction,
-                    videos=videos,
-                )
+                adoption.rows[key] = context.parse(record, media)
             except Rejected as rej:
                 assert rej.id == record["id"], (rej.id, record["id"])
                 adoption.rejected[key] = rej

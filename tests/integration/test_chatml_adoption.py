@@ -16,7 +16,6 @@ import pytest
 import yaml
 from megatron.energon import WorkerConfig, get_loader, get_train_dataset, get_val_dataset
 
-from packline.conversations import parse_record
 from packline.energon.chatml import (
     ChatMLDataset,
     shard_records,
@@ -28,7 +27,7 @@ from packline.energon.packing import PackingSettings, make_encoder
 from packline.energon.sample import ConversationReader
 from packline.qwen.processor import copy_tiny_processor
 from stages.base import dataset_path
-from stages.prepare import image_geometry, video_limits
+from stages.prepare import row_context
 from tests.conftest import make_config, png_bytes
 from tests.integration.chatml_dataset import (
     STANDARD_FIELDS,
@@ -237,14 +236,7 @@ def _check_all(cfg, ds: ChatMLDataset) -> dict[str, str]:
     for _, shard in ds.shards():
         for key, record, media in shard_records(ds, shard):
             try:
-                parse_record(
-                    record,
-                    media,
-                    geometry=image_geometry(cfg),
-                    max_images=cfg.prepare.max_images,
-                    val_fraction=cfg.prepare.val_fraction,
-                    videos=video_limits(cfg),
-                )
+                row_context(cfg).parse(record, media)
                 out[key] = "ok"
             except Exception as exc:
                 out[key] = getattr(exc, "reason", repr(exc))

@@ -308,6 +308,7 @@ def test_video_rows_without_markers_go_after_the_images_before_the_user_text(tmp
         max_images=8,
         val_fraction=0.0,
         videos=limits,
+        max_text_chars=cfg.prepare.max_text_chars,
     )
     assert parsed.conversation[1]["content"] == [
         {"type": "image"},
@@ -326,6 +327,7 @@ def test_video_rows_without_markers_go_after_the_images_before_the_user_text(tmp
         max_images=8,
         val_fraction=0.0,
         videos=limits,
+        max_text_chars=cfg.prepare.max_text_chars,
     )
     assert json.loads(text_only.sample_json())["videos"] == []
 
