@@ -11,7 +11,11 @@ writes from them is the same for any worker count.
 Workers start from a fresh interpreter (``forkserver``: the caller may hold threads, a
 progress bar's among them, which ``fork`` would copy mid-lock); ``initializer(*initargs)``
 runs once in each, to set up what every item needs (a processor, limits) without pickling it
-per item.
+per item. Each worker watches the process that started it (:func:`exit_with`): when that one
+is killed (SIGKILL runs no cleanup), the workers exit within a second instead of waiting
+for work for ever. :func:`forks_exit_with_me` does the same for every process forked from
+this one later (Energon's and torch's loader workers: torch's own check of its parent misses
+a parent killed while the worker starts).
 
     >>> list(ordered_map(abs, iter([-3, 1, -2]), num_workers=1))
     [3, 1, 2]
@@ -20,6 +24,9 @@ per item.
 from __future__ import annotations
 
 import multiprocessing
+import os
+import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -58,8 +65,8 @@ def ordered_map(
     with ProcessPoolExecutor(
         max_workers=num_workers,
         mp_context=context,
-        initializer=initializer,
-        initargs=initargs,
+        initializer=_start_worker,
+        initargs=(os.getpid(), initializer, initargs),
     ) as pool:
         pending: deque[Future] = deque()
         try:
@@ -72,3 +79,50 @@ def ordered_map(
         finally:
             for future in pending:
                 future.cancel()
+
+
+def _start_worker(
+    owner: int, initializer: Callable[..., None] | None, initargs: tuple[Any, ...]
+) -> None:
+    exit_with(owner)
+    if initializer is not None:
+        initializer(*initargs)
+
+
+def exit_with(owner: int, interval_s: float = 0.5) -> None:
+    """Exit this process (``os._exit``) within ``interval_s`` of process ``owner``'s end: a
+    daemon thread checks it, by pid and start time (a reused pid is another process) and
+    state (a killed process its parent has not reaped yet is a zombie: ended)."""
+    import psutil
+
+    try:
+        process = psutil.Process(owner)
+    except psutil.NoSuchProcess:
+        os._exit(1)
+
+    def ended() -> bool:
+        try:
+            return not process.is_running() or process.status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+
+    def watch() -> None:
+        while not ended():
+            time.sleep(interval_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name=f"exit-with-{owner}", daemon=True).start()
+
+
+_FORK_OWNER: int | None = None
+
+
+def forks_exit_with_me() -> None:
+    """Make every process forked from this one from now on (``os.fork``, multiprocessing's
+    ``fork``, torch's DataLoader workers; not ``subprocess``, which execs) exit with this
+    one (:func:`exit_with`); idempotent."""
+    global _FORK_OWNER
+    if _FORK_OWNER is not None:
+        return
+    _FORK_OWNER = owner = os.getpid()
+    os.register_at_fork(after_in_child=lambda: exit_with(owner))

@@ -148,8 +148,13 @@ def remove_stale_temps(work: Path) -> list[Path]:
     if not work.is_dir():
         return []
     removed = []
-    for parent in [work, *(d for d in work.iterdir() if d.is_dir() and not d.is_symlink())]:
-        for path in parent.iterdir():
+    subdirs = [
+        d
+        for d in work.iterdir()
+        if d.is_dir() and not d.is_symlink() and not TEMP_RE.fullmatch(d.name)
+    ]
+    for parent in [work, *subdirs]:
+        for path in list(parent.iterdir()):
             if TEMP_RE.fullmatch(path.name) and is_owned(path):
                 shutil.rmtree(path, ignore_errors=True)
                 removed.append(path)

@@ -339,6 +339,8 @@ def _check_rows(chunk: list[tuple[int, Any]]) -> list[Accepted | Refused]:
                     raise Rejected(
                         "malformed_json", f"not JSON: {exc.msg} at column {exc.colno}"
                     ) from None
+                except RecursionError:
+                    raise Rejected("malformed_json", "JSON nested too deeply to read") from None
             row = ctx.parse(record, ctx.media)
         except Rejected as rej:
             out.append(Refused(_reject(position, rej)))
@@ -689,13 +691,24 @@ def prepare_dataset(cfg: PipelineConfig, fp: str | None = None) -> StageResult:
 
 
 def _check_outcome(
-    cfg: PipelineConfig, out: Path, num_rows: int, num_accepted: int, rejects: RejectSink, what: str
+    cfg: PipelineConfig,
+    out: Path,
+    num_rows: int,
+    num_accepted: int,
+    rejects: RejectSink,
+    what: str,
+    shard_problems: list[str] = (),
 ) -> None:
-    """Fail (exit 2) when no row is usable or too many were rejected, keeping the rejects."""
+    """Fail (exit 2) when no row is usable or too many were rejected, keeping the rejects;
+    ``shard_problems`` (an adopted dataset's unreadable shards, each with its fix) are listed
+    first."""
     reasons = dict(rejects.by_reason)
     if num_accepted == 0:
         raise UserError(
-            [f"none of the {num_rows} rows of {what} is usable; reasons: {reasons}"],
+            [
+                *shard_problems,
+                f"none of the {num_rows} rows of {what} is usable; reasons: {reasons}",
+            ],
             "prepare: no usable rows",
         )
     fraction = rejects.count / num_rows if num_rows else 0.0
@@ -703,12 +716,15 @@ def _check_outcome(
         _keep_rejects(cfg, out / "rejects.jsonl")
         raise UserError(
             [
+                *shard_problems,
                 f"{rejects.count} of {num_rows} rows rejected ({fraction:.1%}) exceeds "
                 f"prepare.max_reject_fraction={cfg.prepare.max_reject_fraction}; "
                 f"reasons: {reasons}; see {cfg.work_path / 'prepare.rejects.jsonl'}",
             ],
             "prepare: too many bad rows",
         )
+    for problem in shard_problems:
+        console.log(f"[yellow]warning:[/] {problem}; its samples are in rejects.jsonl")
 
 
 def _metrics(
@@ -743,21 +759,28 @@ def _metrics(
 def _check_shard(item: tuple[str, str]) -> list[Accepted | Refused]:
     """Check every sample of one shard of the adopted dataset (``item``: split, shard) in
     this worker; the accepted ones carry their manifest columns only (nothing is written)."""
-    from packline.energon.chatml import shard_records
+    from packline.energon.chatml import ShardUnreadable, indexed_keys, shard_records
 
     ctx = _CONTEXT
     assert ctx is not None and ctx.dataset is not None, "_init_worker sets the context first"
     _, shard = item
     out: list[Accepted | Refused] = []
-    for position, (_, record, media) in enumerate(shard_records(ctx.dataset, shard), start=1):
-        try:
-            row = ctx.parse(record, media)
-        except Rejected as rej:
-            out.append(Refused(_reject(position, rej)))
-            continue
-        accepted = _accepted(position, row, None, with_entry=False)
-        accepted.manifest["shard"] = shard
-        out.append(accepted)
+    try:
+        for position, (_, record, media) in enumerate(shard_records(ctx.dataset, shard), 1):
+            try:
+                row = ctx.parse(record, media)
+            except Rejected as rej:
+                out.append(Refused(_reject(position, rej)))
+                continue
+            accepted = _accepted(position, row, None, with_entry=False)
+            accepted.manifest["shard"] = shard
+            out.append(accepted)
+    except ShardUnreadable as exc:  # every sample its index holds, none of them read
+        keys = indexed_keys(ctx.dataset, shard)
+        return [
+            Refused(_reject(n, Rejected("shard_unreadable", exc.detail, f"{shard}/{key}")))
+            for n, key in enumerate(keys, 1)
+        ]
     return out
 
 
@@ -794,6 +817,7 @@ def _adopt_energon(cfg: PipelineConfig, fp: str, source: Path, t0: float) -> Sta
     )
     tally = Tally()
     excluded: list[str] = []
+    unreadable: dict[str, str] = {}  # shard → why it cannot be read (left out whole)
     num_rows = 0
     with building(cfg, STAGE) as out:
         manifest = TableSink(out / "manifest.parquet", ManifestModel, "manifest.parquet")
@@ -808,7 +832,7 @@ def _adopt_energon(cfg: PipelineConfig, fp: str, source: Path, t0: float) -> Sta
                 initargs=(context,),
                 preload=(__name__,),
             )
-            for outcomes in _shards_checked(checked):
+            for (_, shard), outcomes in zip(shards, _shards_checked(checked), strict=True):
                 bar.advance(task)
                 starts.append(num_rows + 1)
                 for outcome in outcomes:
@@ -823,14 +847,19 @@ def _adopt_energon(cfg: PipelineConfig, fp: str, source: Path, t0: float) -> Sta
                     if isinstance(outcome, Refused):
                         outcome.record["line"] = num_rows
                         rejects.add(outcome.record)
-                        excluded.append(str(outcome.record["id"]))
+                        if outcome.record["reason"] == "shard_unreadable":
+                            unreadable.setdefault(shard, str(outcome.record["detail"]))
+                        else:
+                            excluded.append(str(outcome.record["id"]))
                         continue
                     manifest.add(outcome.manifest)
                     tally.add(outcome)
         manifest.close()
         rejects.close()
-        _check_outcome(cfg, out, num_rows, manifest.num_rows, rejects, str(source))
-        write_adoption(out, stage_dir(cfg, STAGE), dataset, excluded)
+        _check_outcome(
+            cfg, out, num_rows, manifest.num_rows, rejects, str(source), [*unreadable.values()]
+        )
+        write_adoption(out, stage_dir(cfg, STAGE), dataset, [*unreadable, *excluded])
 
     result = StageResult(
         stage=STAGE,
@@ -841,7 +870,11 @@ def _adopt_energon(cfg: PipelineConfig, fp: str, source: Path, t0: float) -> Sta
         summary={
             "source": str(source),
             "source_kind": cfg.data.kind.value,
-            "adopted": {"shards": len(shards), "excluded": len(excluded)},
+            "adopted": {
+                "shards": len(shards),
+                "excluded": len(excluded),
+                "unreadable_shards": sorted(unreadable),
+            },
             "rejects_by_reason": dict(rejects.by_reason),
             "bridge_frames": {"written": False, "frames": 0, "bytes": 0, "max_per_video": 0},
             "artifacts": [

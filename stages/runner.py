@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from packline import metrics as names
+from packline.parallel import forks_exit_with_me
 from packline.progress import console, summary_table
 from packline.tracking import Tracker
 from packline.workdir import hold
@@ -49,6 +50,7 @@ def run_stage(
     """Run stage ``name`` (or skip it when up to date) and log it to MLflow."""
     if name not in REGISTRY:
         raise ValueError(f"unknown stage {name!r}; stages: {', '.join(REGISTRY)}")
+    forks_exit_with_me()  # a killed stage leaves no loader worker behind
     with hold(cfg.work_path):  # one writer per work dir (re-entrant; a task of a run shares it)
         try:
             return _run_stage(cfg, name, force=force, parent_run_id=parent_run_id)

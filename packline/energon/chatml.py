@@ -71,6 +71,7 @@ import io
 import json
 import pickle
 import re
+import sqlite3
 import tarfile
 from collections import Counter
 from collections.abc import Iterator
@@ -444,24 +445,100 @@ def _samples(path: Path, wanted: set[str] | None) -> Iterator[tuple[str, dict[st
         yield key, parts
 
 
+class ShardUnreadable(Exception):
+    """A shard of an adopted dataset that cannot be read as a tar (truncated, a corrupt
+    header, unreadable): its samples are rejected as ``shard_unreadable`` and the shard is
+    left out; the file is never touched."""
+
+    def __init__(self, ds: ChatMLDataset, shard: str, error: BaseException | str):
+        self.shard = shard
+        why = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        self.detail = (
+            f"shard {shard} cannot be read ({why}); fix: restore it "
+            f"(or write it again and run `energon prepare {ds.root}`), or remove it from "
+            ".nv-meta/split.yaml"
+        )
+        super().__init__(self.detail)
+
+
+def _index_query(ds: ChatMLDataset, shard: str, sql: str) -> list[tuple]:
+    """The rows of ``sql`` (with one ``?``: the shard's ``tar_file_id``, its place in
+    ``.info.json``'s ``shard_counts``) over Energon's ``.nv-meta/index.sqlite``, opened
+    read-only; empty when the dataset has no such index."""
+    index = ds.root / ".nv-meta" / "index.sqlite"
+    if not index.is_file():
+        return []
+    tar_file_id = list(ds.shard_counts).index(shard)
+    db = sqlite3.connect(f"{index.as_uri()}?mode=ro", uri=True)
+    try:
+        return db.execute(sql, (tar_file_id,)).fetchall()
+    finally:
+        db.close()
+
+
+def _indexed_end(ds: ChatMLDataset, shard: str) -> int | None:
+    """The byte where the shard's last indexed sample ends (None without an index)."""
+    rows = _index_query(
+        ds, shard, "SELECT MAX(byte_offset + byte_size) FROM samples WHERE tar_file_id = ?"
+    )
+    return rows[0][0] if rows and rows[0][0] is not None else None
+
+
+def indexed_keys(ds: ChatMLDataset, shard: str) -> list[str]:
+    """The sample keys Energon's index holds for ``shard``, in tar order, but those the
+    source excludes: what the shard held when it was prepared, read from
+    ``.nv-meta/index.sqlite`` (read-only). Without that index (an older Energon's), the
+    samples ``.info.json`` counts, as ``#1``, ``#2``, ..."""
+    rows = _index_query(
+        ds, shard, "SELECT sample_key FROM samples WHERE tar_file_id = ? ORDER BY sample_index"
+    )
+    if not rows:
+        return [f"#{n}" for n in range(1, ds.shard_counts[shard] + 1)]
+    return [key for (key,) in rows if f"{shard}/{key}" not in ds.sample_excludes]
+
+
 def shard_records(ds: ChatMLDataset, shard: str) -> Iterator[tuple[str, Any, InlineMedia]]:
     """Every sample of ``shard`` in tar order (but those the source's split config excludes)
     as ``(key, record, media)``: ``key`` Energon's ``__key__``, ``record`` the row form
     :func:`packline.conversations.parse_record` reads (``{"id": "<shard>/<key>", "split",
     "conversations", "images": [0, ...], "videos": []}``) and ``media`` its
     :class:`ChatMLParts`. A sample whose parts cannot be read comes out too, as a record
-    ``parse_record`` rejects with the reason (see the module docstring)."""
+    ``parse_record`` rejects with the reason (see the module docstring); a shard that cannot
+    be read as a tar raises :class:`ShardUnreadable`."""
     split = ds.split_of(shard)
     path = ds.root / shard
-    keys = Counter(key for key, _ in _samples(path, None))
-    if sum(keys.values()) != ds.shard_counts[shard]:
+    try:
+        keys = Counter(key for key, _ in _samples(path, None))
+    except (tarfile.TarError, EOFError, OSError) as exc:
+        raise ShardUnreadable(ds, shard, exc) from exc
+    found = sum(keys.values())
+    if found < ds.shard_counts[shard] and (end := _indexed_end(ds, shard)) is not None:
+        size = path.stat().st_size
+        if size < end:
+            raise ShardUnreadable(
+                ds, shard, f"truncated: {size} bytes, its index places samples up to byte {end}"
+            )
+    if found != ds.shard_counts[shard]:
         raise ValueError(
             f"{path} holds {sum(keys.values())} samples, its Energon index says "
             f"{ds.shard_counts[shard]}: the shard changed since it was prepared, run "
             f"`energon prepare {ds.root}` again"
         )
     wanted = set(ds.field_map.values())
-    for key, parts in _samples(path, wanted):
+    try:
+        yield from _shard_samples(ds, shard, split, keys, _samples(path, wanted))
+    except (tarfile.TarError, EOFError, OSError) as exc:
+        raise ShardUnreadable(ds, shard, exc) from exc
+
+
+def _shard_samples(
+    ds: ChatMLDataset,
+    shard: str,
+    split: str,
+    keys: Counter,
+    samples: Iterator[tuple[str, dict[str, bytes]]],
+) -> Iterator[tuple[str, Any, InlineMedia]]:
+    for key, parts in samples:
         sid = f"{shard}/{key}"
         if sid in ds.sample_excludes:
             continue

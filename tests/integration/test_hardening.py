@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from packline.workdir import LOCK_ENV, LOCK_NAME, hold, holder, is_owned, publish
@@ -295,6 +296,45 @@ def test_a_partial_builtin_set_is_found_and_generated_again(tmp_path: Path):
     assert victim.is_file()
     record = json.loads((work / "prepare" / "_COMPLETE.json").read_text())
     assert record["metrics"]["prepare/rows_rejected"] == 0
+
+
+# --- a killed stage leaves no process behind -------------------------------------------------
+
+
+def _session(leader: int) -> list[psutil.Process]:
+    """The live processes of the session ``leader`` started (zombies are ended)."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if os.getsid(proc.pid) == leader and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except (ProcessLookupError, psutil.NoSuchProcess):
+            continue
+    return found
+
+
+@pytest.mark.parametrize("stage", ["prepare", "connect"])
+def test_sigkill_of_a_stage_leaves_no_worker_alive_10s_later(tmp_path: Path, stage: str):
+    work = tmp_path / "work"
+    data = ["data.num_train=1500", "data.num_val=100"]
+    if stage == "connect":
+        assert _cli("stage", "prepare", f"work_dir={work}", *data).returncode == 0
+    log = tmp_path / f"{stage}.log"
+    parent = _popen("stage", stage, f"work_dir={work}", *data, f"{stage}.num_workers=2", log=log)
+    # the parent, and its 2 workers at work (prepare's pool: a fork server besides)
+    _wait_for(
+        lambda: len(_session(parent.pid)) >= 3 and parent.poll() is None,
+        what=f"{stage}'s workers",
+    )
+    workers = [p for p in _session(parent.pid) if p.pid != parent.pid]
+    parent.send_signal(signal.SIGKILL)
+    parent.wait(timeout=60)
+    time.sleep(10)
+    left = [p for p in workers if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert left == [], [p.cmdline() for p in left]
+    # and the next run removes the dead run's temp dirs
+    assert _cli("stage", stage, f"work_dir={work}", *data).returncode == 0
+    assert not list(work.glob("**/.tmp-*"))
 
 
 # --- a failed stage stops the chain ----------------------------------------------------------

@@ -1,0 +1,318 @@
+"""Every bad input is a reason, never a traceback: real files through the real prepare.
+
+- text that is not UTF-8 (raw bytes, a lone surrogate escape, an encoded surrogate) is
+  rejected as ``text_not_utf8`` in each source kind, and a UTF-8 BOM is read as text;
+- a conversation over ``prepare.max_text_chars`` is rejected as ``text_too_long``;
+- two ids that map to one key are both named;
+- an adopted Energon dataset's truncated or corrupt shard: its samples are rejected as
+  ``shard_unreadable`` and the shard left out (or, over the reject share, exit 2 naming the
+  shard and the fix), the user's files untouched;
+- anything else that breaks on a user's file is one line naming it (exit 1), its traceback
+  in the stage's log.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from packline.energon.chatml import SPLIT_CONFIG, ChatMLDataset
+from packline.energon.files import PACKLINE_METADATASET
+from packline.workdir import LOCK_ENV
+from schemas.config import PROJECT_ROOT
+from stages.prepare import prepare_dataset
+from tests.conftest import make_config, png_bytes
+from tests.integration.chatml_dataset import (
+    STANDARD_FIELDS,
+    _sample,
+    energon_prepare,
+    file_stats,
+    reply,
+    user,
+    write_bridge_yaml,
+    write_chatml_dataset,
+    write_shards,
+)
+
+LENIENT = ("prepare.max_reject_fraction=1",)
+
+
+def _turns(question: str = "What is it?", answer: str = "A disc.") -> list[dict]:
+    return [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+
+
+def _line(sid: str, question: str = "What is it?") -> bytes:
+    return json.dumps({"id": sid, "conversations": _turns(question)}).encode()
+
+
+def _rejects(out: Path) -> dict[str, tuple[str, str]]:
+    """id → (reason, detail) of every row of ``rejects.jsonl``."""
+    rows = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
+    return {r["id"]: (r["reason"], r["detail"]) for r in rows}
+
+
+def _accepted_ids(out: Path) -> set[str]:
+    import pandas as pd
+
+    return set(pd.read_parquet(out / "manifest.parquet")["id"])
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != LOCK_ENV}
+    env["COLUMNS"] = "200"
+    return subprocess.run(
+        [sys.executable, "-m", "pipelines.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=PROJECT_ROOT,
+        timeout=600,
+    )
+
+
+# --- text that is not UTF-8, and a BOM -------------------------------------------------------
+
+
+def test_jsonl_bytes_that_are_not_utf8_reject_that_row_and_a_bom_is_text(tmp_path: Path):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    lines = [
+        b"\xef\xbb\xbf" + _line("bom"),  # a BOM before the first row
+        _line("ok"),
+        _line("latin1").replace(b"What", b"Caf\xe9 what"),  # Latin-1, not UTF-8
+        _line("escaped", "\ud800 a lone surrogate escape"),  # json.dumps writes \\ud800
+        _line("emoji", "\U0001f600 fine"),
+    ]
+    (folder / "conversations.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    out = prepare_dataset(make_config(tmp_path / "work", f"data.source={folder}", *LENIENT))
+    rejects = _rejects(out.out_dir)
+    assert set(rejects) == {None, "escaped"}  # the Latin-1 line has no readable id
+    column = lines[2].index(b"\xe9") + 1
+    assert rejects[None] == ("text_not_utf8", f"byte 0xe9 at column {column} is not UTF-8")
+    assert rejects["escaped"] == (
+        "text_not_utf8",
+        "conversations[0].content: a lone surrogate U+D800 at character 1 is not UTF-8",
+    )
+    assert _accepted_ids(out.out_dir) == {"bom", "ok", "emoji"}
+    assert out.metrics["prepare/rejected_text_not_utf8"] == 2
+
+
+def test_llava_bytes_that_are_not_utf8_reject_that_record_and_a_bom_is_text(tmp_path: Path):
+    records = [
+        json.dumps({"id": "ok", "conversations": _turns()}).encode(),
+        json.dumps({"id": "latin1", "conversations": _turns("Caf_ here?")}).encode(),
+        json.dumps({"id": "escaped", "conversations": _turns("\udcff here")}).encode(),
+        json.dumps({"id": "after", "conversations": _turns()}).encode(),
+    ]
+    records[1] = records[1].replace(b"Caf_", b"Caf\xe9")
+    path = tmp_path / "src" / "mix.json"
+    path.parent.mkdir()
+    path.write_bytes(b"\xef\xbb\xbf[" + b",\n".join(records) + b"]")
+    out = prepare_dataset(make_config(tmp_path / "work", f"data.source={path}", *LENIENT))
+    rejects = _rejects(out.out_dir)
+    assert rejects == {
+        "latin1": (
+            "text_not_utf8",
+            "conversations[0].content: the byte 0xe9 at character 4 is not UTF-8",
+        ),
+        "escaped": (
+            "text_not_utf8",
+            "conversations[0].content: the byte 0xff at character 1 is not UTF-8",
+        ),
+    }
+    assert _accepted_ids(out.out_dir) == {"ok", "after"}  # the records after it are read
+
+
+def test_an_adopted_samples_text_that_is_not_utf8_is_rejected_and_a_bom_read(tmp_path: Path):
+    root = tmp_path / "ds"
+    image = png_bytes((48, 48), "red")
+
+    def conversation(question: str) -> bytes:
+        return json.dumps([user(f"<image>{question}"), reply("Red.")]).encode()
+
+    samples = [
+        _sample("ok", conversation("What colour?"), [image]),
+        _sample("bom", b"\xef\xbb\xbf" + conversation("What colour?"), [image]),
+        _sample("latin1", conversation("Caf_ colour?").replace(b"_", b"\xe9"), [image]),
+        # a surrogate encoded as UTF-8 bytes (CESU-8): JSON reads it, it is not UTF-8
+        _sample("cesu", conversation("X colour?").replace(b"X", b"\xed\xa0\x80"), [image]),
+    ]
+    write_shards(root, {"train-0.tar": samples})
+    energon_prepare(root, ["train-0.tar"], {"train": "^train-0[.]tar$"})
+    write_bridge_yaml(root, STANDARD_FIELDS)
+    before = file_stats(root)
+    out = prepare_dataset(make_config(tmp_path / "work", f"data.source={root}", *LENIENT))
+    rejects = _rejects(out.out_dir)
+    assert rejects["train-0.tar/latin1"][0] == "text_not_utf8"
+    assert "byte 0xe9" in rejects["train-0.tar/latin1"][1]
+    assert rejects["train-0.tar/cesu"] == (
+        "text_not_utf8",
+        "conversations[0].content: a lone surrogate U+D800 at character 8 is not UTF-8",
+    )
+    assert _accepted_ids(out.out_dir) == {"train-0.tar/ok", "train-0.tar/bom"}
+    assert file_stats(root) == before
+
+
+# --- unbounded text ---------------------------------------------------------------------------
+
+
+def test_a_conversation_over_max_text_chars_is_rejected_before_any_tokenizer(tmp_path: Path):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    # 'user', 'assistant' and the answer 'A disc.' count too: 20 characters
+    lines = [_line("short"), _line("long", "x" * 5_000), _line("edge", "y" * 980)]
+    (folder / "conversations.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    cfg = make_config(
+        tmp_path / "work", f"data.source={folder}", "prepare.max_text_chars=1000", *LENIENT
+    )
+    out = prepare_dataset(cfg)
+    assert _rejects(out.out_dir) == {
+        "long": (
+            "text_too_long",
+            "the conversation holds 5020 characters of text, prepare.max_text_chars is 1000",
+        )
+    }
+    assert _accepted_ids(out.out_dir) == {"short", "edge"}  # 1000 characters: at the bound
+
+
+# --- two ids, one key -------------------------------------------------------------------------
+
+
+def test_two_ids_that_map_to_one_key_are_both_named(tmp_path: Path):
+    from packline.conversations import key_for_id
+
+    folder = tmp_path / "data"
+    folder.mkdir()
+    hashed = key_for_id("a.b")  # 'a.b' is not a safe key: its key is a hash
+    lines = [_line("a.b"), _line(hashed), _line("plain"), _line("plain")]
+    (folder / "conversations.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    out = prepare_dataset(make_config(tmp_path / "work", f"data.source={folder}", *LENIENT))
+    rows = [json.loads(x) for x in (out.out_dir / "rejects.jsonl").read_text().splitlines()]
+    assert [(r["line"], r["id"], r["detail"]) for r in rows] == [
+        (
+            2,
+            hashed,
+            f"ids {hashed!r} and the id at line 1 map to the same key {hashed!r} (the hash of "
+            "an id that is not a safe name)",
+        ),
+        (4, "plain", "id 'plain' already seen (line 3)"),
+    ]
+
+
+def test_an_energon_key_in_two_shards_names_both_ids(tmp_path: Path):
+    root = tmp_path / "ds"
+    image = png_bytes((48, 48), "red")
+    conv = json.dumps([user("<image>What colour?"), reply("Red.")]).encode()
+    shards = {
+        "train-0.tar": [_sample("a", conv, [image]), _sample("b", conv, [image])],
+        "train-1.tar": [_sample("c", conv, [image]), _sample("a", conv, [image])],
+    }
+    write_shards(root, shards)
+    # Energon 7.4's prepare refuses a key twice; an older Energon's index may hold one
+    # (written here by hand, as test_chatml_adoption does).
+    meta = root / ".nv-meta"
+    meta.mkdir()
+    for name in shards:
+        (root / f"{name}.idx").write_bytes(b"")
+    (meta / ".info.json").write_text(json.dumps({"shard_counts": dict.fromkeys(shards, 2)}))
+    (meta / "split.yaml").write_text(yaml.safe_dump({"split_parts": {"train": list(shards)}}))
+    write_bridge_yaml(root, STANDARD_FIELDS)
+    out = prepare_dataset(make_config(tmp_path / "work", f"data.source={root}", *LENIENT))
+    assert _rejects(out.out_dir)["train-1.tar/a"] == (
+        "duplicate_id",
+        "ids 'train-1.tar/a' and 'train-0.tar/a' (position 1) map to the same key 'a' (an "
+        "Energon key names one sample in the whole dataset)",
+    )
+
+
+# --- an adopted dataset's unreadable shard ----------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "damage, why",
+    [
+        # cut off inside a header: tarfile reads fewer samples, the index says the file is short
+        (lambda data: data[: len(data) // 2 + 100], "truncated: 30820 bytes, its index places"),
+        # a header's bytes overwritten: tarfile refuses the file
+        (lambda data: data[:1024] + b"\xff" * 512 + data[1536:], "ReadError: "),
+    ],
+    ids=["truncated", "bad-header"],
+)
+def test_an_unreadable_shard_is_a_reason_and_the_users_files_are_untouched(tmp_path, damage, why):
+    written = write_chatml_dataset(tmp_path / "ds")
+    shard = "train-shard-000001.tar"
+    path = written.root / shard
+    path.write_bytes(damage(path.read_bytes()))
+    before = file_stats(written.root)
+    work = tmp_path / "work"
+    strict = _cli("stage", "prepare", f"work_dir={work}", f"data.source={written.root}")
+    assert strict.returncode == 2, strict.stderr[-3000:]
+    assert "Traceback" not in strict.stderr
+    err = " ".join(strict.stderr.split())
+    assert f"shard {shard} cannot be read ({why}" in err
+    assert f"fix: restore it (or write it again and run `energon prepare {written.root}`)" in err
+    assert "'shard_unreadable': 10" in err
+    assert file_stats(written.root) == before
+
+    lenient = _cli("stage", "prepare", f"work_dir={work}", f"data.source={written.root}", *LENIENT)
+    assert lenient.returncode == 0, lenient.stderr[-3000:]
+    out = work / "prepare"
+    rejects = _rejects(out)
+    lost = {sid for sid, (reason, _) in rejects.items() if reason == "shard_unreadable"}
+    assert lost == {f"{shard}/{key}" for key in written.shards[shard]}
+    split = yaml.safe_load((out / SPLIT_CONFIG).read_text())
+    assert shard in split["exclude"]  # left out whole: no loader opens it
+    assert not any(e.startswith(f"{shard}/") for e in split["exclude"])
+    record = json.loads((out / "_COMPLETE.json").read_text())
+    assert record["summary"]["adopted"]["unreadable_shards"] == [shard]
+    assert file_stats(written.root) == before
+    # Energon reads the adopted view without the shard.
+    from megatron.energon import WorkerConfig, get_loader, get_train_dataset
+
+    from packline.energon.sample import ConversationReader
+
+    ds = get_train_dataset(
+        out / PACKLINE_METADATASET,
+        split_part="train",
+        worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0),
+        batch_size=1,
+        shuffle_buffer_size=None,
+        max_samples_per_sequence=None,
+        repeat=False,
+        task_encoder=ConversationReader(),
+    )
+    keys = {sample.__key__ for (sample,) in get_loader(ds)}
+    good_train = {k for k, s in written.good.items() if s == "train"}
+    assert keys == good_train - set(written.shards[shard])
+    assert ChatMLDataset.open(written.root).shard_counts[shard] == 10
+
+
+# --- anything else: one line naming the input ----------------------------------------------
+
+
+@pytest.mark.slow
+def test_an_unexpected_failure_on_a_users_file_is_one_line_naming_it(tmp_path: Path):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    # A file no read succeeds on (EIO): packline has no reason for it.
+    (folder / "conversations.jsonl").symlink_to("/proc/self/mem")
+    work = tmp_path / "work"
+    result = _cli("stage", "prepare", f"work_dir={work}", f"data.source={folder}")
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1, result.stderr[-3000:]
+    log = work / "logs" / "prepare.log"
+    assert lines[0] == (
+        f"error: packline failed on data.source {folder}: OSError: [Errno 5] Input/output "
+        f"error — a bug in packline, please report it with the traceback in {log}"
+    )
+    assert "Traceback (most recent call last)" in log.read_text()
+    assert not (work / "prepare").exists() and not list(work.glob(".tmp-*"))
