@@ -1,11 +1,12 @@
 """``packline bench data``: prepare and connect on a set of 20,000 conversations (the
 built-in set at that size), with 1 and 2 workers side by side in one run, their peak RSS at
-two dataset sizes, and the projected time of 10⁶ samples per core.
+two dataset sizes, the projected time of 10⁶ samples per core, and connect's peak RSS with
+one more conversation, of ``prepare.max_text_chars`` characters, beside the small set's.
 
 Each stage runs as its own process (``packline stage NAME --force``, as a user or a SLURM
-task runs it) on the same rows: the large set's folder once generated, and a small set made
-of its first rows (the same media, hard-linked). The figures and targets are
-:mod:`packline.bench.data`'s.
+task runs it) on the same rows: the large set's folder once generated, a small set made of
+its first rows (the same media, hard-linked), and the small set plus the long row. The
+figures and targets are :mod:`packline.bench.data`'s.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from packline.bench.data import StageRun, data_figures, data_targets
 from packline.bench.processes import WorkerRss
 from packline.bench.tables import print_targets
 from packline.progress import console, stdout_to_stderr
+from schemas.config import load_config
 
 #: The samples each stage's count is read from (its completion record's metrics).
 SAMPLE_METRIC = {"prepare": "prepare/rows_total", "connect": "connect/samples"}
@@ -31,7 +33,6 @@ SAMPLE_METRIC = {"prepare": "prepare/rows_total", "connect": "connect/samples"}
 
 def _source(work_dir: Path, config: str | Path | None, overrides: list[str], samples: int) -> Path:
     """The built-in set with ``samples`` conversations (5% of them val), generated once."""
-    from schemas.config import load_config
     from stages.prepare import resolve_source
 
     num_val = max(samples // 20, 1)
@@ -63,8 +64,39 @@ def _first_rows(source: Path, dest: Path, samples: int) -> Path:
     return dest
 
 
+def _with_long_row(source: Path, dest: Path, chars: int) -> Path:
+    """``source``'s folder (media hard-linked) plus one text-only conversation of exactly
+    ``chars`` characters of text, the most prepare lets through; words of varied length, so
+    the tokenizer makes of it what it makes of prose."""
+    import random
+
+    _first_rows(source, dest, samples=10**12)
+    rng = random.Random(0)
+    words = ["the", "shape", "colour", "left", "of", "a", "red", "circle", "triangle", "is"]
+    answer = "Yes."
+    budget = chars - len("user") - len("assistant") - len(answer)
+    text = ""
+    while len(text) < budget:
+        text += rng.choice(words) + " "
+    row = {
+        "id": "long-row",
+        "conversations": [
+            {"role": "user", "content": text[:budget]},
+            {"role": "assistant", "content": answer},
+        ],
+    }
+    with (dest / "conversations.jsonl").open("a") as f:
+        f.write(json.dumps(row) + "\n")
+    return dest
+
+
 def _run_stage(
-    stage: str, work: Path, config: str | Path | None, overrides: list[str], workers: int
+    stage: str,
+    work: Path,
+    config: str | Path | None,
+    overrides: list[str],
+    workers: int,
+    variant: str = "",
 ) -> StageRun:
     """``packline stage STAGE --force`` in its own process, its process tree's RSS watched."""
     args = [sys.executable, "-m", "pipelines.cli", "stage", stage, "--force"]
@@ -84,7 +116,7 @@ def _run_stage(
         raise RuntimeError(f"bench data: {stage} failed (exit {done.returncode}):\n{tail}")
     record = json.loads((work / stage / "_COMPLETE.json").read_text())
     samples = int(record["metrics"][SAMPLE_METRIC[stage]])
-    return StageRun(stage, samples, workers, float(record["seconds"]), rss.peak_mb)
+    return StageRun(stage, samples, workers, float(record["seconds"]), rss.peak_mb, variant)
 
 
 def bench_data(
@@ -107,16 +139,18 @@ def bench_data(
         console.log(f"bench data: the built-in set at {num_samples:,} conversations, {root}")
         large = _source(root, config, overrides, num_samples)
         small = _first_rows(large, root / f"first{small_samples}", small_samples)
+        max_chars = load_config(config, overrides).prepare.max_text_chars
+        long_row = _with_long_row(small, root / f"first{small_samples}-long", max_chars)
         plan = [
-            (large, 1, "large-w1"),
-            (large, 2, "large-w2"),
-            (small, 2, "small-w2"),
+            (large, 1, "large-w1", ""),
+            (large, 2, "large-w2", ""),
+            (small, 2, "small-w2", ""),
+            (long_row, 2, "small-long-w2", "long_row"),
         ]
         for stage in ("prepare", "connect"):
-            for source, workers, name in plan:
-                run = _run_stage(
-                    stage, root / name, config, [*overrides, f"data.source={source}"], workers
-                )
+            for source, workers, name, variant in plan:
+                args = [*overrides, f"data.source={source}"]
+                run = _run_stage(stage, root / name, config, args, workers, variant)
                 console.log(
                     f"bench data: {stage} {run.samples:,} samples, {workers} worker(s): "
                     f"{run.samples_per_s:.1f}/s, peak RSS {run.peak_rss_mib:,.0f} MiB"
@@ -144,7 +178,7 @@ def print_data_tables(out: Console, result: dict[str, Any]) -> None:
         table.add_column(col, justify="left" if col == "stage" else "right")
     for r in result["runs"]:
         table.add_row(
-            r["stage"],
+            r["stage"] + (" + long row" if r["variant"] == "long_row" else ""),
             f"{r['samples']:,}",
             str(r["workers"]),
             f"{r['seconds']:.1f}",
@@ -169,4 +203,11 @@ def print_data_tables(out: Console, result: dict[str, Any]) -> None:
             else "-",
         )
     out.print(table)
+    long_row = result["figures"].get("connect", {}).get("long_row_rss_mib")
+    if long_row:
+        out.print(
+            f"connect with one conversation at prepare.max_text_chars: peak RSS "
+            f"{long_row['without']:,.0f} → {long_row['with']:,.0f} MiB "
+            f"({long_row['added']:+,.0f} MiB)"
+        )
     print_targets(out, result["targets"])

@@ -1,5 +1,6 @@
 """``bench data``'s figures: samples/s of prepare and connect per worker count, peak RSS of
-each stage's process tree at two dataset sizes, and what 10⁶ samples would take per core.
+each stage's process tree at two dataset sizes, what 10⁶ samples would take per core, and
+what one conversation at ``prepare.max_text_chars`` adds to connect's peak RSS.
 
 A :class:`StageRun` is one stage run in its own process (``packline stage ...``), measured
 from outside: its process tree's RSS polled (:class:`~packline.bench.processes.WorkerRss`)
@@ -30,6 +31,10 @@ from typing import Any
 RSS_GROWTH_TARGET = 0.10
 #: The dataset size the projection is for.
 PROJECTED_SAMPLES = 1_000_000
+#: One conversation at ``prepare.max_text_chars`` (longer ones prepare rejects) may add at
+#: most this much to connect's peak RSS: the bound on what one row costs (without it a 50 MB
+#: turn cost connect 10.8 GB).
+LONG_ROW_TARGET_MIB = 512
 
 
 @dataclass
@@ -45,6 +50,9 @@ class StageRun:
     seconds: float
     #: peak RSS of the stage's whole process tree (workers included), MiB
     peak_rss_mib: float
+    #: "" for the size and worker runs; "long_row": the small set plus one conversation at
+    #: prepare.max_text_chars
+    variant: str = ""
 
     @property
     def samples_per_s(self) -> float:
@@ -59,6 +67,8 @@ def data_figures(runs: list[StageRun], *, large: int, small: int) -> dict[str, A
     hours 10⁶ samples take on one core (at the 1-worker rate), and the peak RSS of the same
     worker count at both sizes with its relative growth."""
     out: dict[str, Any] = {}
+    long_rows = {r.stage: r for r in runs if r.variant == "long_row"}
+    runs = [r for r in runs if not r.variant]
     for stage in dict.fromkeys(r.stage for r in runs):
         mine = [r for r in runs if r.stage == stage]
         at_large = {r.workers: r for r in mine if r.samples == large}
@@ -80,14 +90,22 @@ def data_figures(runs: list[StageRun], *, large: int, small: int) -> dict[str, A
             figures["rss_mib"] = {str(small): round(little, 1), str(large): round(big, 1)}
             figures["rss_workers"] = w
             figures["rss_growth"] = round((big - little) / little, 4)
+        if stage in long_rows and small + 1 == long_rows[stage].samples and 2 in at_small:
+            base, with_long = at_small[2].peak_rss_mib, long_rows[stage].peak_rss_mib
+            figures["long_row_rss_mib"] = {
+                "without": round(base, 1),
+                "with": round(with_long, 1),
+                "added": round(with_long - base, 1),
+            }
         out[stage] = figures
     return out
 
 
 def data_targets(figures: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """The targets: each stage's peak RSS grows by less than :data:`RSS_GROWTH_TARGET`
-    from the small to the large set (bounded memory: no list of all rows)."""
-    return {
+    from the small to the large set (bounded memory: no list of all rows), and one
+    conversation at the text bound adds less than :data:`LONG_ROW_TARGET_MIB` to connect's."""
+    targets = {
         f"{stage}.rss_growth": {
             "held": abs(f["rss_growth"]) < RSS_GROWTH_TARGET,
             "value": f["rss_growth"],
@@ -97,3 +115,12 @@ def data_targets(figures: dict[str, Any]) -> dict[str, dict[str, Any]]:
         for stage, f in figures.items()
         if "rss_growth" in f
     }
+    if "long_row_rss_mib" in figures.get("connect", {}):
+        added = figures["connect"]["long_row_rss_mib"]["added"]
+        targets["connect.long_row_rss"] = {
+            "held": added < LONG_ROW_TARGET_MIB,
+            "value": added,
+            "rule": f"one conversation at prepare.max_text_chars adds < {LONG_ROW_TARGET_MIB} "
+            "MiB to connect's peak RSS",
+        }
+    return targets

@@ -27,8 +27,11 @@ def test_bench_data_cli_measures_both_stages_per_worker_count_and_size(tmp_path)
     result = json.loads(out.stdout)
     runs = {(r["stage"], r["samples"], r["workers"]): r for r in result["runs"]}
     assert set(runs) == {
-        (stage, n, w) for stage in ("prepare", "connect") for n, w in ((200, 1), (200, 2), (50, 2))
+        (stage, n, w)
+        for stage in ("prepare", "connect")
+        for n, w in ((200, 1), (200, 2), (50, 2), (51, 2))
     }
+    assert [r["variant"] for r in result["runs"] if r["samples"] == 51] == ["long_row"] * 2
     assert all(r["samples_per_s"] > 0 and r["peak_rss_mib"] > 100 for r in runs.values())
     for stage in ("prepare", "connect"):
         f = result["figures"][stage]
@@ -37,6 +40,13 @@ def test_bench_data_cli_measures_both_stages_per_worker_count_and_size(tmp_path)
         assert f["projected_hours_1e6_per_core"] == pytest.approx(1e6 / rates["1"] / 3600, rel=1e-2)
         assert set(f["rss_mib"]) == {"50", "200"}
         assert result["targets"][f"{stage}.rss_growth"]["value"] == f["rss_growth"]
+    # one more conversation, of prepare.max_text_chars characters: accepted, and measured
+    long_row = result["figures"]["connect"]["long_row_rss_mib"]
+    assert long_row["with"] == runs[("connect", 51, 2)]["peak_rss_mib"].__round__(1)
+    assert long_row["without"] == runs[("connect", 50, 2)]["peak_rss_mib"].__round__(1)
+    assert result["targets"]["connect.long_row_rss"]["value"] == long_row["added"]
+    long_manifest = tmp_path / "data" / "small-long-w2" / "prepare" / "manifest.parquet"
+    assert list(pd.read_parquet(long_manifest)["text_chars"])[-1] == 1_000_000 - 13
     # both sizes are the same rows: the small set is the large one's first 50
     large = tmp_path / "data" / "large-w1" / "prepare" / "manifest.parquet"
     small = tmp_path / "data" / "small-w2" / "prepare" / "manifest.parquet"

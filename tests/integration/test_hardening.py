@@ -119,6 +119,30 @@ def test_dryrun_with_shell_in_a_value_runs_nothing_and_writes_nothing(tmp_path, 
     assert _tree(tmp_path) == before  # no work dir, no tar, nothing anywhere
 
 
+def test_a_checkout_path_with_shell_in_it_is_refused_before_submitting(tmp_path: Path):
+    """NeMo-Run's packager ships the checkout with a shell command: a checkout whose path
+    holds shell syntax is refused, not shipped."""
+    import shutil
+
+    sentinel = tmp_path / "SENTINEL"
+    checkout = tmp_path / f"co;touch {sentinel.name};x"
+    for name in ("packline", "stages", "schemas", "pipelines", "configs"):
+        shutil.copytree(PROJECT_ROOT / name, checkout / name)
+    (checkout / "models").symlink_to(PROJECT_ROOT / "models")
+    args = ["executor.slurm.account=acct", "executor.slurm.nproc_per_node=1", "model.path=null"]
+    result = subprocess.run(
+        [*PACKLINE, "run", f"work_dir={tmp_path / 'work'}", *args, "--executor", "slurm"],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        cwd=checkout,  # python -m imports packline from the checkout
+        timeout=600,
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert f"packline's checkout '{checkout}': ';' at character" in result.stderr
+    assert not sentinel.exists() and not list(tmp_path.rglob("*.tar.gz"))
+
+
 def test_the_log_listing_runs_a_hostile_dir_name_as_a_path(tmp_path: Path, monkeypatch):
     import nemo_run as run
 

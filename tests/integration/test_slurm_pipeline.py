@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -138,9 +139,12 @@ def local_slurm():
         shutil.rmtree(state, ignore_errors=True)
 
 
-def _sacct(cluster: LocalSlurm, fields: str) -> list[list[str]]:
+def _sacct(cluster: LocalSlurm, fields: str, ids: list[str] = ()) -> list[list[str]]:
+    """The cluster's jobs today, or the jobs ``ids`` (a job cancelled before it was eligible
+    is listed only by id)."""
+    select = ["-j", ",".join(ids)] if ids else []
     out = subprocess.run(
-        ["sacct", "--parsable2", "--noheader", "-X", "-o", fields],
+        ["sacct", "--parsable2", "--noheader", "-X", *select, "-o", fields],
         env=cluster.env,
         capture_output=True,
         text=True,
@@ -378,6 +382,35 @@ def _check_moe_run(local_slurm: LocalSlurm, work: Path, name: str, ranks: int) -
     train = next(r for r in runs if r.data.tags.get("mlflow.runName") == "train-packed")
     assert train.info.status == "FINISHED"
     assert [m.step for m in client.get_metric_history(train.info.run_id, "moe/aux_loss")] == [1, 2]
+
+
+def test_a_failed_prepare_job_cancels_the_later_jobs(local_slurm: LocalSlurm, tmp_path: Path):
+    """afterok with kill_on_invalid_dep: the jobs after a failed one are cancelled, never
+    started; packline run exits 2 with prepare's reason first and the rest shown SKIPPED."""
+    source = tmp_path / "bad"
+    source.mkdir()
+    (source / "conversations.jsonl").write_text('not json\n{"id": "a"}\n')
+    work = tmp_path / "work"
+    args = [f"work_dir={work}", "name=badsource", f"data.source={source}", *QUICK]
+    result = _run_on_slurm(local_slurm, args, ranks=1)
+    out = result.stdout + result.stderr
+    assert result.returncode == 2, out[-5000:]
+    lines = [line.strip("│ ") for line in out.splitlines()]
+    top = next(i for i, line in enumerate(lines) if line.startswith("prepare failed: "))
+    assert "prepare: no usable rows" in lines[top]
+    for stage in ("connect", "validate", "train"):
+        row = next(line for line in lines[top + 1 :] if line.startswith(stage + " "))
+        assert "SKIPPED" in row and "not started: prepare failed" in row
+    # sacct lists a job cancelled before it was eligible only when asked for it by id
+    ids = re.findall(r"- Job id: (\d+)", out)
+    jobs = _sacct(local_slurm, "JobID,JobName,State,Start", ids)
+    assert [r[1] for r in jobs] == [
+        f"badsource.{s}" for s in ("prepare", "connect", "validate", "train")
+    ]
+    assert jobs[0][2] == "FAILED"
+    assert [r[2] for r in jobs[1:]] == ["CANCELLED"] * 3, jobs
+    assert all(r[3] in ("None", "Unknown") for r in jobs[1:]), jobs  # never started
+    assert not (work / "connect").exists()
 
 
 def test_stopping_the_cluster_leaves_no_daemon(local_slurm: LocalSlurm):
