@@ -208,7 +208,27 @@ def _inherited(work: Path) -> str | None:
     return token if where == str(work) and token else None
 
 
+#: flock's errors on a filesystem without locks (some cluster filesystems' mount options)
+_NO_LOCKS = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP}
+
 _HELD: dict[Path, int] = {}
+
+_LOCK_FDS: set[int] = set()
+"""The lock files this process has open. A forked child (a loader worker) would share their
+flock, and hold it after this process is killed: it closes its copies at once (closing a
+copy does not release the lock, which belongs to the open file, not to a descriptor)."""
+
+
+def _close_lock_fds_in_child() -> None:
+    for fd in _LOCK_FDS:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _LOCK_FDS.clear()
+
+
+os.register_at_fork(after_in_child=_close_lock_fds_in_child)
 """Work dirs this process holds: how many :func:`hold` calls are open on each."""
 
 
@@ -229,15 +249,32 @@ def hold(work: Path, *, wait: bool = False, command: str | None = None) -> Itera
         return
     work.mkdir(parents=True, exist_ok=True)
     fd = os.open(work / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    _LOCK_FDS.add(fd)
     token = _inherited(work)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
+            if exc.errno in _NO_LOCKS:  # e.g. Lustre mounted without flock: work unlocked
+                console.log(
+                    f"[yellow]warning:[/] the filesystem of {work} has no file locks "
+                    f"({os.strerror(exc.errno)}): packline cannot keep a second writer out "
+                    "of it, and leaves temp dirs a killed run left where they are"
+                )
+                _LOCK_FDS.discard(fd)
+                os.close(fd)
+                fd = -1
+                _HELD[work] = 1
+                try:
+                    yield
+                finally:
+                    _HELD.pop(work, None)
+                return
             if exc.errno not in (errno.EAGAIN, errno.EACCES):
                 raise
             info = holder(work)
             if token is not None and info.get("token") == token:
+                _LOCK_FDS.discard(fd)
                 os.close(fd)
                 fd = -1
                 yield  # a process of the holder: it works under the holder's lock
@@ -285,5 +322,6 @@ def hold(work: Path, *, wait: bool = False, command: str | None = None) -> Itera
             os.ftruncate(fd, 0)
             os.pwrite(fd, json.dumps({**info, "released": True}).encode(), 0)
     finally:
+        _LOCK_FDS.discard(fd)
         if fd >= 0:
             os.close(fd)

@@ -14,9 +14,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,8 +21,6 @@ import yaml
 
 from packline.energon.chatml import SPLIT_CONFIG, ChatMLDataset
 from packline.energon.files import PACKLINE_METADATASET
-from packline.workdir import LOCK_ENV
-from schemas.config import PROJECT_ROOT
 from stages.prepare import prepare_dataset
 from tests.conftest import make_config, png_bytes
 from tests.integration.chatml_dataset import (
@@ -39,6 +34,7 @@ from tests.integration.chatml_dataset import (
     write_chatml_dataset,
     write_shards,
 )
+from tests.integration.test_hardening import _cli
 
 LENIENT = ("prepare.max_reject_fraction=1",)
 
@@ -61,19 +57,6 @@ def _accepted_ids(out: Path) -> set[str]:
     import pandas as pd
 
     return set(pd.read_parquet(out / "manifest.parquet")["id"])
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != LOCK_ENV}
-    env["COLUMNS"] = "200"
-    return subprocess.run(
-        [sys.executable, "-m", "pipelines.cli", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=PROJECT_ROOT,
-        timeout=600,
-    )
 
 
 # --- text that is not UTF-8, and a BOM -------------------------------------------------------

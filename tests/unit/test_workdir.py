@@ -54,3 +54,37 @@ def test_remove_owned_and_claim_dir_refuse_a_users_dir(tmp_path: Path):
     assert claim_dir(empty, "train") == empty and is_owned(empty)
     remove_owned(empty)
     assert not empty.exists()
+
+
+def test_a_forked_child_does_not_keep_the_lock_of_its_killed_parent(tmp_path: Path):
+    """A loader worker forked while its stage holds the work dir's lock: after the stage is
+    killed the next run takes the lock at once, the worker still alive."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from packline.workdir import LOCK_ENV, hold
+
+    work = tmp_path / "work"
+    script = (
+        "import os, sys, time\n"
+        "from packline.workdir import hold\n"
+        f"with hold({str(work)!r}, command='the killed one'):\n"
+        "    child = os.fork()\n"
+        "    if child == 0:\n"
+        "        os.close(1), os.close(2)\n"  # the test reads the parent's output to its end
+        "        time.sleep(60)\n"
+        "        os._exit(0)\n"
+        "    print(child, flush=True)\n"
+        "    os.kill(os.getpid(), 9)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != LOCK_ENV}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env)
+    child = int(done.stdout.split()[0])
+    try:
+        os.kill(child, 0)  # still alive
+        with hold(work, command="the next one"):
+            pass
+    finally:
+        os.kill(child, signal.SIGKILL)
