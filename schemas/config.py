@@ -561,7 +561,7 @@ class ParallelConfig(_Section):
     nproc_per_node``: ``pipeline_parallel`` stages of ``ranks / pipeline_parallel``
     data-parallel ranks each, which read distinct rows; the experts are split
     ``expert_parallel`` ways over a stage's data-parallel ranks. Validate refuses, with every
-    reason at once, a layout the engines cannot run (``packline.train.layout``)."""
+    reason at once, a layout the engines cannot run (``schemas.layout``)."""
 
     expert_parallel: int = 1
     """EP (MoE only): each rank of a stage holds 1/EP of the experts and trains their

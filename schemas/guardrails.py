@@ -387,10 +387,10 @@ def train_world(cfg: PipelineConfig) -> int:
 def layout_issues(cfg: PipelineConfig, *, setting: str) -> list[Issue]:
     """Why ``train.parallel`` cannot run on the train run's ranks (:func:`train_world`), one
     error each: the ranks, rows and stages must split evenly, and the combination must be
-    one the engines run (``packline.train.layout.ParallelLayout.problems``). Fixed width and
+    one the engines run (``schemas.layout.ParallelLayout.problems``). Fixed width and
     the micro-batch have their own packing rules; the model's layers and experts are checked
     by validate's model rules, which read the model's config."""
-    from packline.train.layout import ParallelLayout
+    from schemas.layout import ParallelLayout
 
     par, world = cfg.train.parallel, train_world(cfg)
     found = ParallelLayout.from_config(par, world).problems(

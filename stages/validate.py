@@ -805,7 +805,7 @@ def _vision_text_width(x: Inputs) -> list[Issue] | None:
 def _model_parallel(x: Inputs) -> list[Issue] | None:
     if not x.model_ok or x.cfg.train.backend is not TrainBackend.local:
         return None  # Bridge splits the model itself (megatron rules)
-    from packline.train.layout import ParallelLayout
+    from schemas.layout import ParallelLayout
 
     text = getattr(x.model_config, "text_config", x.model_config)
     par = x.cfg.train.parallel

@@ -42,7 +42,8 @@ from packline.train.distributed import (
     check_replicas,
     sum_grads_over_ranks,
 )
-from packline.train.layout import LayoutGroups, ParallelLayout
+from packline.train.layout import LayoutGroups
+from schemas.layout import ParallelLayout
 
 
 @dataclass

@@ -8,7 +8,7 @@ What runs where (every rank of the job calls each function, in the same order):
   ep_size=E)`` through the model class's ``prepare_distribute_model`` /
   ``maybe_distribute_model`` — of the n experts of every MoE layer each rank keeps
   ``ep_rank·n/E … (ep_rank + 1)·n/E - 1`` (``ep_rank = d % E``,
-  :class:`~packline.train.layout.ParallelLayout`), tokens reach them by all-to-all, and
+  :class:`~schemas.layout.ParallelLayout`), tokens reach them by all-to-all, and
   FSDP2 shards the frozen rest over the stage's ranks (experts over their ``data / E``
   copies; one unit per decoder layer, see :func:`_vl_fsdp_plan`). ``layout.pipeline > 1``
   (transformers refuses FSDP and token dispatch with its own PP):
@@ -72,7 +72,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from packline.train.layout import ParallelLayout, clip_grad_norm
+from packline.train.layout import clip_grad_norm
+from schemas.layout import ParallelLayout
 
 ADAPTER = "default"
 """PEFT's adapter name (``lora_A.<adapter>.weight``)."""

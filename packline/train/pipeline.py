@@ -71,7 +71,8 @@ from packline.packing.thd import PackedBatch, to_device
 from packline.qwen.forward import check_packed_inputs, token_loss_sum
 from packline.qwen.moe import RouterRecorder, RouterStats
 from packline.train.distributed import all_gather_object, all_reduce_sum
-from packline.train.layout import LayoutGroups, ParallelLayout
+from packline.train.layout import LayoutGroups
+from schemas.layout import ParallelLayout
 
 
 @dataclass(frozen=True)
@@ -440,7 +441,7 @@ class PipelineRunner:
 
     ``model``: the full model (PEFT-wrapped), built with the same seed and adapters on every
     rank; it is stripped in place to this rank's stage (:class:`StageModule`). ``layout``
-    and ``groups``: :class:`~packline.train.layout.ParallelLayout` and its
+    and ``groups``: :class:`~schemas.layout.ParallelLayout` and its
     :class:`~packline.train.layout.LayoutGroups` (this rank's stage from
     ``layout.coords(rank)``, its pipeline's process group from ``groups.pipeline``).
     ``seq_length``: T of every row (fixed-width rows, ``packing.pad_to_max_length``).

@@ -16,9 +16,10 @@ from packline.qwen.model import build_tiny_model, tiny_config
 from packline.tracking import Tracker
 from packline.train.distributed import broadcast_object, rank_world
 from packline.train.evaluate import Evaluator
-from packline.train.layout import ParallelLayout
+from packline.train.layout import LayoutGroups
 from packline.train.lora import peft_wrap
 from packline.train.trainer import Trainer, TrainerSettings, use_bf16
+from schemas.layout import ParallelLayout
 
 #: Module types PEFT's LoRA wraps (a name match on any other type fails in get_peft_model).
 LORA_MODULE_TYPES = (
@@ -206,7 +207,7 @@ def build_split_engine(cfg, processor, layout: ParallelLayout, *, packed: bool, 
     from packline.train.pipeline import PipelineRunner
 
     rank = rank_world()[0]
-    groups = layout.groups()
+    groups = LayoutGroups(layout)
     text = model_config(cfg, processor).get_text_config()
     problems = layout.problems(  # validate refused these already; a launch of its own may not
         num_layers=text.num_hidden_layers,

@@ -61,8 +61,9 @@ from packline.train.data import StreamSettings, TrainStream
 from packline.train.distributed import all_gather_object, barrier, rank_world
 from packline.train.engine import DataParallelEngine, Engine, router_metrics
 from packline.train.evaluate import EvalResult, Evaluator
-from packline.train.layout import ParallelLayout, count_once
+from packline.train.layout import count_once
 from packline.train.records import append_record, drop_torn_tail
+from schemas.layout import ParallelLayout
 
 METRICS_LOG = "metrics.jsonl"
 EVAL_LOG = "eval.jsonl"

@@ -32,8 +32,9 @@ from packline.qwen.forward import packed_forward
 from packline.qwen.processor import load_processor
 from packline.train import expert_parallel as ep
 from packline.train.distributed import all_gather_object, all_reduce_sum, init_from_env, shutdown
-from packline.train.layout import ParallelLayout
+from packline.train.layout import LayoutGroups
 from packline.train.setup import apply_lora, build_model
+from schemas.layout import ParallelLayout
 from stages.base import processor_dir
 from tests.integration.parallel_rows import (
     one_process_step,
@@ -119,7 +120,7 @@ def run_case(E: int, ctx: dict, *, unpacked: bool) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     t0 = time.perf_counter()
     layout = ParallelLayout(world=world, expert=E, fsdp=True)
-    groups = layout.groups()
+    groups = LayoutGroups(layout)
     torch.manual_seed(cfg.train.seed)
     default_group = dist.distributed_c10d._get_default_group()
     model = ep.distribute_experts(build_model(cfg, proc), layout, groups)
@@ -281,7 +282,7 @@ def stage_mesh_case(ctx: dict) -> dict:
     cfg, proc, kw = ctx["cfg"], ctx["proc"], ctx["kw"]
     rank = dist.get_rank()
     layout = ParallelLayout(world=4, pipeline=2, expert=2)
-    groups = layout.groups()
+    groups = LayoutGroups(layout)
     torch.manual_seed(cfg.train.seed)
     model = ep.distribute_experts(build_model(cfg, proc), layout, groups)
     model = ep.apply_lora_ep(model, cfg.lora, layout, groups)

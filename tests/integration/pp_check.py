@@ -30,9 +30,10 @@ from packline.train.distributed import (
     init_from_env,
     shutdown,
 )
-from packline.train.layout import ParallelLayout
+from packline.train.layout import LayoutGroups
 from packline.train.pipeline import PipelineRunner
 from packline.train.setup import apply_lora, build_model
+from schemas.layout import ParallelLayout
 from stages.base import processor_dir
 from tests.conftest import make_config
 from tests.integration.train_helpers import SMALL
@@ -176,7 +177,7 @@ def run_case(name, work, rows, rank, world) -> dict:
     )
     t_ref = time.perf_counter() - t0
     layout = ParallelLayout(world=world, pipeline=world, schedule=schedule)
-    groups = layout.groups()
+    groups = LayoutGroups(layout)
     runner = PipelineRunner(
         model,
         layout,
@@ -279,7 +280,7 @@ def run_pp_ep_case(name, work, rows, rank, world) -> dict:
     t_ref = time.perf_counter() - t0
     del whole
 
-    groups = layout.groups()
+    groups = LayoutGroups(layout)
     torch.manual_seed(cfg.train.seed)
     model = ep.distribute_experts(build_model(cfg, processor), layout, groups)
     model = ep.apply_lora_ep(model, cfg.lora, layout, groups)

@@ -180,3 +180,40 @@ def test_no_import_cycle_between_first_party_modules():
     graph = _graph()
     cycles = [" -> ".join(_a_cycle(graph, members)) for members in _cycles(graph)]
     assert not cycles, "import cycles (each: one path through its modules):\n" + "\n".join(cycles)
+
+
+def test_schemas_is_the_bottom_floor():
+    found = sorted(
+        f"{name} imports {imported}"
+        for name, path in _modules().items()
+        if name.split(".")[0] == "schemas"
+        for imported in _imported_names(name, path)
+        if imported.split(".")[0] in ("packline", "stages", "pipelines")
+    )
+    assert not found, "schemas/ must import no packline/, stages/ or pipelines/:\n" + "\n".join(
+        found
+    )
+
+
+def test_loading_and_refusing_a_config_imports_no_heavy_library():
+    """A config error prints its table before torch could even load (in a fresh
+    interpreter: what was imported, by ``sys.modules``, not by time)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "from schemas.config import load_config\n"
+        "from schemas.errors import UserError\n"
+        "load_config(None, [])\n"
+        "try:\n"
+        "    load_config(None, ['packing.seq_length=-1'])\n"
+        "except UserError as exc:\n"
+        "    assert 'packing.seq_length' in str(exc), exc\n"
+        "heavy = ('torch', 'transformers', 'megatron', 'nemo_run', 'mlflow', 'pandas')\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in heavy))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, check=True
+    )
+    assert done.stdout.strip() == "[]", done.stdout + done.stderr

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from packline.train.layout import Coords, ParallelLayout
 from schemas.config import load_config
 from schemas.errors import UserError
+from schemas.layout import Coords, ParallelLayout
 
 
 def test_ranks_are_stage_major_and_experts_split_within_a_stage():
