@@ -62,7 +62,7 @@ from packline.energon.sample import (
 from packline.packing.forecast import simulate_packing
 from packline.packing.selection import align_up
 from packline.progress import console, progress
-from packline.qwen.processor import TINY_LAYOUT_VERSION
+from packline.qwen.processor import TINY_LAYOUT_VERSION, image_geometry
 from packline.qwen.vision import read_image_size
 from schemas.config import Algorithm, PipelineConfig, TrainBackend
 from schemas.errors import UserError
@@ -90,7 +90,6 @@ from stages.connect_parts import (
     attempt_id,
     current_task,
 )
-from stages.prepare import image_geometry
 
 STAGE = "connect"
 LENGTH_COLUMNS = [

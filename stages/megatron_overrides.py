@@ -41,12 +41,12 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from packline.energon.files import BRIDGE_METADATASET
+from packline.qwen.processor import image_geometry
 from packline.tracking import experiment_name, tracking_uri
 from schemas.config import ExecutorKind, PipelineConfig, TrainBackend
 from schemas.errors import UserError
 from schemas.guardrails import Check, Finding, Issue, RuleBook, Severity, error, warning
 from stages.base import dataset_dir, processor_dir, stage_dir
-from stages.prepare import image_geometry
 
 #: packline's HF module names → Megatron module names (Bridge LoRA ``target_modules``).
 #: Megatron fuses q/k/v into ``linear_qkv`` and gate/up into ``linear_fc1``: naming one of a

@@ -23,8 +23,9 @@ frames than announced, a variable frame rate, a display rotation) are counted in
 Videos for Megatron-Bridge (``train.backend: megatron`` only): Bridge's Qwen-VL dataset
 reads a video as a list of frames, never as a video file, and samples no frames by time (it
 has no frame rate; see :mod:`packline.energon.bridge_sample_loader`). So prepare samples each
-video itself, at the configured processor's own sampling (:func:`video_geometry`: its fps,
-``min_frames``, ``max_frames``; the frames packline's own loader would give the processor),
+video itself, at the configured processor's own sampling
+(:func:`packline.qwen.processor.video_geometry`: its fps, ``min_frames``, ``max_frames``; the
+frames packline's own loader would give the processor),
 decodes those frames upright and stores them losslessly as ``<key>.vid<k>.f<j>.png``, next
 to the video file, which packline's own readers keep using. The choice is recorded: the JSON
 document's ``"presampled"`` holds, per video, the sampled frame indices and the source fps;
@@ -64,6 +65,7 @@ from packline.conversations import (
 from packline.energon.files import BRIDGE_METADATASET, PACKLINE_METADATASET
 from packline.parallel import ordered_map
 from packline.progress import console, progress
+from packline.qwen.processor import image_geometry, video_geometry
 from packline.qwen.vision import ImageGeometry, VideoGeometry
 from packline.sources import NotUtf8, SourceError, chunked, jsonl_rows, llava_records
 from packline.workdir import mark_owned, new_temp_dir, publish
@@ -94,48 +96,6 @@ BRIDGE_DATASET_YAML = {
 }
 #: Bumped when the layout of prepare's outputs changes, so older outputs are rebuilt.
 LAYOUT_VERSION = 3  # 3: videos (<key>.vid<k>.<ext>, "videos" headers, manifest video columns)
-#: Geometry fields of ``processor.*`` that a video processor takes too (the pixel bounds of a
-#: video are the whole clip's, not an image's: connect writes them into the image config only).
-VIDEO_GEOMETRY_FIELDS = ("patch_size", "temporal_patch_size", "merge_size")
-
-
-def image_geometry(cfg: PipelineConfig) -> ImageGeometry:
-    """The resize rule of the configured processor (the built-in tiny one by default), with
-    the geometry fields the config sets (``processor.min_pixels`` ...) in place of the dir's."""
-    if cfg.processor.path:
-        geometry = ImageGeometry.from_processor_dir(Path(cfg.processor.path).expanduser())
-    else:
-        geometry = ImageGeometry()
-    return geometry.with_overrides(**cfg.processor.geometry_overrides())
-
-
-def video_geometry(cfg: PipelineConfig) -> VideoGeometry:
-    """The frame sampling and resize rule of the configured processor's video processor
-    (``video_preprocessor_config.json``, or the ``video_processor`` entry of
-    ``processor_config.json``; the video processor's defaults when the dir has neither), the
-    built-in tiny one's by default, with the patch sizes the config sets."""
-    if cfg.processor.path:
-        path = Path(cfg.processor.path).expanduser()
-        params: dict | None = None
-        if (path / "video_preprocessor_config.json").is_file():
-            params = json.loads((path / "video_preprocessor_config.json").read_text())
-        elif (path / "processor_config.json").is_file():
-            params = json.loads((path / "processor_config.json").read_text()).get("video_processor")
-        geometry = VideoGeometry.from_config(params or {})
-    else:
-        geometry = _tiny_video_geometry()
-    overrides = cfg.processor.geometry_overrides()
-    return geometry.with_overrides(
-        **{k: v for k, v in overrides.items() if k in VIDEO_GEOMETRY_FIELDS}
-    )
-
-
-def _tiny_video_geometry() -> VideoGeometry:
-    """The built-in tiny processor's video geometry (its video processor alone: no tokenizer
-    is built)."""
-    from packline.qwen.processor import tiny_video_processor
-
-    return VideoGeometry.of(tiny_video_processor())
 
 
 def video_limits(cfg: PipelineConfig) -> VideoLimits:
@@ -200,10 +160,7 @@ def resolve_source(cfg: PipelineConfig) -> Path:
 def media_dir(cfg: PipelineConfig) -> Path:
     """The folder a row's media paths are relative to: the conversation folder, or for a
     LLaVA JSON file ``data.media_dir`` (default: the file's folder)."""
-    source = resolve_source(cfg)
-    if cfg.data.kind is SourceKind.llava:
-        return Path(cfg.data.media_dir or source.parent).expanduser().resolve()
-    return source
+    return cfg.data.llava_media_dir() or resolve_source(cfg)
 
 
 def writes_bridge_frames(cfg: PipelineConfig) -> bool:
@@ -221,8 +178,7 @@ def fingerprint_inputs(cfg: PipelineConfig) -> str:
     if kind is SourceKind.llava:
         path = Path(cfg.data.source).expanduser().resolve()
         st = path.stat()
-        media = Path(cfg.data.media_dir or path.parent).expanduser().resolve()
-        source = [f"{path}:{st.st_size}:{st.st_mtime_ns}", hash_tree(media)]
+        source = [f"{path}:{st.st_size}:{st.st_mtime_ns}", hash_tree(cfg.data.llava_media_dir())]
     elif kind is not SourceKind.synthetic:
         source = [hash_tree(Path(cfg.data.source).expanduser().resolve())]
     geometry = image_geometry(cfg)

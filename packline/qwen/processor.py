@@ -59,6 +59,7 @@ from packline.synthetic import (
     SHAPE_NAMES,
     SIZE_WORDS,
 )
+from schemas.config import PipelineConfig
 
 TINY_VOCAB_SIZE = 4096
 """Ids in the tiny tokenizer, special tokens included."""
@@ -508,3 +509,47 @@ def processor_video_geometry(processor: Qwen3VLProcessor) -> VideoGeometry:
     """The video geometry (frame sampling, whole-clip pixel bounds, patch sizes) of a loaded
     processor's video processor."""
     return VideoGeometry.of(processor.video_processor)
+
+
+# --- the configured processor's geometry ---------------------------------------------------
+
+#: Geometry fields of ``processor.*`` that a video processor takes too (the pixel bounds of a
+#: video are the whole clip's, not an image's: connect writes them into the image config only).
+VIDEO_GEOMETRY_FIELDS = ("patch_size", "temporal_patch_size", "merge_size")
+
+
+def image_geometry(cfg: PipelineConfig) -> ImageGeometry:
+    """The resize rule of the configured processor (the built-in tiny one by default), with
+    the geometry fields the config sets (``processor.min_pixels`` ...) in place of the dir's."""
+    if cfg.processor.path:
+        geometry = ImageGeometry.from_processor_dir(Path(cfg.processor.path).expanduser())
+    else:
+        geometry = ImageGeometry()
+    return geometry.with_overrides(**cfg.processor.geometry_overrides())
+
+
+def video_geometry(cfg: PipelineConfig) -> VideoGeometry:
+    """The frame sampling and resize rule of the configured processor's video processor
+    (``video_preprocessor_config.json``, or the ``video_processor`` entry of
+    ``processor_config.json``; the video processor's defaults when the dir has neither), the
+    built-in tiny one's by default, with the patch sizes the config sets."""
+    if cfg.processor.path:
+        path = Path(cfg.processor.path).expanduser()
+        params: dict | None = None
+        if (path / "video_preprocessor_config.json").is_file():
+            params = json.loads((path / "video_preprocessor_config.json").read_text())
+        elif (path / "processor_config.json").is_file():
+            params = json.loads((path / "processor_config.json").read_text()).get("video_processor")
+        geometry = VideoGeometry.from_config(params or {})
+    else:
+        geometry = _tiny_video_geometry()
+    overrides = cfg.processor.geometry_overrides()
+    return geometry.with_overrides(
+        **{k: v for k, v in overrides.items() if k in VIDEO_GEOMETRY_FIELDS}
+    )
+
+
+def _tiny_video_geometry() -> VideoGeometry:
+    """The built-in tiny processor's video geometry (its video processor alone: no tokenizer
+    is built)."""
+    return VideoGeometry.of(tiny_video_processor())

@@ -11,12 +11,12 @@ from PIL import Image
 
 from packline.conversations import parse_row
 from packline.energon.sample import ConversationReader
-from packline.qwen.processor import copy_tiny_processor
+from packline.qwen.processor import copy_tiny_processor, image_geometry, video_geometry
 from packline.qwen.vision import VideoGeometry
 from packline.video import VideoHeader, probe_video, write_video
 from pipelines.cli import main
 from schemas.errors import UserError
-from stages.prepare import image_geometry, prepare_dataset, video_geometry, video_limits
+from stages.prepare import prepare_dataset, video_limits
 from tests.conftest import make_config
 from tests.integration.video_folder import (
     VIDEO_LIMITS,
