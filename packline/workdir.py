@@ -47,6 +47,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from packline.energon.files import PACKLINE_METADATASET
+from schemas.config import PipelineConfig, SourceKind
 from schemas.errors import UserError
 
 MARKER = ".packline-owned"
@@ -58,6 +60,40 @@ LOCK_ENV = "PACKLINE_WORK_LOCK"
 """``<work dir>=<token>`` of the lock this process works under (set by its holder)."""
 #: The temp dirs packline makes inside a work dir and its subdirs.
 TEMP_RE = re.compile(r"\.(tmp|old)-.+")
+
+
+# --- the work dir's layout -----------------------------------------------------------------
+
+PROCESSOR = "processor"
+"""connect's processor dir, inside its stage dir."""
+
+
+def stage_dir(cfg: PipelineConfig, stage: str) -> Path:
+    """``<work>/<stage>``: where ``stage`` publishes its outputs and its record."""
+    return cfg.work_path / stage
+
+
+def dataset_dir(cfg: PipelineConfig) -> Path:
+    """prepare's output dir: ``manifest.parquet``, ``rejects.jsonl``, Bridge's ``bridge.yaml``
+    view and, unless the source is an Energon dataset adopted in place, the shards."""
+    return stage_dir(cfg, "prepare")
+
+
+def dataset_path(cfg: PipelineConfig) -> Path:
+    """What packline's Energon loaders open: prepare's dir, or for an Energon dataset
+    adopted in place (``data.source`` names one), the metadataset over it that prepare
+    wrote (:data:`PACKLINE_METADATASET`)."""
+    if cfg.data.kind is SourceKind.energon:
+        return dataset_dir(cfg) / PACKLINE_METADATASET
+    return dataset_dir(cfg)
+
+
+def processor_dir(cfg: PipelineConfig) -> Path:
+    """The processor dir connect measured the lengths with; every later stage loads it."""
+    return stage_dir(cfg, "connect") / PROCESSOR
+
+
+# --- what packline made ------------------------------------------------------------------
 
 
 def mark_owned(path: Path, what: str) -> None:

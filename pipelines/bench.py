@@ -65,9 +65,10 @@ def _default_set(
     dir and the train lengths."""
     import pandas as pd
 
+    from packline.workdir import dataset_path, stage_dir
+
     # The stages are the only way to a prepared dataset; this entry point may use them.
     from schemas.config import load_config
-    from stages.base import dataset_path, stage_dir
     from stages.runner import run_stage
 
     cfg = load_config(config, [*(overrides or []), f"work_dir={work_dir}", "mlflow.enabled=false"])

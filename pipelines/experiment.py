@@ -11,6 +11,12 @@ from pathlib import Path
 import nemo_run as run
 from omegaconf import OmegaConf
 
+from packline.megatron.overrides import (
+    RECIPE_MODULE,
+    bridge_overrides,
+    megatron_problems,
+    override_lines,
+)
 from packline.progress import console
 from packline.tracking import Tracker
 from packline.workdir import hold
@@ -21,12 +27,6 @@ from pipelines.tasks import error_path, run_stage_task
 from schemas.config import ExecutorKind, PipelineConfig, TrainBackend
 from schemas.errors import UserError
 from stages.base import invalidate_from, is_up_to_date, read_record
-from stages.megatron_overrides import (
-    RECIPE_MODULE,
-    bridge_overrides,
-    megatron_problems,
-    override_lines,
-)
 from stages.runner import REGISTRY, run_stage
 
 

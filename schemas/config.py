@@ -480,7 +480,7 @@ class LoraConfig(_Section):
 @dataclass(kw_only=True)
 class MegatronConfig(_Section):
     """Train backend ``megatron`` (Megatron-Bridge, inside the cluster container): the recipe
-    packline's overrides apply to (``stages/megatron_overrides.py`` lists every one), and the
+    packline's overrides apply to (``packline/megatron/overrides.py`` lists every one), and the
     settings Energon packing constrains — Bridge rejects a wrong one at start-up on the
     cluster, one at a time; the validate stage checks them all at once on the laptop, and the
     overrides send exactly these values."""

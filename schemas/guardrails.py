@@ -7,7 +7,7 @@ every broken one at once (errors only) and the validate stage lists them, warnin
 its report. The SLURM rules (:data:`SLURM_RULES`) are what ``packline run --executor slurm``
 refuses; validate runs them too. Rules that need more than the config use the same types
 (:class:`Finding`, :class:`RuleBook`): the Megatron rules, on the overrides Bridge really
-gets, in ``stages/megatron_overrides.py``; the data and model rules in ``stages/validate.py``.
+gets, in ``packline/megatron/overrides.py``; the data and model rules in ``stages/validate.py``.
 
 Every finding names the setting to change, the rule it breaks, what is wrong (with the
 values) and the fix.
@@ -439,5 +439,5 @@ def _local_layout(cfg: PipelineConfig) -> list[Issue] | None:
 )
 def _slurm_layout(cfg: PipelineConfig) -> list[Issue] | None:
     if cfg.executor.kind is not ExecutorKind.slurm or cfg.train.backend is not TrainBackend.local:
-        return None  # the Megatron rules split Bridge's GPUs (stages/megatron_overrides.py)
+        return None  # the Megatron rules split Bridge's GPUs (packline/megatron/overrides.py)
     return layout_issues(cfg, setting="executor.slurm.nproc_per_node")

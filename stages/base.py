@@ -21,13 +21,20 @@ from pathlib import Path
 from typing import Any
 
 import packline
-from packline.energon.files import PACKLINE_METADATASET
-from packline.workdir import RECORD_NAME, is_owned, new_temp_dir, not_ours, publish
-from schemas.config import STAGES, PipelineConfig, SourceKind
+from packline.workdir import (  # noqa: F401 - the paths, re-exported for the stages
+    PROCESSOR,
+    RECORD_NAME,
+    dataset_dir,
+    dataset_path,
+    is_owned,
+    new_temp_dir,
+    not_ours,
+    processor_dir,
+    publish,
+    stage_dir,
+)
+from schemas.config import STAGES, PipelineConfig
 from schemas.errors import UserError
-
-PROCESSOR = "processor"
-"""connect's processor dir, inside its stage dir."""
 
 
 @dataclass
@@ -44,31 +51,6 @@ class StageResult:
     partial: bool = False
     """One task's share of a stage spread over several tasks (connect): its part is on disk
     for the task that merges; no record, nothing to log."""
-
-
-def stage_dir(cfg: PipelineConfig, stage: str) -> Path:
-    """``<work>/<stage>``: where ``stage`` publishes its outputs and its record."""
-    return cfg.work_path / stage
-
-
-def dataset_dir(cfg: PipelineConfig) -> Path:
-    """prepare's output dir: ``manifest.parquet``, ``rejects.jsonl``, Bridge's ``bridge.yaml``
-    view and, unless the source is an Energon dataset adopted in place, the shards."""
-    return stage_dir(cfg, "prepare")
-
-
-def dataset_path(cfg: PipelineConfig) -> Path:
-    """What packline's Energon loaders open: prepare's dir, or for an Energon dataset
-    adopted in place (``data.source`` names one), the metadataset over it that prepare
-    wrote (:data:`PACKLINE_METADATASET`)."""
-    if cfg.data.kind is SourceKind.energon:
-        return dataset_dir(cfg) / PACKLINE_METADATASET
-    return dataset_dir(cfg)
-
-
-def processor_dir(cfg: PipelineConfig) -> Path:
-    """The processor dir connect measured the lengths with; every later stage loads it."""
-    return stage_dir(cfg, "connect") / PROCESSOR
 
 
 def read_record(cfg: PipelineConfig, stage: str) -> dict[str, Any] | None:

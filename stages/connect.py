@@ -342,8 +342,8 @@ def renders_for_bridge(cfg: PipelineConfig) -> bool:
 
 def bridge_max_num_frames(cfg: PipelineConfig) -> int:
     """The ``max_num_frames`` Bridge's encoder gets (see
-    :func:`stages.megatron_overrides.max_num_frames`)."""
-    from stages.megatron_overrides import max_num_frames
+    :func:`packline.megatron.overrides.max_num_frames`)."""
+    from packline.megatron.overrides import max_num_frames
 
     return max_num_frames(cfg)
 

@@ -6,7 +6,7 @@ Bridge run happens only in the container. What it runs:
 
 1. the recipe ``megatron.recipe`` from ``megatron.bridge.recipes.qwen_vl`` (LoRA); a recipe whose
    dataset is not Energon (the MoE ones) gets an ``EnergonDatasetConfig`` first;
-2. packline's overrides (``stages/megatron_overrides.py``), every key checked to be a field;
+2. packline's overrides (``packline/megatron/overrides.py``), every key checked to be a field;
 3. ``finetune`` with the ``megatron.step_func`` forward step.
 
 Bridge logs to packline's MLflow store on its last rank; afterwards rank 0 nests that run under
@@ -16,106 +16,35 @@ the train stage's run and writes the completion record. Outputs in ``<work>/trai
 Which Bridge: no release packs natively. ``nvcr.io/nvidia/nemo:26.06`` carries 0.5.0, which
 has no ``megatron.bridge.data.builders.energon``; 0.6.x has no
 ``QwenVLTaskEncoder.select_samples_to_pack``. Native Energon packing for Qwen-VL is on main from
-:data:`NATIVE_PACKING_COMMIT` (#5285); ``containers/Dockerfile`` builds :data:`PACKLINE_IMAGE`
-with :data:`BRIDGE_COMMIT`. :func:`bridge_problem` reads the installed Bridge's source (it
+:data:`~packline.megatron.container.NATIVE_PACKING_COMMIT` (#5285); ``containers/Dockerfile``
+builds :data:`~packline.megatron.container.PACKLINE_IMAGE` with its ``BRIDGE_COMMIT``.
+:func:`~packline.megatron.container.bridge_problem` reads the installed Bridge's source (it
 imports nothing of it) and the job stops with that fix before any Bridge import.
 """
 
 from __future__ import annotations
 
-import ast
 import importlib
 import importlib.util
 import json
 import os
 import time
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-from schemas.config import PipelineConfig
-from schemas.errors import UserError
-from stages.base import StageResult, stage_dir, write_record
-from stages.megatron_overrides import (
+from packline.megatron.container import bridge_problem
+from packline.megatron.overrides import (
     RECIPE_MODULE,
     apply_overrides,
     bridge_overrides,
     megatron_problems,
     section_classes,
 )
+from schemas.config import PipelineConfig
+from schemas.errors import UserError
+from stages.base import StageResult, stage_dir, write_record
 
 STAGE = "train"
 LAUNCH_TAG = "packline.launch_id"
-
-NATIVE_PACKING_COMMIT = "46d7e9f4f9ee71832ab24c13228aecbf09a0df46"
-"""Megatron-Bridge main, "enable native Energon packing for Qwen3-VL" (#5285, 2026-08-10): the
-oldest Bridge commit the megatron backend can pack with."""
-BRIDGE_COMMIT = "067f987df03b8355b03192d88d70f1709fedf51a"
-"""The Megatron-Bridge main commit ``containers/Dockerfile`` installs (its ``BRIDGE_COMMIT``
-build arg; tests/unit/test_megatron_container.py checks they agree): a descendant of
-:data:`NATIVE_PACKING_COMMIT`, the newest of the main snapshot packline's Bridge facts were
-read from (2026-08-22)."""
-PACKLINE_IMAGE = f"packline-bridge:{BRIDGE_COMMIT[:9]}"
-"""The tag ``containers/Dockerfile`` is built as (the cluster configs' container image)."""
-BRIDGE_FIX = (
-    f"use the image containers/Dockerfile builds ({PACKLINE_IMAGE}: the NeMo container plus "
-    f"Megatron-Bridge main at {BRIDGE_COMMIT[:9]}) as executor.slurm.container_image — the "
-    f"megatron backend needs a Bridge at or after main commit {NATIVE_PACKING_COMMIT[:9]} "
-    "(PR #5285, native Energon packing), which no release has yet"
-)
-
-SpecLookup = Callable[[str], Any]
-"""``importlib.util.find_spec``-style: a module name → its spec, or None."""
-
-
-def _defines_method(path: Path, cls: str, method: str) -> bool:
-    """Whether the module file at ``path`` defines class ``cls`` with ``method`` in its body
-    (read with ``ast``, never imported)."""
-    try:
-        tree = ast.parse(path.read_text(encoding="utf-8"))
-    except (OSError, SyntaxError, UnicodeDecodeError):
-        return False
-    for node in tree.body:
-        if isinstance(node, ast.ClassDef) and node.name == cls:
-            return any(
-                isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.name == method
-                for n in node.body
-            )
-    return False
-
-
-def bridge_problem(
-    *, packing: bool, find_spec: SpecLookup = importlib.util.find_spec
-) -> str | None:
-    """Why the Megatron-Bridge that ``find_spec`` finds cannot run the megatron backend (None:
-    it can), with the fix. Only ``megatron.bridge`` itself is looked up; its files are read,
-    not imported: importing Bridge ≤ 0.5's missing energon builder would end in a
-    ModuleNotFoundError, and 0.6.x would train unpacked."""
-    try:
-        spec = find_spec("megatron.bridge")
-    except (ImportError, ValueError):
-        spec = None
-    locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    if not locations:
-        return (
-            "train.backend megatron needs megatron.bridge, which is not installed here: it runs "
-            f"inside the cluster's NeMo container (--executor slurm); {BRIDGE_FIX}"
-        )
-    root = Path(locations[0])
-    if not (root / "data" / "builders" / "energon.py").is_file():
-        return (
-            f"the Megatron-Bridge at {root} has no megatron.bridge.data.builders.energon: it is "
-            "0.5 or older (nvcr.io/nvidia/nemo:26.06 carries 0.5.0), with no Energon dataset "
-            f"builder and no native packing; {BRIDGE_FIX}"
-        )
-    encoder = root / "models" / "qwen_vl" / "data" / "energon.py"
-    if packing and not _defines_method(encoder, "QwenVLTaskEncoder", "select_samples_to_pack"):
-        return (
-            f"the Megatron-Bridge at {root} has no QwenVLTaskEncoder.select_samples_to_pack "
-            f"({encoder}): a release (0.6.x) that would train unpacked; {BRIDGE_FIX}, or set "
-            "packing.enabled=false"
-        )
-    return None
 
 
 def _import_class(qualified: str) -> type:

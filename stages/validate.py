@@ -20,9 +20,9 @@ Rule groups, in order, all in one pass:
 - ``slurm``: what ``packline run --executor slurm`` refuses (``schemas/guardrails.py``);
 - ``megatron`` (``train.backend: megatron``): the Megatron rules on the overrides Bridge will
   really get, packline's plus ``megatron.extra_overrides`` (applied last), the same rules
-  ``run --executor slurm`` refuses (``stages/megatron_overrides.py``): paths, executor, GPUs
+  ``run --executor slurm`` refuses (``packline/megatron/overrides.py``): paths, executor, GPUs
   into TP × CP, EP and data-parallel groups, LoRA names, every extra key a field of Bridge's
-  config (``stages/bridge_fields.py``), Bridge's packing guardrails on the extra values,
+  config (``packline/megatron/fields.py``), Bridge's packing guardrails on the extra values,
   micro-batches (train, dataset, eval), DistTrain off, no legacy in-batch packing, and the
   alignment with the eval CP size and the SP the MoE provider turns on;
 - ``data``: connect's tables against the config — overlength samples (aligned as the run
@@ -58,6 +58,7 @@ from omegaconf import OmegaConf
 
 import packline
 from packline.energon.packing import buffered_sample_bytes
+from packline.megatron.overrides import bridge_alignment, megatron_findings
 from packline.packing.selection import align_up
 from packline.progress import console
 from packline.qwen.model import build_meta_model
@@ -88,7 +89,6 @@ from stages.base import (
     stage_dir,
     write_record,
 )
-from stages.megatron_overrides import bridge_alignment, megatron_findings
 
 STAGE = "validate"
 GIB = 1024**3
@@ -403,7 +403,7 @@ def _encoder_limits(x: Inputs) -> list[Issue] | None:
     "cut by its max_num_frames or re-sampled by a processor dir that samples frames",
 )
 def _video_frames(x: Inputs) -> list[Issue] | None:
-    from stages.megatron_overrides import MAX_NUM_FRAMES, extra_overrides
+    from packline.megatron.overrides import MAX_NUM_FRAMES, extra_overrides
 
     b = x.bridge_videos
     if x.cfg.train.backend is not TrainBackend.megatron or not b:

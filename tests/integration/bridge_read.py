@@ -6,7 +6,7 @@ project root::
 
     python tests/integration/bridge_read.py OVERRIDES_JSON OUT_JSON
 
-``OVERRIDES_JSON`` holds packline's Bridge overrides (``stages.megatron_overrides``); their
+``OVERRIDES_JSON`` holds packline's Bridge overrides (``packline.megatron.overrides``); their
 ``dataset.*`` keys are applied, with packline's ``apply_overrides``, to Bridge's own
 ``EnergonDatasetConfig`` and ``QwenVLEnergonTaskEncoderConfig``, and Bridge's own
 ``build_energon_task_encoder`` builds the encoder from them (``AutoTokenizer`` and
@@ -61,7 +61,7 @@ from megatron.energon import (
     get_val_dataset,
 )
 
-from stages.megatron_overrides import apply_overrides
+from packline.megatron.overrides import apply_overrides
 
 
 @dataclass

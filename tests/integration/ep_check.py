@@ -34,8 +34,8 @@ from packline.train import expert_parallel as ep
 from packline.train.distributed import all_gather_object, all_reduce_sum, init_from_env, shutdown
 from packline.train.layout import LayoutGroups
 from packline.train.setup import apply_lora, build_model
+from packline.workdir import processor_dir
 from schemas.layout import ParallelLayout
-from stages.base import processor_dir
 from tests.integration.parallel_rows import (
     one_process_step,
     padded_micro_batches,

@@ -33,8 +33,8 @@ from packline.train.distributed import (
 from packline.train.layout import LayoutGroups
 from packline.train.pipeline import PipelineRunner
 from packline.train.setup import apply_lora, build_model
+from packline.workdir import processor_dir
 from schemas.layout import ParallelLayout
-from stages.base import processor_dir
 from tests.conftest import make_config
 from tests.integration.train_helpers import SMALL
 

@@ -31,12 +31,12 @@ import pytest
 from PIL import Image
 
 from packline.conversations import key_for_id
+from packline.megatron.overrides import bridge_overrides
 from packline.packing.forecast import simulate_packing
 from packline.qwen.processor import copy_tiny_processor, video_geometry
 from packline.video import decode_frames, probe_video, write_video
-from stages.base import dataset_dir, processor_dir
+from packline.workdir import dataset_dir, processor_dir
 from stages.connect import BRIDGE_VIDEOS, connect_processor
-from stages.megatron_overrides import bridge_overrides
 from stages.prepare import prepare_dataset, resolve_source
 from stages.validate import DATA_RULES, load_inputs
 from tests.bridge_data import PLACEHOLDERS, bridge_data_tree

@@ -189,7 +189,7 @@ def one_task(tmp_path_factory):
 
 
 def _measuring(cfg, processor: Path, *, num_workers: int, part_size: int = 1):
-    from stages.base import dataset_path
+    from packline.workdir import dataset_path
     from stages.connect import Measuring
 
     return Measuring(

@@ -26,7 +26,7 @@ from packline.qwen.forward import packed_forward, token_loss_sum
 from packline.qwen.processor import load_processor
 from packline.train.distributed import torchrun_command
 from packline.train.pipeline import StageModule, StagePlan
-from stages.base import processor_dir
+from packline.workdir import processor_dir
 from stages.train import training_stream
 from tests.conftest import make_config
 from tests.integration.pp_check import (

@@ -7,7 +7,7 @@ import torch
 
 from packline.qwen.model import build_tiny_model
 from packline.qwen.processor import load_processor
-from stages.base import processor_dir
+from packline.workdir import processor_dir
 from tests.conftest import make_config
 from tests.integration.train_helpers import SMALL, trainer_for
 

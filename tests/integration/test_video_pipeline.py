@@ -95,7 +95,7 @@ def test_video_rows_out_of_the_loader_are_the_same_lazy_and_eager(tmp_path):
     and the eager one (every frame decoded before) give the very same packed rows."""
     from packline.energon.loader import train_loader
     from packline.energon.packing import PackingSettings, make_encoder
-    from stages.base import dataset_path, processor_dir
+    from packline.workdir import dataset_path, processor_dir
 
     cfg = make_config(
         tmp_path / "work", "data.num_train=24", "data.num_val=2", "data.video_share=0.6"

@@ -8,7 +8,7 @@ from pathlib import Path
 from packline.qwen.processor import load_processor
 from packline.train.setup import build_trainer
 from packline.train.trainer import Trainer
-from stages.base import dataset_path, processor_dir
+from packline.workdir import dataset_path, processor_dir
 
 SMALL = (
     "data.num_train=120",

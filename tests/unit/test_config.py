@@ -5,10 +5,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from packline.megatron.overrides import megatron_problems
 from pipelines.cli import main
 from schemas.config import PROJECT_ROOT, Algorithm, PackingConfig, TrainBackend, load_config
 from schemas.errors import UserError
-from stages.megatron_overrides import megatron_problems
 from tests.unit.test_megatron_overrides import processor_stand_in
 
 SHIPPED = sorted((PROJECT_ROOT / "configs").glob("*.yaml"))

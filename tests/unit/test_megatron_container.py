@@ -1,7 +1,7 @@
 """The image the megatron backend needs, and the job's check for it.
 
 ``containers/Dockerfile`` cannot be built here (no container engine): it is parsed, and its
-pinned Megatron-Bridge commit must be the one ``stages/train_megatron.py`` names. The job's
+pinned Megatron-Bridge commit must be the one ``packline/megatron/container.py`` names. The job's
 Bridge check reads the installed Bridge's files without importing them; it is run on real
 package dirs on ``sys.path`` laid out like Bridge 0.5 (the file names of its tag) and like the
 pinned 0.6.2 release (its own ``energon.py`` sources, copied unchanged).
@@ -21,16 +21,16 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from packline.qwen.processor import copy_tiny_processor
-from schemas.config import PROJECT_ROOT, load_config
-from schemas.errors import UserError
-from stages.train_megatron import (
+from packline.megatron.container import (
     BRIDGE_COMMIT,
     NATIVE_PACKING_COMMIT,
     PACKLINE_IMAGE,
     bridge_problem,
-    train_megatron,
 )
+from packline.qwen.processor import copy_tiny_processor
+from schemas.config import PROJECT_ROOT, load_config
+from schemas.errors import UserError
+from stages.train_megatron import train_megatron
 from tests.bridge_source import IndexUnreachable, fetch_sources
 
 DOCKERFILE = PROJECT_ROOT / "containers" / "Dockerfile"

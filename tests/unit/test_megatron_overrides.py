@@ -15,9 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from schemas.config import PROJECT_ROOT, PipelineConfig, load_config
-from schemas.errors import UserError
-from stages.megatron_overrides import (
+from packline.megatron.overrides import (
     RECIPE_MODULE,
     apply_overrides,
     bridge_overrides,
@@ -26,6 +24,8 @@ from stages.megatron_overrides import (
     section_classes,
     unknown_field,
 )
+from schemas.config import PROJECT_ROOT, PipelineConfig, load_config
+from schemas.errors import UserError
 from tests.bridge_source import (
     CONTAINER,
     PINNED,
@@ -261,9 +261,9 @@ def test_field_check_catches_a_misspelt_key(tmp_path: Path, bridge_index):
     assert len(unknown_keys(bridge_index, bad, section_classes(cfg))) == 3
 
 
-# --- the shipped table of Bridge's config fields (stages/bridge_fields.py) -----------------
+# --- the shipped table of Bridge's config fields (packline/megatron/fields.py) -----------------
 
-FIELDS_MODULE = PROJECT_ROOT / "stages" / "bridge_fields.py"
+FIELDS_MODULE = PROJECT_ROOT / "packline" / "megatron" / "fields.py"
 
 
 def run_sections() -> dict[str, list[str]]:
@@ -356,14 +356,14 @@ def bridge_field_table(
 
 
 def field_table_source(table: dict[str, tuple[tuple[str, ...], dict[str, str]]]) -> str:
-    """``stages/bridge_fields.py`` for ``table``: per class its bases, its plain fields as
+    """``packline/megatron/fields.py`` for ``table``: per class its bases, its plain fields as
     one space-separated string, and its fields holding a nested config dataclass."""
     lines = [
         '"""Megatron-Bridge\'s config dataclasses, as far as overrides reach into them: for its',
         "``ConfigContainer`` and every config dataclass reachable from it (with packline's",
         "``section_classes`` in place of the unions Bridge declares), the dataclass bases, the",
         "plain fields and the fields that hold a nested config dataclass. Only fields are listed,",
-        "no values: ``stages.megatron_overrides`` checks every ``megatron.extra_overrides`` key",
+        "no values: ``packline.megatron.overrides`` checks every ``megatron.extra_overrides`` key",
         "against it without importing Bridge.",
         "",
         "Generated from the source of the pinned wheels",
@@ -407,7 +407,7 @@ def field_table_source(table: dict[str, tuple[tuple[str, ...], dict[str, str]]])
 
 
 def shipped_field_table() -> dict[str, tuple[tuple[str, ...], dict[str, str]]]:
-    from stages.bridge_fields import CLASSES
+    from packline.megatron.fields import CLASSES
 
     return {
         name: (bases, {**dict.fromkeys(plain.split(), ""), **nested})
@@ -422,7 +422,7 @@ def test_bridge_fields_table_is_the_pinned_source_regenerated(bridge_index):
         ruff = Path(sys.executable).parent / "ruff"
         subprocess.run([str(ruff), "format", "-q", str(FIELDS_MODULE)], check=True)
         pytest.skip(f"rewrote {FIELDS_MODULE}: review its diff")
-    from stages import bridge_fields
+    from packline.megatron import fields as bridge_fields
 
     assert bridge_fields.PINNED == PINNED and bridge_fields.CONTAINER == CONTAINER
     got = shipped_field_table()

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from packline.megatron.container import PACKLINE_IMAGE
 from pipelines.cli import main
 from pipelines.experiment import dryrun_text, write_resolved_config
 from schemas.config import PROJECT_ROOT, load_config
-from stages.train_megatron import PACKLINE_IMAGE
 from tests.unit.test_megatron_overrides import processor_stand_in
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"

@@ -1,6 +1,6 @@
 """The config-only rules of the validate stage (schemas/guardrails.py): each broken rule is
 refused by ``load_config`` with its exact message and the CLI exits 2; all broken rules are
-listed at once. The Megatron rules on the overrides Bridge gets (stages/megatron_overrides.py),
+listed at once. The Megatron rules on the overrides Bridge gets (packline/megatron/overrides.py),
 each alone, and ``run --executor slurm`` refusing what validate lists. Also: the LoRA target
 matcher agrees with PEFT, the model is built on the meta device only, and the buffer memory
 estimate's worked example."""
@@ -15,6 +15,13 @@ from peft import LoraConfig, get_peft_model
 from peft.tuners.lora import LoraLayer
 
 from packline.energon.packing import buffered_sample_bytes
+from packline.megatron.overrides import (
+    MEGATRON_RULES,
+    bridge_alignment,
+    bridge_run,
+    megatron_findings,
+    megatron_problems,
+)
 from packline.qwen.model import build_meta_model, build_tiny_model, tiny_config
 from packline.qwen.processor import copy_tiny_processor, load_processor
 from packline.qwen.real_configs import real_config
@@ -23,13 +30,6 @@ from pipelines.cli import main
 from schemas.config import PROJECT_ROOT, load_config
 from schemas.errors import UserError
 from schemas.guardrails import CONFIG_RULES, config_findings
-from stages.megatron_overrides import (
-    MEGATRON_RULES,
-    bridge_alignment,
-    bridge_run,
-    megatron_findings,
-    megatron_problems,
-)
 from tests.unit.test_megatron_overrides import DENSE, MOE, cluster_config
 
 SHIPPED = sorted((PROJECT_ROOT / "configs").glob("*.yaml"))

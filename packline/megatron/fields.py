@@ -2,7 +2,7 @@
 ``ConfigContainer`` and every config dataclass reachable from it (with packline's
 ``section_classes`` in place of the unions Bridge declares), the dataclass bases, the
 plain fields and the fields that hold a nested config dataclass. Only fields are listed,
-no values: ``stages.megatron_overrides`` checks every ``megatron.extra_overrides`` key
+no values: ``packline.megatron.overrides`` checks every ``megatron.extra_overrides`` key
 against it without importing Bridge.
 
 Generated from the source of the pinned wheels

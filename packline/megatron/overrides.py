@@ -27,7 +27,7 @@ every key against a pinned Bridge release's source):
 ``megatron.extra_overrides`` are applied last, so they win. The Megatron rules
 (:data:`MEGATRON_RULES`, run by the validate stage, by ``packline run --executor slurm`` and by
 the in-container entry) therefore read the overrides Bridge will really get: every extra key
-must name a field of Bridge's config (the table in :mod:`stages.bridge_fields`, generated from
+must name a field of Bridge's config (the table in :mod:`packline.megatron.fields`, generated from
 the pinned release's source) and keep Bridge's guardrails.
 """
 
@@ -43,10 +43,10 @@ from typing import Any, NamedTuple
 from packline.energon.files import BRIDGE_METADATASET
 from packline.qwen.processor import image_geometry
 from packline.tracking import experiment_name, tracking_uri
+from packline.workdir import dataset_dir, processor_dir, stage_dir
 from schemas.config import ExecutorKind, PipelineConfig, TrainBackend
 from schemas.errors import UserError
 from schemas.guardrails import Check, Finding, Issue, RuleBook, Severity, error, warning
-from stages.base import dataset_dir, processor_dir, stage_dir
 
 #: packline's HF module names → Megatron module names (Bridge LoRA ``target_modules``).
 #: Megatron fuses q/k/v into ``linear_qkv`` and gate/up into ``linear_fc1``: naming one of a
@@ -309,7 +309,7 @@ def apply_overrides(root: Any, overrides: dict[str, Any]) -> None:
 
 def _class_fields(qualified: str) -> dict[str, str]:
     """Every field of a Bridge config class (inherited ones too) → its nested config class."""
-    from stages.bridge_fields import CLASSES
+    from packline.megatron.fields import CLASSES
 
     bases, plain, nested = CLASSES[qualified]
     out: dict[str, str] = {}
@@ -323,7 +323,7 @@ def _class_fields(qualified: str) -> dict[str, str]:
 def unknown_field(key: str, classes: dict[str, str]) -> str | None:
     """Why ``key`` names no field of Bridge's ConfigContainer (None when it does). ``classes``
     are the concrete classes of the union-typed sections (:func:`section_classes`)."""
-    from stages.bridge_fields import CLASSES, CONTAINER
+    from packline.megatron.fields import CLASSES, CONTAINER
 
     qualified, parts = CONTAINER, key.split(".")
     for i, part in enumerate(parts):
@@ -604,7 +604,7 @@ def _lora_targets(run: BridgeRun) -> list[Issue] | None:
     "megatron.extra_override_fields",
     "megatron",
     "every megatron.extra_overrides key names a field of Megatron-Bridge's config "
-    "(stages/bridge_fields.py, from the pinned release)",
+    "(packline/megatron/fields.py, from the pinned release)",
 )
 def _extra_override_fields(run: BridgeRun) -> list[Issue] | None:
     if not _megatron(run):
