@@ -66,6 +66,9 @@ TEMP_RE = re.compile(r"\.(tmp|old)-.+")
 
 PROCESSOR = "processor"
 """connect's processor dir, inside its stage dir."""
+BRIDGE_VIDEOS = "bridge_videos.json"
+"""connect's report of what Megatron-Bridge's encoder makes of the videos (backend
+megatron), inside its stage dir; validate reads it."""
 
 
 def stage_dir(cfg: PipelineConfig, stage: str) -> Path:

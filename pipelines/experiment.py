@@ -11,6 +11,7 @@ from pathlib import Path
 import nemo_run as run
 from omegaconf import OmegaConf
 
+from packline.fingerprints import stage_fingerprint
 from packline.megatron.overrides import (
     RECIPE_MODULE,
     bridge_overrides,
@@ -27,7 +28,7 @@ from pipelines.tasks import error_path, run_stage_task
 from schemas.config import ExecutorKind, PipelineConfig, TrainBackend
 from schemas.errors import UserError
 from stages.base import invalidate_from, is_up_to_date, read_record
-from stages.runner import REGISTRY, run_stage
+from stages.runner import run_stage
 
 
 @dataclass
@@ -156,8 +157,7 @@ def stages_to_launch(cfg: PipelineConfig) -> list[str]:
     after it; the stages before it are up to date and are not launched at all."""
     stages = pipeline_stages()
     for i, stage in enumerate(stages):
-        fingerprint_fn = REGISTRY[stage][0]
-        if not is_up_to_date(cfg, stage, fingerprint_fn(cfg)):
+        if not is_up_to_date(cfg, stage, stage_fingerprint(cfg, stage)):
             return stages[i:]
     return []
 

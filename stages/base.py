@@ -9,7 +9,6 @@ skipped; a dir without a record is stale and is rebuilt.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -72,27 +71,6 @@ def require_record(cfg: PipelineConfig, stage: str, by: str) -> dict[str, Any]:
             f"{by} cannot start",
         )
     return rec
-
-
-def fingerprint(*parts: Any) -> str:
-    """sha256 over JSON of ``parts`` plus the packline version."""
-    payload = json.dumps([packline.__version__, *parts], sort_keys=True, default=str)
-    return hashlib.sha256(payload.encode()).hexdigest()
-
-
-def hash_tree(root: Path, *, content: bool = False) -> str:
-    """Fingerprint of every file under ``root``: relative path, size and mtime — or the bytes
-    themselves with ``content=True`` (for small dirs such as a processor)."""
-    h = hashlib.sha256()
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        rel = path.relative_to(root).as_posix()
-        h.update(rel.encode())
-        if content:
-            h.update(path.read_bytes())
-        else:
-            st = path.stat()
-            h.update(f"{st.st_size}:{st.st_mtime_ns}".encode())
-    return h.hexdigest()
 
 
 def is_up_to_date(cfg: PipelineConfig, stage: str, fp: str) -> bool:

@@ -59,11 +59,13 @@ from packline.energon.sample import (
     cook_chatml,
     cook_conversation,
 )
+from packline.fingerprints import stage_fingerprint
 from packline.packing.forecast import simulate_packing
 from packline.packing.selection import align_up
 from packline.progress import console, progress
-from packline.qwen.processor import TINY_LAYOUT_VERSION, image_geometry
+from packline.qwen.processor import image_geometry
 from packline.qwen.vision import read_image_size
+from packline.workdir import BRIDGE_VIDEOS
 from schemas.config import Algorithm, PipelineConfig, TrainBackend
 from schemas.errors import UserError
 from schemas.guardrails import train_nproc_per_node, train_world
@@ -74,8 +76,6 @@ from stages.base import (
     building,
     dataset_dir,
     dataset_path,
-    fingerprint,
-    hash_tree,
     is_up_to_date,
     processor_dir,
     require_record,
@@ -109,7 +109,6 @@ LENGTH_COLUMNS = [
     "video_frame_counts",
 ]
 VisualRule = Callable[[int, int], int]
-BRIDGE_VIDEOS = "bridge_videos.json"
 
 
 @edataclass
@@ -412,27 +411,6 @@ def bridge_video_summary(
 
 def processor_source(cfg: PipelineConfig) -> Path | None:
     return Path(cfg.processor.path).expanduser().resolve() if cfg.processor.path else None
-
-
-def fingerprint_inputs(cfg: PipelineConfig) -> str:
-    from stages import prepare
-
-    src = processor_source(cfg)
-    return fingerprint(
-        prepare.fingerprint_inputs(cfg),
-        cfg.section_hash("processor"),
-        hash_tree(src, content=True) if src else f"tiny-{TINY_LAYOUT_VERSION}",
-        {
-            "seq_length": cfg.packing.seq_length,
-            "alignment": cfg.packing.alignment,
-            "algorithm": cfg.packing.algorithm.value,
-            "buffers": list(cfg.packing.forecast_buffer_sizes),
-            "seed": cfg.train.seed,
-            "bridge": renders_for_bridge(cfg),
-            # Bridge keeps the first max_num_frames frames of a video: measured so
-            **({"max_num_frames": bridge_max_num_frames(cfg)} if renders_for_bridge(cfg) else {}),
-        },
-    )
 
 
 def materialize_processor(cfg: PipelineConfig, out: Path) -> Path:
@@ -827,7 +805,7 @@ def connect_processor(
     finished parts. ``visual_tokens`` replaces the cheap rule's image-token rule (tests).
     """
     t0 = time.perf_counter()
-    fp = fp or fingerprint_inputs(cfg)
+    fp = fp or stage_fingerprint(cfg, STAGE)
     require_record(cfg, "prepare", by="connect")
     if task is None:
         task = current_task(cfg)

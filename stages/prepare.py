@@ -63,6 +63,7 @@ from packline.conversations import (
     parse_record,
 )
 from packline.energon.files import BRIDGE_METADATASET, PACKLINE_METADATASET
+from packline.fingerprints import stage_fingerprint
 from packline.parallel import ordered_map
 from packline.progress import console, progress
 from packline.qwen.processor import image_geometry, video_geometry
@@ -75,8 +76,6 @@ from schemas.tables import REJECT_REASONS, ManifestModel, RejectsModel, validate
 from stages.base import (
     StageResult,
     building,
-    fingerprint,
-    hash_tree,
     stage_dir,
     write_record,
 )
@@ -94,8 +93,6 @@ BRIDGE_DATASET_YAML = {
     "sample_loader": f"{BRIDGE_SAMPLE_LOADER}:sample_loader",
     "part_filter": f"{BRIDGE_SAMPLE_LOADER}:part_filter",
 }
-#: Bumped when the layout of prepare's outputs changes, so older outputs are rebuilt.
-LAYOUT_VERSION = 3  # 3: videos (<key>.vid<k>.<ext>, "videos" headers, manifest video columns)
 
 
 def video_limits(cfg: PipelineConfig) -> VideoLimits:
@@ -167,26 +164,6 @@ def writes_bridge_frames(cfg: PipelineConfig) -> bool:
     """Whether prepare writes each video's pre-sampled frames for Megatron-Bridge (see the
     module docstring): for ``train.backend: megatron``."""
     return cfg.train.backend is TrainBackend.megatron
-
-
-def fingerprint_inputs(cfg: PipelineConfig) -> str:
-    """Config sections prepare depends on, plus the user's source when user-given (every
-    file's path, size and mtime: the folder, the LLaVA file and its media dir, or the
-    Energon dataset), and whether Bridge's frames are written."""
-    source: list[str] = []
-    kind = cfg.data.kind
-    if kind is SourceKind.llava:
-        path = Path(cfg.data.source).expanduser().resolve()
-        st = path.stat()
-        source = [f"{path}:{st.st_size}:{st.st_mtime_ns}", hash_tree(cfg.data.llava_media_dir())]
-    elif kind is not SourceKind.synthetic:
-        source = [hash_tree(Path(cfg.data.source).expanduser().resolve())]
-    geometry = image_geometry(cfg)
-    videos = video_geometry(cfg)
-    bridge = ["bridge-frames"] if writes_bridge_frames(cfg) else []
-    return fingerprint(
-        cfg.section_hash("data", "prepare"), geometry, videos, source, LAYOUT_VERSION, *bridge
-    )
 
 
 def _png(frame) -> bytes:
@@ -557,7 +534,7 @@ def prepare_dataset(cfg: PipelineConfig, fp: str | None = None) -> StageResult:
     """Read, check and shard the conversations, streaming, over ``prepare.num_workers``
     processes; index them for Energon. An Energon source is adopted in place instead."""
     t0 = time.perf_counter()
-    fp = fp or fingerprint_inputs(cfg)
+    fp = fp or stage_fingerprint(cfg, STAGE)
     source = resolve_source(cfg)
     if cfg.data.kind is SourceKind.energon:
         return _adopt_energon(cfg, fp, source, t0)

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from packline import metrics as names
+from packline.fingerprints import stage_fingerprint
 from packline.parallel import forks_exit_with_me
 from packline.progress import console, summary_table
 from packline.tracking import Tracker
@@ -18,12 +19,12 @@ from schemas.errors import InputCrash, UserError
 from stages import connect, prepare, train, validate
 from stages.base import StageResult, is_up_to_date, result_from_record
 
-#: stage name → (fingerprint of its inputs, the stage function)
-REGISTRY: dict[str, tuple[Callable[[PipelineConfig], str], Callable[..., StageResult]]] = {
-    "prepare": (prepare.fingerprint_inputs, prepare.prepare_dataset),
-    "connect": (connect.fingerprint_inputs, connect.connect_processor),
-    "validate": (validate.fingerprint_inputs, validate.validate_config),
-    "train": (train.fingerprint_inputs, train.train_lora),
+#: stage name → the stage function (its record's key: packline.fingerprints.stage_fingerprint)
+REGISTRY: dict[str, Callable[..., StageResult]] = {
+    "prepare": prepare.prepare_dataset,
+    "connect": connect.connect_processor,
+    "validate": validate.validate_config,
+    "train": train.train_lora,
 }
 #: stages whose own MLflow runs nest under the stage's run
 NESTS_RUNS = {"train"}
@@ -91,8 +92,8 @@ def _crash(cfg: PipelineConfig, stage: str, exc: Exception) -> InputCrash:
 def _run_stage(
     cfg: PipelineConfig, name: str, *, force: bool, parent_run_id: str | None
 ) -> StageResult:
-    fingerprint_fn, stage_fn = REGISTRY[name]
-    fp = fingerprint_fn(cfg)
+    stage_fn = REGISTRY[name]
+    fp = stage_fingerprint(cfg, name)
     tags = {"packline.stage": name, "packline.skipped": "false"}
     if not force and is_up_to_date(cfg, name, fp):
         result = result_from_record(cfg, name)

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from packline import metrics as names
+from packline.fingerprints import stage_fingerprint
 from packline.progress import console
 from packline.qwen.processor import load_processor
 from packline.report.plots import plot_row_fill
@@ -50,8 +51,6 @@ from schemas.errors import UserError
 from stages.base import (
     StageResult,
     dataset_path,
-    fingerprint,
-    hash_tree,
     is_up_to_date,
     processor_dir,
     require_record,
@@ -80,19 +79,6 @@ def training_stream(cfg: PipelineConfig, *, rank: int = 0, world: int = 1) -> Tr
         rank=rank,
         world=world,
     )
-
-
-def fingerprint_inputs(cfg: PipelineConfig) -> str:
-    from stages import connect
-
-    sections = ["model", "lora", "train", "packing"]
-    if cfg.train.backend == TrainBackend.megatron:
-        sections.append("megatron")
-    # The checkpoint's files (path, size, mtime): a base rebuilt at the same path retrains,
-    # and the old run's adapters are not resumed onto it.
-    model_dir = Path(cfg.model.path).expanduser() if cfg.model.path else None
-    weights = hash_tree(model_dir) if model_dir is not None and model_dir.is_dir() else None
-    return fingerprint(connect.fingerprint_inputs(cfg), cfg.section_hash(*sections), weights)
 
 
 def _claim_stage_dir(out: Path) -> Path:
@@ -255,7 +241,7 @@ def ensure_validated(cfg: PipelineConfig) -> None:
     from stages import validate
 
     require_record(cfg, "validate", by="train")  # validate requires connect in turn
-    if is_up_to_date(cfg, "validate", validate.fingerprint_inputs(cfg)):
+    if is_up_to_date(cfg, "validate", stage_fingerprint(cfg, "validate")):
         return
     if launched():
         raise UserError(
@@ -278,7 +264,7 @@ def train_lora(
     as that rank. With ``train.backend: megatron`` run the Megatron-Bridge finetune instead
     (cluster only)."""
     t0 = time.perf_counter()
-    fp = fp or fingerprint_inputs(cfg)
+    fp = fp or stage_fingerprint(cfg, STAGE)
     ensure_validated(cfg)
     if cfg.train.backend == TrainBackend.megatron:
         from stages.train_megatron import train_megatron

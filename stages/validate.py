@@ -44,7 +44,6 @@ stage requires, is written only when there is no error.
 from __future__ import annotations
 
 import difflib
-import hashlib
 import json
 import math
 import time
@@ -58,12 +57,14 @@ from omegaconf import OmegaConf
 
 import packline
 from packline.energon.packing import buffered_sample_bytes
+from packline.fingerprints import stage_fingerprint
 from packline.megatron.overrides import bridge_alignment, megatron_findings
 from packline.packing.selection import align_up
 from packline.progress import console
 from packline.qwen.model import build_meta_model
 from packline.qwen.processor import load_processor, processor_geometry, special_token_ids
 from packline.train.setup import lora_target_matches, model_config
+from packline.workdir import BRIDGE_VIDEOS
 from schemas.config import OverlengthPolicy, PipelineConfig, TrainBackend, section_findings
 from schemas.errors import UserError
 from schemas.guardrails import (
@@ -82,7 +83,6 @@ from stages.base import (
     StageResult,
     building,
     dataset_dir,
-    fingerprint,
     processor_dir,
     read_record,
     require_record,
@@ -95,27 +95,6 @@ GIB = 1024**3
 MIB = 1024**2
 #: model_type of the HF configs packline trains
 QWEN3_VL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
-
-
-def fingerprint_inputs(cfg: PipelineConfig) -> str:
-    """connect's inputs, every setting a rule reads (all but naming and tracking), and the
-    model's ``config.json`` (its bytes, not its weights)."""
-    from stages import connect
-
-    d = cfg.to_dict()
-    settings = {k: v for k, v in d.items() if k not in ("name", "work_dir", "mlflow", "executor")}
-    slurm = d["executor"]["slurm"]  # what the SLURM and Megatron rules read of the executor
-    settings["executor"] = {
-        "kind": d["executor"]["kind"],
-        **{k: slurm[k] for k in ("nodes", "gpus_per_node", "nproc_per_node")},
-    }
-    model_json = Path(cfg.model.path).expanduser() / "config.json" if cfg.model.path else None
-    model_hash = (
-        hashlib.sha256(model_json.read_bytes()).hexdigest()
-        if model_json is not None and model_json.is_file()
-        else None
-    )
-    return fingerprint(connect.fingerprint_inputs(cfg), settings, model_hash)
 
 
 @dataclass
@@ -153,8 +132,6 @@ class Inputs:
 def load_inputs(cfg: PipelineConfig, alignment: int | None = None) -> Inputs:
     """Read prepare's manifest, connect's lengths and processor, and the model's config.
     ``alignment`` defaults to ``packing.alignment``."""
-    from stages import connect
-
     connect_dir = stage_dir(cfg, "connect")
     processor = load_processor(processor_dir(cfg))
     record = read_record(cfg, "connect") or {}
@@ -163,10 +140,10 @@ def load_inputs(cfg: PipelineConfig, alignment: int | None = None) -> Inputs:
         manifest=pd.read_parquet(dataset_dir(cfg) / "manifest.parquet"),
         lengths=pd.read_parquet(connect_dir / "lengths.parquet"),
         processor=processor,
-        connect_current=record.get("fingerprint") == connect.fingerprint_inputs(cfg),
+        connect_current=record.get("fingerprint") == stage_fingerprint(cfg, "connect"),
         alignment=cfg.packing.alignment if alignment is None else alignment,
     )
-    if (bridge_videos := connect_dir / connect.BRIDGE_VIDEOS).is_file():
+    if (bridge_videos := connect_dir / BRIDGE_VIDEOS).is_file():
         inputs.bridge_videos = json.loads(bridge_videos.read_text())
     model_dir = Path(cfg.model.path).expanduser() if cfg.model.path else None
     if model_dir is not None and not model_dir.is_dir():
@@ -955,7 +932,7 @@ def findings_table(findings: list[Finding], num_rules: int):
 def validate_config(cfg: PipelineConfig, fp: str | None = None) -> StageResult:
     """Check the config, connect's data and the model against each other, all at once."""
     t0 = time.perf_counter()
-    fp = fp or fingerprint_inputs(cfg)
+    fp = fp or stage_fingerprint(cfg, STAGE)
     require_record(cfg, "connect", by="validate")
     megatron_found, megatron_ran, run = megatron_findings(cfg)
     inputs = load_inputs(cfg, bridge_alignment(run) if run is not None else None)

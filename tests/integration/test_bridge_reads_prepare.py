@@ -35,8 +35,8 @@ from packline.megatron.overrides import bridge_overrides
 from packline.packing.forecast import simulate_packing
 from packline.qwen.processor import copy_tiny_processor, video_geometry
 from packline.video import decode_frames, probe_video, write_video
-from packline.workdir import dataset_dir, processor_dir
-from stages.connect import BRIDGE_VIDEOS, connect_processor
+from packline.workdir import BRIDGE_VIDEOS, dataset_dir, processor_dir
+from stages.connect import connect_processor
 from stages.prepare import prepare_dataset, resolve_source
 from stages.validate import DATA_RULES, load_inputs
 from tests.bridge_data import PLACEHOLDERS, bridge_data_tree

@@ -105,17 +105,17 @@ def test_project_interpolation_names_a_path_inside_the_checkout(tmp_path: Path):
 
 
 def test_a_base_rebuilt_at_the_same_path_changes_the_train_fingerprint(tmp_path: Path):
-    from stages import train
+    from packline.fingerprints import stage_fingerprint
 
     base = tmp_path / "base"
     base.mkdir()
     (base / "config.json").write_text("{}")
     (base / "model.safetensors").write_bytes(b"a" * 8)
     cfg = load_config(None, [f"work_dir={tmp_path / 'w'}", f"model.path={base}"])
-    first = train.fingerprint_inputs(cfg)
-    assert train.fingerprint_inputs(cfg) == first
+    first = stage_fingerprint(cfg, "train")
+    assert stage_fingerprint(cfg, "train") == first
     (base / "model.safetensors").write_bytes(b"b" * 9)  # rebuilt: same config, new weights
-    assert train.fingerprint_inputs(cfg) != first
+    assert stage_fingerprint(cfg, "train") != first
 
 
 @pytest.mark.parametrize(
