@@ -60,15 +60,14 @@ from packline.energon.sample import (
     cook_conversation,
 )
 from packline.fingerprints import stage_fingerprint
-from packline.packing.forecast import simulate_packing
+from packline.packing.forecast import forecast_fill, forecast_flops, forecast_settings
 from packline.packing.selection import align_up
 from packline.progress import console, progress
 from packline.qwen.processor import image_geometry
 from packline.qwen.vision import read_image_size
 from packline.workdir import BRIDGE_VIDEOS
-from schemas.config import Algorithm, PipelineConfig, TrainBackend
+from schemas.config import PipelineConfig, TrainBackend
 from schemas.errors import UserError
-from schemas.guardrails import train_nproc_per_node, train_world
 from schemas.tables import SPLITS, LengthsModel, validate_table
 from stages.base import (
     PROCESSOR,
@@ -590,177 +589,6 @@ def verify_keys(cfg: PipelineConfig, keys: list[str]) -> frozenset[str] | None:
     if n is None:
         return None
     return frozenset(random.Random(cfg.train.seed).sample(sorted(keys), min(n, len(keys))))
-
-
-def data_parallel_ranks(cfg: PipelineConfig) -> int:
-    """Data-parallel ranks the train backend reads data with (Energon's
-    ``WorkerConfig.world_size``; each has ``train.num_workers`` loader workers):
-
-    - backend megatron: the SLURM train job's GPUs, ``nodes × (nproc_per_node or
-      gpus_per_node)``, over TP × CP × PP (Bridge gives Energon the pure DP group; EP and
-      sequence parallel split no data);
-    - backend local: the train run's ranks (every process of the SLURM train job, else
-      ``train.nproc_per_node``) over ``train.parallel.pipeline_parallel`` (the stages of a
-      pipeline read the same rows; EP splits no data)."""
-    pp = cfg.train.parallel.pipeline_parallel
-    if cfg.train.backend is TrainBackend.megatron:
-        s = cfg.executor.slurm
-        job = s.nodes * train_nproc_per_node(cfg)
-        p = cfg.packing
-        return max(job // (p.tensor_parallel * p.context_parallel * pp), 1)
-    return max(train_world(cfg) // pp, 1)
-
-
-def forecast_settings(cfg: PipelineConfig) -> dict[str, Any]:
-    """How the forecast simulates ``cfg``'s packer (``simulate_packing``'s keywords): the
-    train backend, its selection — plain ``ffd`` for backend megatron, as Bridge runs
-    whatever ``packing.algorithm`` says (validate refuses any other there), else
-    ``packing.algorithm`` — and its loader streams, ranks × ``train.num_workers``."""
-    megatron = cfg.train.backend is TrainBackend.megatron
-    return {
-        "backend": cfg.train.backend.value,
-        "algorithm": "ffd" if megatron else cfg.packing.algorithm.value,
-        "num_ranks": data_parallel_ranks(cfg),
-        "num_workers": cfg.train.num_workers,
-    }
-
-
-def stream_order(num_samples: int, seed: int) -> list[int]:
-    """The forecast's sample stream: table positions in a seeded shuffle (Energon's
-    shuffled reading order, approximately)."""
-    order = list(range(num_samples))
-    random.Random(seed).shuffle(order)
-    return order
-
-
-def forecast_fill(
-    lengths: list[int],
-    capacity: int,
-    buffer_sizes: list[int],
-    algorithm: Algorithm | str,
-    seed: int,
-    *,
-    backend: str = "local",
-    num_ranks: int = 1,
-    num_workers: int = 0,
-) -> dict[str, Any]:
-    """Fill of packing ``lengths`` (already aligned; any over ``capacity`` are handled as
-    ``backend`` does: see ``packline.packing.forecast``) in a seeded stream order, one
-    buffer of B samples per loader stream at a time, for each B; and the lower bound
-    Σlen/(⌈Σlen/C⌉·C) over the samples that fit."""
-    algorithm = algorithm.value if isinstance(algorithm, Algorithm) else algorithm
-    stream = [lengths[i] for i in stream_order(len(lengths), seed)]
-    fits = [n for n in stream if n <= capacity]
-    total = sum(fits)
-    out: dict[str, Any] = {
-        "capacity": capacity,
-        "samples": len(fits),
-        "tokens": total,
-        "backend": backend,
-        "algorithm": algorithm,
-        "num_ranks": num_ranks,
-        "num_workers": num_workers,
-    }
-    per_buffer = {}
-    for b in buffer_sizes:
-        simulated = simulate_packing(
-            stream,
-            capacity=capacity,
-            buffer_size=b,
-            algorithm=algorithm,
-            backend=backend,
-            num_ranks=num_ranks,
-            num_workers=num_workers,
-        )
-        per_buffer[str(b)] = {"packs": simulated.packs, "fill": simulated.fill}
-    out["buffers"] = per_buffer
-    min_packs = -(-total // capacity)
-    out["lower_bound"] = {
-        "packs": min_packs,
-        "fill": total / (min_packs * capacity) if min_packs else 0.0,
-    }
-    out["unpacked"] = {
-        "rows": len(fits),
-        "fill": total / (len(fits) * capacity) if fits else 0.0,
-    }
-    return out
-
-
-def forecast_flops(
-    cfg: PipelineConfig, processor_dir: Path, train: pd.DataFrame
-) -> dict[str, float]:
-    """FLOPs and tokens of one training epoch with packing on (the packs
-    :func:`forecast_fill` forecasts at the configured buffer, same stream) and off
-    (``train.unpacked_micro_batch_size`` conversations padded to the longest), before any
-    training. Useful FLOPs are the same both ways; what packing saves is the padding."""
-    from packline.counters import flops_model_for
-    from packline.qwen.processor import load_processor
-
-    model = flops_model_for(cfg, load_processor(processor_dir))
-    p = cfg.packing
-    rows = [
-        (
-            int(n),
-            [tuple(g) for g in json.loads(grids)],
-            int(loss),
-            [tuple(g) for g in json.loads(vg)],
-        )
-        for n, grids, loss, vg in zip(
-            train["total_tokens"],
-            train["image_grids"],
-            train["loss_tokens"],
-            train["video_grids"],
-            strict=True,
-        )
-    ]
-    ordered = [rows[i] for i in stream_order(len(rows), cfg.train.seed)]
-    simulated = simulate_packing(
-        [align_up(n, p.alignment) for n, *_ in ordered],
-        capacity=p.seq_length,
-        buffer_size=p.packing_buffer_size,
-        **forecast_settings(cfg),
-    )
-    stream = [row for row in ordered if align_up(row[0], p.alignment) <= p.seq_length]
-    useful = sum(model.useful([n], grids, n, loss, video_grids=vg) for n, grids, loss, vg in stream)
-
-    packed_exec = packed_rows = packed_real = 0
-    for g in (g for r in simulated.rounds for g in r.groups):
-        segments = [simulated.lengths[i] for i in g]  # aligned
-        if p.pad_to_max_length:
-            segments[-1] += p.seq_length - sum(segments)
-        grids = [grid for i in g for grid in ordered[i][1]]
-        video_grids = [grid for i in g for grid in ordered[i][3]]
-        packed_exec += model.executed(segments, grids, video_grids=video_grids)
-        packed_rows += 1
-        packed_real += sum(ordered[i][0] for i in g)
-
-    k = cfg.train.unpacked_micro_batch_size
-    unpacked_exec = unpacked_rows = unpacked_capacity = 0
-    for start in range(0, len(stream), k):
-        chunk = stream[start : start + k]
-        longest = max(n for n, *_ in chunk)
-        grids = [grid for _, gs, _, _ in chunk for grid in gs]
-        video_grids = [grid for *_, vgs in chunk for grid in vgs]
-        unpacked_exec += model.executed([longest] * len(chunk), grids, video_grids=video_grids)
-        unpacked_rows += len(chunk)
-        unpacked_capacity += longest * len(chunk)
-
-    packed_capacity = packed_rows * p.seq_length
-    return {
-        "epoch_useful": float(useful),
-        "epoch_executed_packed": float(packed_exec),
-        "epoch_executed_unpacked": float(unpacked_exec),
-        "epoch_nominal_packed": float(model.nominal(packed_capacity)),
-        "epoch_nominal_unpacked": float(model.nominal(unpacked_capacity)),
-        "padding_share_packed": 1 - useful / packed_exec if packed_exec else 0.0,
-        "padding_share_unpacked": 1 - useful / unpacked_exec if unpacked_exec else 0.0,
-        "saving": 1 - packed_exec / unpacked_exec if unpacked_exec else 0.0,
-        "rows_packed": float(packed_rows),
-        "rows_unpacked": float(unpacked_rows),
-        "tokens_real": float(packed_real),
-        "tokens_capacity_packed": float(packed_capacity),
-        "tokens_capacity_unpacked": float(unpacked_capacity),
-    }
 
 
 def _histogram(df: pd.DataFrame, seq_length: int, path: Path) -> None:

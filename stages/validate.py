@@ -489,7 +489,7 @@ def _media_first(x: Inputs) -> list[Issue] | None:
     "the forecast fill at packing.packing_buffer_size reaches validate.min_forecast_fill",
 )
 def _forecast_fill(x: Inputs) -> list[Issue] | None:
-    from stages.connect import forecast_fill, forecast_settings
+    from packline.packing.forecast import forecast_fill, forecast_settings
 
     cfg = x.cfg
     if not cfg.trains_packed:

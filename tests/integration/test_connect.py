@@ -7,10 +7,11 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from packline.packing.forecast import forecast_fill
 from schemas.config import Algorithm
 from schemas.errors import UserError
 from schemas.tables import LengthsModel
-from stages.connect import connect_processor, forecast_fill
+from stages.connect import connect_processor
 from stages.prepare import prepare_dataset
 from tests.conftest import make_config
 

@@ -254,7 +254,7 @@ def test_bridge_packs_per_buffer_equal_the_megatron_forecast(
     ],
 )
 def test_forecast_settings_follow_the_train_backend(overrides, expected):
+    from packline.packing.forecast import forecast_settings
     from schemas.config import load_config
-    from stages.connect import forecast_settings
 
     assert forecast_settings(load_config(None, overrides)) == expected
