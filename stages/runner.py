@@ -28,7 +28,7 @@ REGISTRY: dict[str, Callable[..., StageResult]] = {
 }
 #: stages whose own MLflow runs nest under the stage's run
 NESTS_RUNS = {"train"}
-#: stages that may run as several tasks at once (connect, :mod:`stages.connect_parts`): one
+#: stages that may run as several tasks at once (connect, :mod:`packline.energon.parts`): one
 #: MLflow run is logged, after the stage, by the task that merges (or a FAILED one by a task
 #: that fails); a task that only measured its share logs nothing, and of several tasks that
 #: find the stage up to date only task 0 logs the skip

@@ -6,10 +6,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from packline import metrics as M
 from packline.report.mlflow_store import History
 from packline.report.summary import PackingComparison
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 PLOTS = (
     "loss_vs_real_tokens.png",
@@ -179,3 +183,29 @@ def plot_row_fill(row_real_tokens: Sequence[int], seq_length: int, path: Path, n
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def plot_length_histogram(df: pd.DataFrame, seq_length: int, path: Path) -> None:
+    """connect's ``length_histogram.png``: text and total tokens per conversation against
+    ``seq_length``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
+    bins = 50
+    ax.hist(
+        [df["text_tokens"], df["total_tokens"]],
+        bins=bins,
+        label=["text tokens", "total tokens (text + image)"],
+        alpha=0.75,
+    )
+    ax.axvline(seq_length, color="crimson", linestyle="--", label=f"seq_length {seq_length}")
+    ax.set_xlabel("tokens per conversation")
+    ax.set_ylabel("conversations")
+    ax.set_title(f"Conversation lengths ({len(df):,} samples)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

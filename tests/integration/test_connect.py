@@ -190,8 +190,8 @@ def one_task(tmp_path_factory):
 
 
 def _measuring(cfg, processor: Path, *, num_workers: int, part_size: int = 1):
+    from packline.energon.measure import Measuring
     from packline.workdir import dataset_path
-    from stages.connect import Measuring
 
     return Measuring(
         dataset=dataset_path(cfg),
@@ -210,9 +210,9 @@ def _share_keys(loader) -> list[str]:
 @pytest.mark.slow  # tens of seconds: several loaders or connects
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_task_shares_hold_every_sample_once_for_any_task_count(one_task, num_workers):
+    from packline.energon.measure import share_loader
+    from packline.energon.parts import Task
     from packline.energon.sample import ConversationReader
-    from stages.connect import share_loader
-    from stages.connect_parts import Task
 
     cfg, result, _ = one_task
     manifest = pd.read_parquet(cfg.work_path / "prepare" / "manifest.parquet")
@@ -240,9 +240,9 @@ def test_a_restored_share_continues_after_the_saved_sample(one_task, split):
     before the cut, which measure_share drops unmeasured (LengthReader's skip_keys)."""
     import pickle
 
+    from packline.energon.measure import share_loader
+    from packline.energon.parts import Task
     from packline.energon.sample import ConversationReader
-    from stages.connect import share_loader
-    from stages.connect_parts import Task
 
     cfg, result, _ = one_task
     m = _measuring(cfg, result.out_dir / "processor", num_workers=2)
@@ -327,7 +327,7 @@ def test_connect_tasks_given_explicitly_with_no_loader_workers_equal_one_task(
 
 
 def test_connect_in_a_job_step_of_another_task_count_is_refused(tmp_path: Path, monkeypatch):
-    from stages.connect_parts import Task, current_task
+    from packline.energon.parts import Task, current_task
 
     cfg = make_config(tmp_path / "work", *ON_SLURM, "connect.num_tasks=2")
     assert current_task(cfg) is None  # not in a SLURM job: one process, every share
@@ -349,8 +349,8 @@ def test_connect_resumes_after_its_last_finished_part_at_any_cut(one_task, tmp_p
     gone, a torn temp file) resume to the same parts, measuring only the samples after k;
     one cut lies in the share's last samples, where a worker had finished (see
     test_a_restored_share_continues_after_the_saved_sample)."""
-    from stages.connect import measure_share
-    from stages.connect_parts import PartsDir
+    from packline.energon.measure import measure_share
+    from packline.energon.parts import PartsDir
 
     cfg = make_config(tmp_path / "work", *SHARDED, "connect.num_tasks=2", "connect.part_size=3")
     prepare_dataset(cfg)

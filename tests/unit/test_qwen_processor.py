@@ -418,7 +418,7 @@ def test_load_processor_rejects_a_tokenizer_without_vision_tokens(tmp_path):
 def test_configured_geometry_is_written_into_connects_processor_dir(tmp_path):
     """processor.* replaces the dir's geometry in connect's copy: the loaded processor (what
     connect, the local trainer and Bridge all load) resizes by it, images and videos alike."""
-    from stages.connect import materialize_processor
+    from packline.qwen.processor import materialize_processor
     from tests.conftest import make_config
 
     cfg = make_config(tmp_path / "work", "processor.min_pixels=8192", "processor.max_pixels=65536")
