@@ -35,10 +35,13 @@ from __future__ import annotations
 
 import codecs
 import io
+import shutil
 from collections.abc import Callable, Iterable, Iterator
 from itertools import islice
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
+
+from schemas.config import PipelineConfig, SourceKind
 
 T = TypeVar("T")
 
@@ -155,3 +158,60 @@ def chunked(items: Iterable[T], size: int) -> Iterator[list[T]]:
     it = iter(items)
     while chunk := list(islice(it, size)):
         yield chunk
+
+
+# --- the built-in set, generated once into the work dir -------------------------------------
+
+SOURCE_DONE = "_SOURCE_COMPLETE"
+"""Written into the built-in set's dir last, once its count check passed."""
+
+
+def synthetic_source_dir(cfg: PipelineConfig) -> Path:
+    """Where the built-in set of these settings is generated once (the generator's version in
+    the name: a copy an older packline wrote is not reused)."""
+    from packline.synthetic import SHAPES_VERSION
+
+    d = cfg.data
+    name = f"shapes-v{SHAPES_VERSION}-seed{d.seed}-train{d.num_train}-val{d.num_val}"
+    return cfg.work_path / "source" / f"{name}-video{d.video_share:g}"
+
+
+def resolve_source(cfg: PipelineConfig) -> Path:
+    """What to read: the user's folder, LLaVA JSON file or Energon dataset, or the built-in
+    set generated once into the work dir (in a temp dir of this process, checked whole —
+    every row and the media it names — before it is marked complete and renamed into place;
+    a copy found incomplete is generated again)."""
+    if cfg.data.kind is not SourceKind.synthetic:
+        return Path(cfg.data.source).expanduser().resolve()
+    from packline.progress import console, progress
+    from packline.synthetic import shapes_dataset_problem, write_shapes_dataset
+    from packline.workdir import mark_owned, new_temp_dir, publish
+
+    out = synthetic_source_dir(cfg)
+    total = cfg.data.num_train + cfg.data.num_val
+    if (out / SOURCE_DONE).is_file():
+        problem = shapes_dataset_problem(out, num_rows=total)
+        if problem is None:
+            return out
+        console.log(f"[yellow]the built-in set in {out} is incomplete ({problem}): regenerating[/]")
+        mark_owned(out, "built-in set")  # its completion file says packline wrote it
+    tmp = new_temp_dir(out.parent, f".tmp-{out.name}-")
+    try:
+        with progress() as bar:
+            task = bar.add_task("generate shapes", total=total)
+            write_shapes_dataset(
+                tmp,
+                num_train=cfg.data.num_train,
+                num_val=cfg.data.num_val,
+                seed=cfg.data.seed,
+                video_share=cfg.data.video_share,
+                progress=lambda n: bar.advance(task, n),
+            )
+        problem = shapes_dataset_problem(tmp, num_rows=total)
+        assert problem is None, f"the built-in set just written is not whole: {problem}"
+        (tmp / SOURCE_DONE).write_text(f"{total} rows\n")
+        publish(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

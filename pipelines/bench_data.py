@@ -33,7 +33,7 @@ SAMPLE_METRIC = {"prepare": "prepare/rows_total", "connect": "connect/samples"}
 
 def _source(work_dir: Path, config: str | Path | None, overrides: list[str], samples: int) -> Path:
     """The built-in set with ``samples`` conversations (5% of them val), generated once."""
-    from stages.prepare import resolve_source
+    from packline.sources import resolve_source
 
     num_val = max(samples // 20, 1)
     cfg = load_config(

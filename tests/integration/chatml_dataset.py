@@ -302,7 +302,7 @@ def adopt(cfg: PipelineConfig, source: Path, out: Path) -> Adoption:
     """Check every sample of ``source`` as prepare does (``shard_records`` into
     ``parse_record`` under ``cfg``'s limits: :func:`stages.prepare.row_context`) and write
     the adoption files into ``out`` (published there, as prepare's dir)."""
-    from stages.prepare import row_context
+    from packline.rows import row_context
 
     ds = ChatMLDataset.open(source)
     context = row_context(cfg)  # prepare's own limits

@@ -26,8 +26,8 @@ from packline.energon.loader import train_loader, val_loader
 from packline.energon.packing import PackingSettings, make_encoder
 from packline.energon.sample import ConversationReader
 from packline.qwen.processor import copy_tiny_processor
+from packline.rows import row_context
 from packline.workdir import dataset_path
-from stages.prepare import row_context
 from tests.conftest import make_config, png_bytes
 from tests.integration.chatml_dataset import (
     STANDARD_FIELDS,

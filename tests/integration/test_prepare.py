@@ -13,10 +13,11 @@ from packline.conversations import parse_row
 from packline.energon.sample import ConversationReader
 from packline.qwen.processor import copy_tiny_processor, image_geometry, video_geometry
 from packline.qwen.vision import VideoGeometry
+from packline.rows import video_limits
 from packline.video import VideoHeader, probe_video, write_video
 from pipelines.cli import main
 from schemas.errors import UserError
-from stages.prepare import prepare_dataset, video_limits
+from stages.prepare import prepare_dataset
 from tests.conftest import make_config
 from tests.integration.video_folder import (
     VIDEO_LIMITS,

@@ -1,0 +1,277 @@
+"""Checking a source's rows, in worker processes: each row (a jsonl line, a LLaVA record, an
+adopted Energon dataset's sample) becomes its whole shard entry and manifest columns, or a
+reject with its reason (:func:`packline.conversations.parse_record` decides). prepare maps
+:func:`check_rows` (or, for an adopted dataset, :func:`check_shard`) over the source with
+:func:`packline.parallel.ordered_map`; :func:`row_context` is what every check needs, set
+once per worker.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from packline.conversations import (
+    ConversationRow,
+    FolderMedia,
+    MediaSource,
+    Rejected,
+    VideoLimits,
+    llava_record,
+    parse_record,
+)
+from packline.energon.writer import bridge_frame_parts
+from packline.qwen.processor import image_geometry, video_geometry
+from packline.qwen.vision import ImageGeometry, VideoGeometry
+from packline.sources import NotUtf8, jsonl_rows, llava_records, resolve_source
+from schemas.config import PipelineConfig, SourceKind, TrainBackend
+from schemas.errors import UserError
+
+
+def video_limits(cfg: PipelineConfig) -> VideoLimits:
+    """What prepare accepts of a row's videos."""
+    return VideoLimits(
+        geometry=video_geometry(cfg),
+        max_videos=cfg.prepare.max_videos,
+        max_frames_per_video=cfg.prepare.max_frames_per_video,
+        max_video_seconds=cfg.prepare.max_video_seconds,
+    )
+
+
+def media_dir(cfg: PipelineConfig) -> Path:
+    """The folder a row's media paths are relative to: the conversation folder, or for a
+    LLaVA JSON file ``data.media_dir`` (default: the file's folder)."""
+    return cfg.data.llava_media_dir() or resolve_source(cfg)
+
+
+def writesbridge_frame_parts(cfg: PipelineConfig) -> bool:
+    """Whether prepare writes each video's pre-sampled frames for Megatron-Bridge (see the
+    module docstring): for ``train.backend: megatron``."""
+    return cfg.train.backend is TrainBackend.megatron
+
+
+@dataclass(frozen=True)
+class RowContext:
+    """What every row check needs, set once per worker process (:func:`init_worker`)."""
+
+    kind: SourceKind
+    media: MediaSource | None
+    geometry: ImageGeometry
+    videos: VideoLimits
+    max_images: int
+    val_fraction: float
+    #: the sampling of each video's frames for Megatron-Bridge; None writes none
+    frames: VideoGeometry | None
+    #: rows whose conversation holds more characters are rejected (``text_too_long``)
+    max_text_chars: int = 0
+    #: the Energon dataset adopted in place (``packline.energon.chatml.ChatMLDataset``)
+    dataset: Any = None
+
+    def parse(self, record: Any, media: MediaSource | None) -> ConversationRow:
+        """``record`` checked with these settings (:func:`parse_record`)."""
+        return parse_record(
+            record,
+            media,
+            geometry=self.geometry,
+            max_images=self.max_images,
+            val_fraction=self.val_fraction,
+            videos=self.videos,
+            max_text_chars=self.max_text_chars,
+        )
+
+
+@dataclass
+class Accepted:
+    """A row that passed every check: its WebDataset entry (all parts, ready to write) and
+    its manifest columns (``shard`` is filled in by the writer)."""
+
+    position: int
+    key: str
+    id: str
+    split: str
+    entry: dict[str, object]
+    manifest: dict[str, object]
+    #: video header caveats and Bridge's frames, summed into the stage's metrics
+    counts: Counter
+
+
+@dataclass
+class Refused:
+    """A rejected row: its ``rejects.jsonl`` record."""
+
+    record: dict[str, object]
+
+
+_CONTEXT: RowContext | None = None
+
+
+def init_worker(context: RowContext) -> None:
+    global _CONTEXT
+    _CONTEXT = context
+
+
+def check_rows(chunk: list[tuple[int, Any]]) -> list[Accepted | Refused]:
+    """Check a chunk of ``(position, payload)`` rows (jsonl lines or LLaVA records) in this
+    worker: each becomes its whole shard entry, or a reject with the reason."""
+    ctx = _CONTEXT
+    assert ctx is not None, "init_worker sets the row context first"
+    out: list[Accepted | Refused] = []
+    for position, payload in chunk:
+        try:
+            if isinstance(payload, NotUtf8):
+                raise Rejected("text_not_utf8", payload.detail)
+            if ctx.kind is SourceKind.llava:
+                record = llava_record(payload)
+            else:
+                try:
+                    record = json.loads(payload)
+                except json.JSONDecodeError as exc:
+                    raise Rejected(
+                        "malformed_json", f"not JSON: {exc.msg} at column {exc.colno}"
+                    ) from None
+                except RecursionError:
+                    raise Rejected("malformed_json", "JSON nested too deeply to read") from None
+            row = ctx.parse(record, ctx.media)
+        except Rejected as rej:
+            out.append(Refused(reject_record(position, rej)))
+            continue
+        out.append(accepted_row(position, row, ctx.frames))
+    return out
+
+
+def reject_record(position: int, rej: Rejected) -> dict[str, object]:
+    return {"line": position, "id": rej.id, "reason": rej.reason, "detail": rej.detail}
+
+
+def accepted_row(
+    position: int, row: ConversationRow, frames: VideoGeometry | None, *, with_entry: bool = True
+) -> Accepted:
+    """The row's shard entry (its JSON, media bytes and, for Megatron-Bridge, its videos'
+    pre-sampled frames; none for an adopted sample, whose shard stays as it is) and
+    manifest columns."""
+    entry: dict[str, object] = {}
+    if with_entry:
+        entry = {"__key__": row.key, "json": row.sample_json()}
+        for k, img in enumerate(row.images):
+            entry[f"img{k}.{img.ext}"] = img.data
+        for k, video in enumerate(row.videos):
+            entry[f"vid{k}.{video.ext}"] = video.data
+    counts: Counter = Counter(
+        frames_counted=sum(v.header.counted for v in row.videos),
+        variable_rate=sum(v.header.variable_rate for v in row.videos),
+        rotated=sum(v.header.rotation != 0 for v in row.videos),
+    )
+    if frames is not None and row.videos:
+        parts, presampled = bridge_frame_parts(row, frames)
+        doc = json.loads(row.sample_json())
+        doc["presampled"] = presampled
+        entry["json"] = json.dumps(doc, ensure_ascii=False, sort_keys=True).encode()
+        entry.update(parts)
+        counts["bridge_frames"] = len(parts)
+        counts["bridge_frame_bytes"] = sum(map(len, parts.values()))
+        counts["bridge_max_per_video"] = max(len(p["indices"]) for p in presampled)
+    split = row.split or "train"
+    manifest = {
+        "key": row.key,
+        "id": row.id,
+        "split": split,
+        "shard": "",
+        "num_images": len(row.images),
+        "num_turns": len(row.conversation),
+        "num_assistant_turns": row.num_assistant_turns,
+        "text_chars": row.text_chars,
+        "image_bytes": sum(len(i.data) for i in row.images),
+        "num_videos": len(row.videos),
+        "video_bytes": sum(len(v.data) for v in row.videos),
+        "video_frames": sum(v.header.num_frames for v in row.videos),
+    }
+    return Accepted(position, row.key, row.id, split, entry, manifest, counts)
+
+
+def check_shard(item: tuple[str, str]) -> list[Accepted | Refused]:
+    """Check every sample of one shard of the adopted dataset (``item``: split, shard) in
+    this worker; the accepted ones carry their manifest columns only (nothing is written)."""
+    from packline.energon.chatml import ShardUnreadable, indexed_keys, shard_records
+
+    ctx = _CONTEXT
+    assert ctx is not None and ctx.dataset is not None, "init_worker sets the context first"
+    _, shard = item
+    out: list[Accepted | Refused] = []
+    try:
+        for position, (_, record, media) in enumerate(shard_records(ctx.dataset, shard), 1):
+            try:
+                row = ctx.parse(record, media)
+            except Rejected as rej:
+                out.append(Refused(reject_record(position, rej)))
+                continue
+            accepted = accepted_row(position, row, None, with_entry=False)
+            accepted.manifest["shard"] = shard
+            out.append(accepted)
+    except ShardUnreadable as exc:  # every sample its index holds, none of them read
+        keys = indexed_keys(ctx.dataset, shard)
+        return [
+            Refused(reject_record(n, Rejected("shard_unreadable", exc.detail, f"{shard}/{key}")))
+            for n, key in enumerate(keys, 1)
+        ]
+    return out
+
+
+#: Rows a worker checks per task: large enough to amortise the hand-over, small enough that
+#: the rows in flight (a window of two tasks per worker) stay a few MB.
+ROWS_PER_TASK = 16
+
+
+def row_context(cfg: PipelineConfig) -> RowContext:
+    """The checks' settings for ``cfg``'s source."""
+    kind = cfg.data.kind
+    return RowContext(
+        kind=kind,
+        media=None if kind is SourceKind.energon else FolderMedia(media_dir(cfg)),
+        geometry=image_geometry(cfg),
+        videos=video_limits(cfg),
+        max_images=cfg.prepare.max_images,
+        val_fraction=cfg.prepare.val_fraction,
+        frames=video_geometry(cfg) if writesbridge_frame_parts(cfg) else None,
+        max_text_chars=cfg.prepare.max_text_chars,
+    )
+
+
+def source_rows(
+    cfg: PipelineConfig, source: Path, on_offset
+) -> tuple[Path, Iterator[tuple[int, Any]]]:
+    """The file the rows come from and the ``(position, payload)`` stream of its rows."""
+    if cfg.data.kind is SourceKind.llava:
+        return source, llava_records(source, on_offset)
+    jsonl = source / "conversations.jsonl"
+    if not jsonl.is_file():
+        raise UserError([f"{jsonl} does not exist"], "prepare: no conversations")
+    return jsonl, jsonl_rows(jsonl, on_offset)
+
+
+class Tally:
+    """The stage's counts, summed row by row as the rows are written."""
+
+    def __init__(self) -> None:
+        self.counts: Counter = Counter()
+        self.max_frames_per_video = 0
+
+    def add(self, row: Accepted) -> None:
+        m = row.manifest
+        self.counts.update(
+            {
+                f"{row.split}_samples": 1,
+                "images": m["num_images"],
+                "image_bytes": m["image_bytes"],
+                "videos": m["num_videos"],
+                "video_bytes": m["video_bytes"],
+                "video_frames": m["video_frames"],
+            }
+        )
+        self.counts.update({k: v for k, v in row.counts.items() if k != "bridge_max_per_video"})
+        self.max_frames_per_video = max(
+            self.max_frames_per_video, row.counts.get("bridge_max_per_video", 0)
+        )
