@@ -13,7 +13,8 @@ progress bar's among them, which ``fork`` would copy mid-lock); ``initializer(*i
 runs once in each, to set up what every item needs (a processor, limits) without pickling it
 per item. Each worker watches the process that started it (:func:`exit_with`): when that one
 is killed (SIGKILL runs no cleanup), the workers exit within a second instead of waiting
-for work for ever. :func:`forks_exit_with_me` does the same for every process forked from
+for work for ever, and their fork server ends with it too (:mod:`packline.dies_with_parent`).
+:func:`forks_exit_with_me` does the same for every process forked from
 this one later (Energon's and torch's loader workers: torch's own check of its parent misses
 a parent killed while the worker starts).
 
@@ -60,8 +61,8 @@ def ordered_map(
         return
     window = window or 2 * num_workers
     context = multiprocessing.get_context("forkserver")
-    if preload:
-        context.set_forkserver_preload(list(preload))
+    # the fork server ends with this process (Linux): it is the workers' parent, not this one
+    context.set_forkserver_preload(["packline.dies_with_parent", *preload])
     with ProcessPoolExecutor(
         max_workers=num_workers,
         mp_context=context,
