@@ -96,6 +96,17 @@ def processor_dir(cfg: PipelineConfig) -> Path:
     return stage_dir(cfg, "connect") / PROCESSOR
 
 
+def read_record(cfg: PipelineConfig, stage: str) -> dict[str, Any] | None:
+    """The completion record of ``stage``, or None when it has not completed."""
+    path = stage_dir(cfg, stage) / RECORD_NAME
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return None
+
+
 # --- what packline made ------------------------------------------------------------------
 
 

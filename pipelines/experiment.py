@@ -12,13 +12,9 @@ import nemo_run as run
 from omegaconf import OmegaConf
 
 from packline.fingerprints import stage_fingerprint
-from packline.megatron.overrides import (
-    RECIPE_MODULE,
-    bridge_overrides,
-    megatron_problems,
-    override_lines,
-)
+from packline.megatron.overrides import RECIPE_MODULE, bridge_overrides, override_lines
 from packline.progress import console
+from packline.rules.megatron import megatron_problems
 from packline.tracking import Tracker
 from packline.workdir import hold
 from pipelines.executors import make_executor, slurm_problems

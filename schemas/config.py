@@ -473,7 +473,7 @@ class LoraConfig(_Section):
 
 
 # --- Megatron-Bridge settings and validate thresholds ---------------------------------------
-# The guardrails (schemas/guardrails.py) and the validate stage (stages/validate.py) check
+# The guardrails (schemas/guardrails.py) and validate's rules (packline/rules/) check
 # these against packing.
 
 

@@ -6,8 +6,9 @@ small function of the typed config that returns what it finds, so ``load_config`
 every broken one at once (errors only) and the validate stage lists them, warnings too, in
 its report. The SLURM rules (:data:`SLURM_RULES`) are what ``packline run --executor slurm``
 refuses; validate runs them too. Rules that need more than the config use the same types
-(:class:`Finding`, :class:`RuleBook`): the Megatron rules, on the overrides Bridge really
-gets, in ``packline/megatron/overrides.py``; the data and model rules in ``stages/validate.py``.
+(:class:`Finding`, :class:`RuleBook`) and live in ``packline/rules/``: the Megatron rules, on
+the overrides Bridge really gets, and the data and model rules (``packline.rules.collect``
+runs every book in order).
 
 Every finding names the setting to change, the rule it breaks, what is wrong (with the
 values) and the fix.

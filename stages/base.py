@@ -30,6 +30,7 @@ from packline.workdir import (  # noqa: F401 - the paths, re-exported for the st
     not_ours,
     processor_dir,
     publish,
+    read_record,
     stage_dir,
 )
 from schemas.config import STAGES, PipelineConfig
@@ -50,17 +51,6 @@ class StageResult:
     partial: bool = False
     """One task's share of a stage spread over several tasks (connect): its part is on disk
     for the task that merges; no record, nothing to log."""
-
-
-def read_record(cfg: PipelineConfig, stage: str) -> dict[str, Any] | None:
-    """The completion record of ``stage``, or None when it has not completed."""
-    path = stage_dir(cfg, stage) / RECORD_NAME
-    if not path.is_file():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError:
-        return None
 
 
 def require_record(cfg: PipelineConfig, stage: str, by: str) -> dict[str, Any]:

@@ -36,9 +36,9 @@ from packline.megatron.overrides import (
     RECIPE_MODULE,
     apply_overrides,
     bridge_overrides,
-    megatron_problems,
     section_classes,
 )
+from packline.rules.megatron import megatron_problems
 from schemas.config import PipelineConfig
 from schemas.errors import UserError
 from stages.base import StageResult, stage_dir, write_record

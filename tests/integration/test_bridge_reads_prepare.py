@@ -34,12 +34,13 @@ from packline.conversations import key_for_id
 from packline.megatron.overrides import bridge_overrides
 from packline.packing.forecast import simulate_packing
 from packline.qwen.processor import copy_tiny_processor, video_geometry
+from packline.rules.data import DATA_RULES
+from packline.rules.inputs import load_inputs
 from packline.sources import resolve_source
 from packline.video import decode_frames, probe_video, write_video
 from packline.workdir import BRIDGE_VIDEOS, dataset_dir, processor_dir
 from stages.connect import connect_processor
 from stages.prepare import prepare_dataset
-from stages.validate import DATA_RULES, load_inputs
 from tests.bridge_data import PLACEHOLDERS, bridge_data_tree
 from tests.bridge_source import IndexUnreachable
 from tests.conftest import make_config

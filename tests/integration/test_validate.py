@@ -21,6 +21,8 @@ from packline.packing.selection import align_up
 from packline.qwen.encode import ConversationEncoder
 from packline.qwen.model import tiny_config
 from packline.qwen.processor import load_processor, special_token_ids
+from packline.rules.data import buffered_bytes
+from packline.rules.inputs import load_inputs
 from packline.train.setup import build_model
 from pipelines.cli import main
 from schemas.config import PROJECT_ROOT
@@ -29,7 +31,7 @@ from stages.base import invalidate_from, read_record
 from stages.connect import connect_processor
 from stages.prepare import prepare_dataset
 from stages.train import train_lora
-from stages.validate import buffered_bytes, load_inputs, validate_config
+from stages.validate import validate_config
 from tests.conftest import make_config
 
 DENSE = PROJECT_ROOT / "configs" / "qwen3_vl_8b_lora_1node.yaml"

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from packline.megatron.overrides import megatron_problems
+from packline.rules.megatron import megatron_problems
 from pipelines.cli import main
 from schemas.config import PROJECT_ROOT, Algorithm, PackingConfig, TrainBackend, load_config
 from schemas.errors import UserError

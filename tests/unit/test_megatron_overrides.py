@@ -20,10 +20,10 @@ from packline.megatron.overrides import (
     apply_overrides,
     bridge_overrides,
     lora_target_modules,
-    megatron_problems,
     section_classes,
     unknown_field,
 )
+from packline.rules.megatron import megatron_problems
 from schemas.config import PROJECT_ROOT, PipelineConfig, load_config
 from schemas.errors import UserError
 from tests.bridge_source import (

@@ -15,16 +15,11 @@ from peft import LoraConfig, get_peft_model
 from peft.tuners.lora import LoraLayer
 
 from packline.energon.packing import buffered_sample_bytes
-from packline.megatron.overrides import (
-    MEGATRON_RULES,
-    bridge_alignment,
-    bridge_run,
-    megatron_findings,
-    megatron_problems,
-)
+from packline.megatron.overrides import bridge_alignment, bridge_run
 from packline.qwen.model import build_meta_model, build_tiny_model, tiny_config
 from packline.qwen.processor import copy_tiny_processor, load_processor
 from packline.qwen.real_configs import real_config
+from packline.rules.megatron import MEGATRON_RULES, megatron_findings, megatron_problems
 from packline.train.setup import lora_target_matches
 from pipelines.cli import main
 from schemas.config import PROJECT_ROOT, load_config
