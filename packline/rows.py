@@ -24,12 +24,14 @@ from packline.conversations import (
     llava_record,
     parse_record,
 )
-from packline.energon.writer import bridge_frame_parts
+from packline.energon.writer import RejectSink, bridge_frame_parts
+from packline.progress import console
 from packline.qwen.processor import image_geometry, video_geometry
 from packline.qwen.vision import ImageGeometry, VideoGeometry
 from packline.sources import NotUtf8, jsonl_rows, llava_records, resolve_source
 from schemas.config import PipelineConfig, SourceKind, TrainBackend
 from schemas.errors import UserError
+from schemas.tables import REJECT_REASONS
 
 
 def video_limits(cfg: PipelineConfig) -> VideoLimits:
@@ -275,3 +277,86 @@ class Tally:
         self.max_frames_per_video = max(
             self.max_frames_per_video, row.counts.get("bridge_max_per_video", 0)
         )
+
+
+# --- the outcome of a whole source -------------------------------------------------------------
+
+
+def check_outcome(
+    cfg: PipelineConfig,
+    out: Path,
+    num_rows: int,
+    num_accepted: int,
+    rejects: RejectSink,
+    what: str,
+    shard_problems: list[str] = (),
+) -> None:
+    """Fail (exit 2) when no row is usable or too many were rejected, keeping a copy of the
+    rejects (``out/rejects.jsonl``) next to the work dir, since the stage dir is not published;
+    ``shard_problems`` (an adopted dataset's unreadable shards, each with its fix) are listed
+    first."""
+    reasons = dict(rejects.by_reason)
+    if num_accepted == 0:
+        raise UserError(
+            [
+                *shard_problems,
+                f"none of the {num_rows} rows of {what} is usable; reasons: {reasons}",
+            ],
+            "prepare: no usable rows",
+        )
+    fraction = rejects.count / num_rows if num_rows else 0.0
+    if fraction > cfg.prepare.max_reject_fraction:
+        kept = cfg.work_path / "prepare.rejects.jsonl"
+        kept.write_bytes((out / "rejects.jsonl").read_bytes())
+        raise UserError(
+            [
+                *shard_problems,
+                f"{rejects.count} of {num_rows} rows rejected ({fraction:.1%}) exceeds "
+                f"prepare.max_reject_fraction={cfg.prepare.max_reject_fraction}; "
+                f"reasons: {reasons}; see {kept}",
+            ],
+            "prepare: too many bad rows",
+        )
+    for problem in shard_problems:
+        console.log(f"[yellow]warning:[/] {problem}; its samples are in rejects.jsonl")
+
+
+def prepare_metrics(
+    num_rows: int, num_accepted: int, rejects: RejectSink, tally: Tally, num_shards: int
+) -> dict[str, float]:
+    """prepare's metrics: the rows, their outcome by reason, and what the accepted hold."""
+    c = tally.counts
+    metrics = {
+        "prepare/rows_total": num_rows,
+        "prepare/rows_accepted": num_accepted,
+        "prepare/rows_rejected": rejects.count,
+        "prepare/reject_fraction": rejects.count / num_rows if num_rows else 0.0,
+        "prepare/train_samples": c["train_samples"],
+        "prepare/val_samples": c["val_samples"],
+        "prepare/images": c["images"],
+        "prepare/image_bytes": c["image_bytes"],
+        "prepare/shards": num_shards,
+        "prepare/videos": c["videos"],
+        "prepare/video_bytes": c["video_bytes"],
+        "prepare/video_frames": c["video_frames"],
+        # The container caveats taken as counted fallbacks (each video once: stages/prepare.py).
+        "prepare/video_frames_counted": c["frames_counted"],
+        "prepare/video_variable_rate": c["variable_rate"],
+        "prepare/video_rotated": c["rotated"],
+        # Megatron-Bridge's pre-sampled frames (train.backend megatron)
+        "prepare/bridge_frames": c["bridge_frames"],
+        "prepare/bridge_frame_bytes": c["bridge_frame_bytes"],
+    }
+    metrics.update({f"prepare/rejected_{r}": rejects.by_reason.get(r, 0) for r in REJECT_REASONS})
+    return {k: float(v) for k, v in metrics.items()}
+
+
+def shards_checked(
+    checked: Iterator[list[Accepted | Refused]],
+) -> Iterator[list[Accepted | Refused]]:
+    """The shards' outcomes; a shard that changed since it was indexed (``shard_records``'
+    ValueError, raised in a worker) stops the stage as bad input (exit 2), saying so."""
+    try:
+        yield from checked
+    except ValueError as exc:
+        raise UserError([str(exc)], "prepare: the Energon dataset cannot be adopted") from None

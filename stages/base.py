@@ -63,6 +63,23 @@ def require_record(cfg: PipelineConfig, stage: str, by: str) -> dict[str, Any]:
     return rec
 
 
+def require_current(cfg: PipelineConfig, stage: str, by: str) -> dict[str, Any]:
+    """``stage``'s record, which must be of these settings (its fingerprint current): a
+    stage that checks what another reads (validate, for train) must have checked these."""
+    from packline.fingerprints import stage_fingerprint
+
+    rec = require_record(cfg, stage, by)
+    if rec.get("fingerprint") != stage_fingerprint(cfg, stage):
+        raise UserError(
+            [
+                f"{stage}'s record in {cfg.work_path} is for other settings "
+                f"(run `packline stage {stage}` with these settings first)"
+            ],
+            f"{by} cannot start",
+        )
+    return rec
+
+
 def is_up_to_date(cfg: PipelineConfig, stage: str, fp: str) -> bool:
     rec = read_record(cfg, stage)
     return rec is not None and rec.get("fingerprint") == fp

@@ -38,10 +38,12 @@ import pandas as pd
 from packline.energon.measure import (
     Measuring,
     VisualRule,
+    bridge_video_metrics,
     bridge_video_summary,
     lengths_table,
     measure_share,
     verify_keys,
+    verify_line,
 )
 from packline.energon.parts import (
     PartsDir,
@@ -252,17 +254,7 @@ def merge_parts(
         metrics[f"connect/forecast_fill_b{b}"] = v["fill"]
         metrics[f"connect/forecast_packs_b{b}"] = v["packs"]
     if bridge_videos is not None:  # what Bridge's encoder makes of the videos (validate warns)
-        metrics.update(
-            {
-                "connect/bridge_videos_truncated": bridge_videos["truncated"]["videos"],
-                "connect/bridge_frames_truncated": bridge_videos["truncated"]["frames_dropped"],
-                "connect/bridge_videos_resampled": bridge_videos["resampled"]["videos"],
-                "connect/bridge_frames_resampled_away": bridge_videos["resampled"][
-                    "frames_dropped"
-                ],
-                "connect/bridge_videos_timestamps_differ": bridge_videos["timestamps"]["videos"],
-            }
-        )
+        metrics.update(bridge_video_metrics(bridge_videos))
     console.log(verify_line(verify))
     console.log(
         "connect: forecast fill "
@@ -290,21 +282,3 @@ def merge_parts(
     write_record(cfg, result)
     parts.remove()
     return result
-
-
-def verify_line(verify: dict[str, Any]) -> str:
-    """The console line that says what the processor checked (the record's ``verify``).
-
-    >>> verify_line({"mode": "all", "samples": 2200, "of": 2200, "seed": None})
-    'connect: the processor measured all 2,200 samples and agrees with the cheap rule on each'
-    """
-    if verify["mode"] == "all":
-        return (
-            f"connect: the processor measured all {verify['of']:,} samples and agrees with "
-            "the cheap rule on each"
-        )
-    return (
-        f"connect: the processor measured a seeded sample of {verify['samples']:,} of "
-        f"{verify['of']:,} samples (seed {verify['seed']}) and agrees with the cheap rule on "
-        f"each; the other {verify['of'] - verify['samples']:,} have the cheap rule's lengths"
-    )

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -57,17 +56,20 @@ from packline.rows import (
     Accepted,
     Refused,
     Tally,
+    check_outcome,
     check_rows,
     check_shard,
     init_worker,
+    prepare_metrics,
     reject_record,
     row_context,
+    shards_checked,
     source_rows,
 )
 from packline.sources import SourceError, chunked, resolve_source
 from schemas.config import PipelineConfig, SourceKind
 from schemas.errors import UserError
-from schemas.tables import REJECT_REASONS, ManifestModel
+from schemas.tables import ManifestModel
 from stages.base import (
     StageResult,
     building,
@@ -129,7 +131,7 @@ def prepare_dataset(cfg: PipelineConfig, fp: str | None = None) -> StageResult:
         shards = sink.close()
         manifest.close()
         rejects.close()
-        _check_outcome(cfg, out, num_rows, manifest.num_rows, rejects, str(path))
+        check_outcome(cfg, out, num_rows, manifest.num_rows, rejects, str(path))
         console.log(f"prepare: indexing {sum(map(len, shards.values()))} shards with Energon")
         index_with_energon(out, shards, cfg.prepare.num_workers)
 
@@ -139,7 +141,7 @@ def prepare_dataset(cfg: PipelineConfig, fp: str | None = None) -> StageResult:
         out_dir=stage_dir(cfg, STAGE),
         fingerprint=fp,
         skipped=False,
-        metrics=_metrics(
+        metrics=prepare_metrics(
             num_rows, manifest.num_rows, rejects, tally, sum(map(len, shards.values()))
         ),
         summary={
@@ -169,83 +171,6 @@ def prepare_dataset(cfg: PipelineConfig, fp: str | None = None) -> StageResult:
     )
     write_record(cfg, result)
     return result
-
-
-def _check_outcome(
-    cfg: PipelineConfig,
-    out: Path,
-    num_rows: int,
-    num_accepted: int,
-    rejects: RejectSink,
-    what: str,
-    shard_problems: list[str] = (),
-) -> None:
-    """Fail (exit 2) when no row is usable or too many were rejected, keeping the rejects;
-    ``shard_problems`` (an adopted dataset's unreadable shards, each with its fix) are listed
-    first."""
-    reasons = dict(rejects.by_reason)
-    if num_accepted == 0:
-        raise UserError(
-            [
-                *shard_problems,
-                f"none of the {num_rows} rows of {what} is usable; reasons: {reasons}",
-            ],
-            "prepare: no usable rows",
-        )
-    fraction = rejects.count / num_rows if num_rows else 0.0
-    if fraction > cfg.prepare.max_reject_fraction:
-        _keep_rejects(cfg, out / "rejects.jsonl")
-        raise UserError(
-            [
-                *shard_problems,
-                f"{rejects.count} of {num_rows} rows rejected ({fraction:.1%}) exceeds "
-                f"prepare.max_reject_fraction={cfg.prepare.max_reject_fraction}; "
-                f"reasons: {reasons}; see {cfg.work_path / 'prepare.rejects.jsonl'}",
-            ],
-            "prepare: too many bad rows",
-        )
-    for problem in shard_problems:
-        console.log(f"[yellow]warning:[/] {problem}; its samples are in rejects.jsonl")
-
-
-def _metrics(
-    num_rows: int, num_accepted: int, rejects: RejectSink, tally: Tally, num_shards: int
-) -> dict[str, float]:
-    c = tally.counts
-    metrics = {
-        "prepare/rows_total": num_rows,
-        "prepare/rows_accepted": num_accepted,
-        "prepare/rows_rejected": rejects.count,
-        "prepare/reject_fraction": rejects.count / num_rows if num_rows else 0.0,
-        "prepare/train_samples": c["train_samples"],
-        "prepare/val_samples": c["val_samples"],
-        "prepare/images": c["images"],
-        "prepare/image_bytes": c["image_bytes"],
-        "prepare/shards": num_shards,
-        "prepare/videos": c["videos"],
-        "prepare/video_bytes": c["video_bytes"],
-        "prepare/video_frames": c["video_frames"],
-        # The container caveats taken as counted fallbacks (each video once, see the docstring).
-        "prepare/video_frames_counted": c["frames_counted"],
-        "prepare/video_variable_rate": c["variable_rate"],
-        "prepare/video_rotated": c["rotated"],
-        # Megatron-Bridge's pre-sampled frames (train.backend megatron; see the docstring)
-        "prepare/bridge_frames": c["bridge_frames"],
-        "prepare/bridge_frame_bytes": c["bridge_frame_bytes"],
-    }
-    metrics.update({f"prepare/rejected_{r}": rejects.by_reason.get(r, 0) for r in REJECT_REASONS})
-    return {k: float(v) for k, v in metrics.items()}
-
-
-def _shards_checked(
-    checked: Iterator[list[Accepted | Refused]],
-) -> Iterator[list[Accepted | Refused]]:
-    """The shards' outcomes; a shard that changed since it was indexed (``shard_records``'
-    ValueError, raised in a worker) stops the stage as bad input (exit 2), saying so."""
-    try:
-        yield from checked
-    except ValueError as exc:
-        raise UserError([str(exc)], "prepare: the Energon dataset cannot be adopted") from None
 
 
 def _adopt_energon(cfg: PipelineConfig, fp: str, source: Path, t0: float) -> StageResult:
@@ -285,7 +210,7 @@ def _adopt_energon(cfg: PipelineConfig, fp: str, source: Path, t0: float) -> Sta
                 initargs=(context,),
                 preload=("packline.rows",),
             )
-            for (_, shard), outcomes in zip(shards, _shards_checked(checked), strict=True):
+            for (_, shard), outcomes in zip(shards, shards_checked(checked), strict=True):
                 bar.advance(task)
                 starts.append(num_rows + 1)
                 for outcome in outcomes:
@@ -309,7 +234,7 @@ def _adopt_energon(cfg: PipelineConfig, fp: str, source: Path, t0: float) -> Sta
                     tally.add(outcome)
         manifest.close()
         rejects.close()
-        _check_outcome(
+        check_outcome(
             cfg, out, num_rows, manifest.num_rows, rejects, str(source), [*unreadable.values()]
         )
         write_adoption(out, stage_dir(cfg, STAGE), dataset, [*unreadable, *excluded])
@@ -319,7 +244,7 @@ def _adopt_energon(cfg: PipelineConfig, fp: str, source: Path, t0: float) -> Sta
         out_dir=stage_dir(cfg, STAGE),
         fingerprint=fp,
         skipped=False,
-        metrics=_metrics(num_rows, manifest.num_rows, rejects, tally, len(shards)),
+        metrics=prepare_metrics(num_rows, manifest.num_rows, rejects, tally, len(shards)),
         summary={
             "source": str(source),
             "source_kind": cfg.data.kind.value,
@@ -339,8 +264,3 @@ def _adopt_energon(cfg: PipelineConfig, fp: str, source: Path, t0: float) -> Sta
     )
     write_record(cfg, result)
     return result
-
-
-def _keep_rejects(cfg: PipelineConfig, path: Path) -> None:
-    """Copy the rejects next to the work dir so a failed stage still shows them."""
-    (cfg.work_path / "prepare.rejects.jsonl").write_bytes(path.read_bytes())

@@ -13,11 +13,12 @@ from packline.fingerprints import stage_fingerprint
 from packline.parallel import forks_exit_with_me
 from packline.progress import console, summary_table
 from packline.tracking import Tracker
+from packline.train.distributed import launched
 from packline.workdir import hold
 from schemas.config import PipelineConfig
 from schemas.errors import InputCrash, UserError
 from stages import connect, prepare, train, validate
-from stages.base import StageResult, is_up_to_date, result_from_record
+from stages.base import StageResult, is_up_to_date, read_record, result_from_record
 
 #: stage name → the stage function (its record's key: packline.fingerprints.stage_fingerprint)
 REGISTRY: dict[str, Callable[..., StageResult]] = {
@@ -63,6 +64,23 @@ def run_stage(
             raise _crash(cfg, name, exc) from exc
 
 
+#: stage → the stage that checks the settings it runs with (its record must be of them)
+CHECKED_BY = {"train": "validate"}
+
+
+def _renew(cfg: PipelineConfig, checker: str) -> None:
+    """Renew ``checker``'s record when it is of other settings (``packline stage train
+    key=value`` after a run): its errors stop the stage that needs it. Ranks of an outside
+    launch (torchrun on SLURM) cannot check in parallel: there the stage refuses a stale
+    record, and the pipeline's own job of ``checker`` renews it."""
+    record = read_record(cfg, checker)
+    if record is None or launched():
+        return  # the stage refuses it, with the fix
+    if record.get("fingerprint") != stage_fingerprint(cfg, checker):
+        console.log(f"[yellow]{checker}: its record is for other settings; checking these[/]")
+        REGISTRY[checker](cfg)
+
+
 #: stages that read the user's files: an unexpected error there is reported as a crash on
 #: that input (:class:`~schemas.errors.InputCrash`), its traceback in the stage's log
 READS_USER_FILES = {"prepare", "connect"}
@@ -105,6 +123,8 @@ def _run_stage(
             tracker.log_metrics(result.metrics)
             tracker.end()
         return result
+    if name in CHECKED_BY:
+        _renew(cfg, CHECKED_BY[name])
     if name in SPREADS:
         try:
             result = stage_fn(cfg, fp)

@@ -23,8 +23,6 @@ import subprocess
 import time
 from pathlib import Path
 
-import torch
-
 from packline import metrics as names
 from packline.fingerprints import stage_fingerprint
 from packline.progress import console
@@ -38,6 +36,7 @@ from packline.train.distributed import (
     barrier,
     init_from_env,
     launched,
+    rank_device,
     rank_world,
     threads_per_rank,
     torchrun_command,
@@ -47,13 +46,11 @@ from packline.train.setup import build_trainer
 from packline.train.trainer import EVAL_LOG, METRICS_LOG, TrainerSettings
 from packline.workdir import claim_dir, mark_owned
 from schemas.config import PipelineConfig, TrainBackend
-from schemas.errors import UserError
 from stages.base import (
     StageResult,
     dataset_path,
-    is_up_to_date,
     processor_dir,
-    require_record,
+    require_current,
     stage_dir,
     write_record,
 )
@@ -120,7 +117,7 @@ def train_run(
         dataset_path=dataset_path(cfg),
         processor_dir=processor_dir(cfg),
         run_dir=run_dir,
-        device=train_device(),
+        device=rank_device(),
         tracker=tracker,
     )
     tracker.set_tags(
@@ -155,13 +152,6 @@ def train_run(
         chance=outcome.chance,
         chance_by_kind=outcome.chance_by_kind,
     )
-
-
-def train_device() -> torch.device:
-    """This rank's GPU when there is one, else the CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def train_mode(
@@ -233,28 +223,6 @@ def _launch_ranks(
     return RunSummary.from_dict(json.loads((run_dir / RESULT).read_text()))
 
 
-def ensure_validated(cfg: PipelineConfig) -> None:
-    """Train only on settings validate has passed. A validate record of other settings
-    (``packline stage train key=value`` after a run) is renewed first: validate's errors
-    stop the stage. Ranks of an outside launch (torchrun on SLURM) cannot validate in
-    parallel, so there a stale record is an error; the pipeline's validate job renews it."""
-    from stages import validate
-
-    require_record(cfg, "validate", by="train")  # validate requires connect in turn
-    if is_up_to_date(cfg, "validate", stage_fingerprint(cfg, "validate")):
-        return
-    if launched():
-        raise UserError(
-            [
-                f"validate's record in {cfg.work_path} is for other settings "
-                "(run `packline stage validate` with these settings first)"
-            ],
-            "train cannot start",
-        )
-    console.log("[yellow]validate: its record is for other settings; validating these[/]")
-    validate.validate_config(cfg)
-
-
 def train_lora(
     cfg: PipelineConfig, fp: str | None = None, *, parent_run_id: str | None = None
 ) -> StageResult:
@@ -262,10 +230,10 @@ def train_lora(
     ``train.nproc_per_node`` > 1 each run happens under torchrun; when this process is
     itself one rank of a launch (torchrun on SLURM), it joins the process group and trains
     as that rank. With ``train.backend: megatron`` run the Megatron-Bridge finetune instead
-    (cluster only)."""
+    (cluster only). The runner has made sure validate passed these settings first."""
     t0 = time.perf_counter()
     fp = fp or stage_fingerprint(cfg, STAGE)
-    ensure_validated(cfg)
+    require_current(cfg, "validate", by="train")
     if cfg.train.backend == TrainBackend.megatron:
         from stages.train_megatron import train_megatron
 

@@ -553,3 +553,32 @@ def bridge_video_summary(
             },
         },
     }
+
+
+def bridge_video_metrics(summary: dict[str, Any]) -> dict[str, float]:
+    """connect's metrics of :func:`bridge_video_summary` (validate warns with the same)."""
+    return {
+        "connect/bridge_videos_truncated": summary["truncated"]["videos"],
+        "connect/bridge_frames_truncated": summary["truncated"]["frames_dropped"],
+        "connect/bridge_videos_resampled": summary["resampled"]["videos"],
+        "connect/bridge_frames_resampled_away": summary["resampled"]["frames_dropped"],
+        "connect/bridge_videos_timestamps_differ": summary["timestamps"]["videos"],
+    }
+
+
+def verify_line(verify: dict[str, Any]) -> str:
+    """The console line that says what the processor checked (the record's ``verify``).
+
+    >>> verify_line({"mode": "all", "samples": 2200, "of": 2200, "seed": None})
+    'connect: the processor measured all 2,200 samples and agrees with the cheap rule on each'
+    """
+    if verify["mode"] == "all":
+        return (
+            f"connect: the processor measured all {verify['of']:,} samples and agrees with "
+            "the cheap rule on each"
+        )
+    return (
+        f"connect: the processor measured a seeded sample of {verify['samples']:,} of "
+        f"{verify['of']:,} samples (seed {verify['seed']}) and agrees with the cheap rule on "
+        f"each; the other {verify['of'] - verify['samples']:,} have the cheap rule's lengths"
+    )

@@ -162,3 +162,10 @@ def check_replicas(params: list[torch.Tensor], *, step: int) -> list[float]:
             f"{sums}; gradients must be summed identically on every rank"
         )
     return sums
+
+
+def rank_device() -> torch.device:
+    """This rank's GPU when there is one, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -30,6 +30,7 @@ from schemas.errors import UserError
 from stages.base import invalidate_from, read_record
 from stages.connect import connect_processor
 from stages.prepare import prepare_dataset
+from stages.runner import run_stage
 from stages.train import train_lora
 from stages.validate import validate_config
 from tests.conftest import make_config
@@ -135,7 +136,7 @@ def test_train_validates_changed_settings_before_it_starts(connected):
         connected, "mlflow.enabled=false", "packing.seq_length=512", "packing.overlength=fail"
     )
     with pytest.raises(UserError) as info:
-        train_lora(cfg)
+        run_stage(cfg, "train")  # the runner renews validate's record first
     assert info.value.header.startswith("validate: 1 error(s)")
     assert any("packing.overlength" in p for p in info.value.problems), info.value.problems
     assert not (connected / "train").exists()  # nothing trained

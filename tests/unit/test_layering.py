@@ -217,3 +217,49 @@ def test_loading_and_refusing_a_config_imports_no_heavy_library():
         [sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, check=True
     )
     assert done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
+#: A stage's own modules (its rank entry, its cluster backend) share its name's first word.
+MAX_STAGE_LINES = 300
+NOT_STAGES = ("stages.base", "stages.runner", "stages")
+
+
+def _stage_of(module: str) -> str:
+    return module.split(".")[1].split("_")[0]
+
+
+def test_a_stage_imports_no_other_stage_only_stages_base():
+    found = sorted(
+        f"{name} imports {imported}"
+        for name, path in _modules().items()
+        if name.split(".")[0] == "stages" and name not in NOT_STAGES
+        for imported in _imported_names(name, path)
+        if imported.split(".")[0] == "stages"
+        and not imported.startswith("stages.base")
+        and _stage_of(imported) != _stage_of(name)
+    )
+    assert not found, "a stage imports another stage:\n" + "\n".join(found)
+
+
+def test_a_stage_module_is_a_page():
+    long = {
+        name: n
+        for name, path in _modules().items()
+        if name.split(".")[0] == "stages"
+        and (n := len(path.read_text().splitlines())) > MAX_STAGE_LINES
+    }
+    assert not long, f"stages/ modules over {MAX_STAGE_LINES} lines: {long}"
+
+
+def test_rule_books_are_made_in_schemas_guardrails_and_packline_rules_only():
+    homes = sorted(
+        name
+        for name, path in _modules().items()
+        if "RuleBook()" in path.read_text() and name.split(".")[0] != "tests"
+    )
+    assert homes == [
+        "packline.rules.data",
+        "packline.rules.megatron",
+        "packline.rules.model",
+        "schemas.guardrails",
+    ]
