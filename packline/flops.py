@@ -52,18 +52,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass, fields
 from typing import Literal
 
+from schemas.choices import ATTENTION_PROJECTIONS, EXPERT_PARAMETERS, MLP_PROJECTIONS
+
 Mode = Literal["full", "lora"]
 
 LORA_TARGETS_ALL: tuple[str, ...] = (
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-    "experts.gate_up_proj",
-    "experts.down_proj",
+    *ATTENTION_PROJECTIONS,
+    *MLP_PROJECTIONS,
+    *(name.removeprefix("mlp.") for name in EXPERT_PARAMETERS),
 )
 """Every LM weight LoRA can adapt: the Linear layers (PEFT ``target_modules``) and, for MoE,
 the 3-D expert parameters (PEFT ``target_parameters``, ``mlp.experts.*``). The ViT is never
@@ -73,8 +69,8 @@ LM_HEAD_TARGET = "lm_head"
 """The LM head may be adapted too (PEFT ``target_modules``); not part of the default
 :data:`LORA_TARGETS_ALL`."""
 
-_LINEAR_TARGETS = frozenset(LORA_TARGETS_ALL[:7]) | {LM_HEAD_TARGET}
-_EXPERT_TARGETS = frozenset(LORA_TARGETS_ALL[7:])
+_LINEAR_TARGETS = frozenset((*ATTENTION_PROJECTIONS, *MLP_PROJECTIONS, LM_HEAD_TARGET))
+_EXPERT_TARGETS = frozenset(LORA_TARGETS_ALL) - _LINEAR_TARGETS
 
 # Datasheet peak dense (no 2:4 sparsity) BF16 tensor-core throughput, SXM parts.
 # H100 SXM: 989.4 TFLOPS — NVIDIA's datasheet lists 1,979 "with sparsity", "one-half lower

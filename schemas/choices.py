@@ -12,6 +12,13 @@ from enum import Enum
 STAGES = ("prepare", "connect", "validate", "train")
 """The pipeline's stages, in order: each publishes ``<work_dir>/<stage>``."""
 
+#: The Qwen3-VL language model's weights LoRA can adapt, by their HF names: the attention
+#: and dense-MLP Linear layers (PEFT ``target_modules``) and the MoE experts' 3-D parameters
+#: (PEFT ``target_parameters``; Linear names match nothing there). The ViT is never adapted.
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+EXPERT_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
 
 class Algorithm(Enum):
     """Packing selection algorithm, run on each buffer round (``packline/packing/selection.py``)."""

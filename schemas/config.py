@@ -24,6 +24,8 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from schemas.choices import (
+    ATTENTION_PROJECTIONS,
+    MLP_PROJECTIONS,
     STAGES,  # noqa: F401 - re-exported: schemas.config.STAGES
     Algorithm,
     Attention,
@@ -450,15 +452,7 @@ class LoraConfig(_Section):
     dropout: float = 0.0
     """Dropout on the adapter input."""
     target_modules: list[str] = field(
-        default_factory=lambda: [
-            "q_proj",
-            "k_proj",
-            "v_proj",
-            "o_proj",
-            "gate_proj",
-            "up_proj",
-            "down_proj",
-        ]
+        default_factory=lambda: [*ATTENTION_PROJECTIONS, *MLP_PROJECTIONS]
     )
     """Linear layers wrapped with adapters (attention and dense MLP projections)."""
     target_parameters: list[str] = field(default_factory=list)

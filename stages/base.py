@@ -102,6 +102,33 @@ def building(cfg: PipelineConfig, stage: str) -> Iterator[Path]:
     publish(tmp, final)
 
 
+def stage_result(
+    cfg: PipelineConfig,
+    stage: str,
+    fp: str,
+    *,
+    metrics: dict[str, Any] | None = None,
+    summary: dict[str, Any] | None = None,
+    t0: float | None = None,
+    seconds: float | None = None,
+    partial: bool = False,
+) -> StageResult:
+    """The result of ``stage`` run now under fingerprint ``fp``: its metrics as floats, its
+    seconds since ``t0`` (a ``time.perf_counter()``) or as given."""
+    if seconds is None:
+        seconds = time.perf_counter() - t0 if t0 is not None else 0.0
+    return StageResult(
+        stage=stage,
+        out_dir=stage_dir(cfg, stage),
+        fingerprint=fp,
+        skipped=False,
+        metrics={k: float(v) for k, v in (metrics or {}).items()},
+        summary=dict(summary or {}),
+        seconds=seconds,
+        partial=partial,
+    )
+
+
 def write_record(cfg: PipelineConfig, result: StageResult) -> None:
     """Write the completion record last: its presence means the stage's outputs are whole."""
     record = {

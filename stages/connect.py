@@ -71,6 +71,7 @@ from stages.base import (
     processor_dir,
     require_record,
     stage_dir,
+    stage_result,
     write_record,
 )
 
@@ -151,17 +152,16 @@ def connect_processor(
 
 def _task_result(cfg: PipelineConfig, fp: str, info: dict[str, Any], t0: float) -> StageResult:
     """What a task that does not merge returns: its share, no record."""
-    return StageResult(
-        stage=STAGE,
-        out_dir=stage_dir(cfg, STAGE),
-        fingerprint=fp,
-        skipped=False,
+    return stage_result(
+        cfg,
+        STAGE,
+        fp,
         metrics={
             "connect/task_samples": float(info.get("samples", 0)),
             "connect/task_samples_measured": float(info.get("samples_measured", 0)),
         },
         summary={"task": info},
-        seconds=time.perf_counter() - t0,
+        t0=t0,
         partial=True,
     )
 
@@ -261,12 +261,11 @@ def merge_parts(
         + ", ".join(f"B={b}: {v['fill']:.3f}" for b, v in forecast["buffers"].items())
         + f"; lower bound {forecast['lower_bound']['fill']:.3f}"
     )
-    result = StageResult(
-        stage=STAGE,
-        out_dir=out_dir,
-        fingerprint=fp,
-        skipped=False,
-        metrics={k: float(v) for k, v in metrics.items()},
+    result = stage_result(
+        cfg,
+        STAGE,
+        fp,
+        metrics=metrics,
         summary={
             "processor_dir": str(processor_dir(cfg)),
             "verify": verify,

@@ -74,6 +74,7 @@ from stages.base import (
     StageResult,
     building,
     stage_dir,
+    stage_result,
     write_record,
 )
 
@@ -136,11 +137,10 @@ def prepare_dataset(cfg: PipelineConfig, fp: str | None = None) -> StageResult:
         index_with_energon(out, shards, cfg.prepare.num_workers)
 
     frames = context.frames
-    result = StageResult(
-        stage=STAGE,
-        out_dir=stage_dir(cfg, STAGE),
-        fingerprint=fp,
-        skipped=False,
+    result = stage_result(
+        cfg,
+        STAGE,
+        fp,
         metrics=prepare_metrics(
             num_rows, manifest.num_rows, rejects, tally, sum(map(len, shards.values()))
         ),
@@ -167,7 +167,7 @@ def prepare_dataset(cfg: PipelineConfig, fp: str | None = None) -> StageResult:
                 str(stage_dir(cfg, STAGE) / ".nv-meta" / "dataset.yaml"),
             ],
         },
-        seconds=time.perf_counter() - t0,
+        t0=t0,
     )
     write_record(cfg, result)
     return result
@@ -239,11 +239,10 @@ def _adopt_energon(cfg: PipelineConfig, fp: str, source: Path, t0: float) -> Sta
         )
         write_adoption(out, stage_dir(cfg, STAGE), dataset, [*unreadable, *excluded])
 
-    result = StageResult(
-        stage=STAGE,
-        out_dir=stage_dir(cfg, STAGE),
-        fingerprint=fp,
-        skipped=False,
+    result = stage_result(
+        cfg,
+        STAGE,
+        fp,
         metrics=prepare_metrics(num_rows, manifest.num_rows, rejects, tally, len(shards)),
         summary={
             "source": str(source),
@@ -260,7 +259,7 @@ def _adopt_energon(cfg: PipelineConfig, fp: str, source: Path, t0: float) -> Sta
                 str(stage_dir(cfg, STAGE) / PACKLINE_METADATASET),
             ],
         },
-        seconds=time.perf_counter() - t0,
+        t0=t0,
     )
     write_record(cfg, result)
     return result

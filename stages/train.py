@@ -52,6 +52,7 @@ from stages.base import (
     processor_dir,
     require_current,
     stage_dir,
+    stage_result,
     write_record,
 )
 
@@ -251,26 +252,24 @@ def train_lora(
         else:
             runs.append(train_mode(cfg, **kwargs))
     if any(r is None for r in runs):  # not rank 0 of a launch: rank 0 reports
-        return StageResult(
-            stage=STAGE,
-            out_dir=out,
-            fingerprint=fp,
-            skipped=False,
+        return stage_result(
+            cfg,
+            STAGE,
+            fp,
             metrics={},
             summary={},
-            seconds=time.perf_counter() - t0,
+            t0=t0,
         )
     (out / "comparison.json").write_text(json.dumps(comparison_record(runs), indent=2))
     console.print(summary_table(runs, source=f"from {out}"))
     metrics = compare_metrics(runs)
-    result = StageResult(
-        stage=STAGE,
-        out_dir=out,
-        fingerprint=fp,
-        skipped=False,
+    result = stage_result(
+        cfg,
+        STAGE,
+        fp,
         metrics=metrics,
         summary={"artifacts": [str(out / "comparison.json")]},
-        seconds=time.perf_counter() - t0,
+        t0=t0,
     )
     write_record(cfg, result)
     return result

@@ -41,7 +41,7 @@ from packline.megatron.overrides import (
 from packline.rules.megatron import megatron_problems
 from schemas.config import PipelineConfig
 from schemas.errors import UserError
-from stages.base import StageResult, stage_dir, write_record
+from stages.base import StageResult, stage_dir, stage_result, write_record
 
 STAGE = "train"
 LAUNCH_TAG = "packline.launch_id"
@@ -141,14 +141,13 @@ def train_megatron(
 
     finetune(container, forward_step_func=step.forward_step)
     out = stage_dir(cfg, STAGE) / "megatron"
-    result = StageResult(
-        stage=STAGE,
-        out_dir=stage_dir(cfg, STAGE),
-        fingerprint=fp,
-        skipped=False,
+    result = stage_result(
+        cfg,
+        STAGE,
+        fp,
         metrics={},
         summary={"recipe": cfg.megatron.recipe, "launch_id": launch_id},
-        seconds=time.perf_counter() - t0,
+        t0=t0,
     )
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)

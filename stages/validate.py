@@ -55,7 +55,7 @@ from packline.progress import console
 from packline.rules import collect, findings_table
 from schemas.config import PipelineConfig
 from schemas.errors import UserError
-from stages.base import StageResult, building, require_record, stage_dir, write_record
+from stages.base import StageResult, building, require_record, stage_dir, stage_result, write_record
 
 STAGE = "validate"
 
@@ -110,17 +110,16 @@ def validate_config(cfg: PipelineConfig, fp: str | None = None) -> StageResult:
         wm = facts["worker_memory"]
         metrics["validate/worker_memory_gib"] = wm["per_worker_gib"][wm["mode"]]
     metrics.update({f"flops/{k}": v for k, v in flops.items()})
-    result = StageResult(
-        stage=STAGE,
-        out_dir=out_dir,
-        fingerprint=fp,
-        skipped=False,
-        metrics={k: float(v) for k, v in metrics.items()},
+    result = stage_result(
+        cfg,
+        STAGE,
+        fp,
+        metrics=metrics,
         summary={
             "warnings": [f.text for f in warnings],
             "artifacts": [str(out_dir / "report.json"), str(out_dir / "pipeline.yaml")],
         },
-        seconds=time.perf_counter() - t0,
+        t0=t0,
     )
     write_record(cfg, result)
     return result

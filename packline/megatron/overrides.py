@@ -44,6 +44,7 @@ from packline.energon.files import BRIDGE_METADATASET
 from packline.qwen.processor import image_geometry
 from packline.tracking import experiment_name, tracking_uri
 from packline.workdir import dataset_dir, processor_dir, stage_dir
+from schemas.choices import ATTENTION_PROJECTIONS, EXPERT_PARAMETERS, MLP_PROJECTIONS
 from schemas.config import PipelineConfig
 from schemas.errors import UserError
 
@@ -61,6 +62,7 @@ LORA_TARGETS = {
     "mlp.experts.gate_up_proj": "linear_fc1",
     "mlp.experts.down_proj": "linear_fc2",
 }
+assert set(LORA_TARGETS) == {*ATTENTION_PROJECTIONS, *MLP_PROJECTIONS, *EXPERT_PARAMETERS}
 
 #: The concrete Bridge classes behind the ConfigContainer's union-typed sections for the runs
 #: packline builds (the other sections have one declared type on ConfigContainer).
