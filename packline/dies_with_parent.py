@@ -1,8 +1,8 @@
 """Imported first by the fork server of packline's worker pools (multiprocessing's preload,
-:func:`packline.parallel.ordered_map`): asks Linux to end this process when the process that
+:func:`packline.workers.ordered_map`): asks Linux to end this process when the process that
 started it ends (``PR_SET_PDEATHSIG``). A killed stage runs no cleanup; without this its
 fork server, which holds the pool's resource tracker open, lives on until it next reads its
-socket. The workers it forks watch their owner themselves (:func:`packline.parallel.exit_with`).
+socket. The workers it forks watch their owner themselves (:func:`packline.workers.exit_with`).
 Elsewhere than Linux this does nothing.
 """
 

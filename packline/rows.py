@@ -2,7 +2,7 @@
 adopted Energon dataset's sample) becomes its whole shard entry and manifest columns, or a
 reject with its reason (:func:`packline.conversations.parse_record` decides). prepare maps
 :func:`check_rows` (or, for an adopted dataset, :func:`check_shard`) over the source with
-:func:`packline.parallel.ordered_map`; :func:`row_context` is what every check needs, set
+:func:`packline.workers.ordered_map`; :func:`row_context` is what every check needs, set
 once per worker.
 """
 

@@ -49,7 +49,6 @@ from packline.conversations import (
 from packline.energon.files import PACKLINE_METADATASET
 from packline.energon.writer import RejectSink, ShardSink, TableSink, index_with_energon
 from packline.fingerprints import stage_fingerprint
-from packline.parallel import ordered_map
 from packline.progress import console, progress
 from packline.rows import (
     ROWS_PER_TASK,
@@ -67,6 +66,7 @@ from packline.rows import (
     source_rows,
 )
 from packline.sources import SourceError, chunked, resolve_source
+from packline.workers import ordered_map
 from schemas.config import PipelineConfig, SourceKind
 from schemas.errors import UserError
 from schemas.tables import ManifestModel

@@ -10,11 +10,11 @@ from pathlib import Path
 
 from packline import metrics as names
 from packline.fingerprints import stage_fingerprint
-from packline.parallel import forks_exit_with_me
 from packline.progress import console, summary_table
 from packline.tracking import Tracker
 from packline.train.distributed import launched
 from packline.workdir import hold
+from packline.workers import forks_exit_with_me
 from schemas.config import PipelineConfig
 from schemas.errors import InputCrash, UserError
 from stages import connect, prepare, train, validate
