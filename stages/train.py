@@ -155,7 +155,7 @@ def train_run(
     )
 
 
-def train_mode(
+def tracked_run_summary(
     cfg: PipelineConfig,
     *,
     packed: bool,
@@ -163,7 +163,9 @@ def train_mode(
     fp: str,
     parent_run_id: str | None,
 ) -> RunSummary | None:
-    """One training run with its MLflow child run (opened by rank 0 only)."""
+    """Train one run (packing on or off) under its MLflow child run (opened by rank 0 only)
+    and return its :class:`RunSummary`: rank 0's, written to ``run_dir/result.json`` too;
+    None on the other ranks of a launch."""
     name = "packed" if packed else "unpacked"
     rank, _ = rank_world()
     tracker = Tracker.disabled()
@@ -193,7 +195,7 @@ def _launch_ranks(
     fp: str,
     parent_run_id: str | None,
 ) -> RunSummary:
-    """Run :func:`train_mode` under torchrun with ``train.nproc_per_node`` ranks and read
+    """Run :func:`tracked_run_summary` under torchrun with ``train.nproc_per_node`` ranks and read
     rank 0's summary."""
     nproc = cfg.train.nproc_per_node
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -250,7 +252,7 @@ def train_lora(
         if cfg.train.nproc_per_node > 1 and not launched():
             runs.append(_launch_ranks(cfg, **kwargs))
         else:
-            runs.append(train_mode(cfg, **kwargs))
+            runs.append(tracked_run_summary(cfg, **kwargs))
     if any(r is None for r in runs):  # not rank 0 of a launch: rank 0 reports
         return stage_result(
             cfg,

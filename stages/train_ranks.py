@@ -9,7 +9,7 @@ import argparse
 from packline.train.distributed import init_from_env, shutdown
 from schemas.config import load_config
 from stages.base import stage_dir
-from stages.train import train_mode
+from stages.train import tracked_run_summary
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     init_from_env()
     try:
         packed = ns.mode == "packed"
-        train_mode(
+        tracked_run_summary(
             cfg,
             packed=packed,
             run_dir=stage_dir(cfg, "train") / ns.mode,
