@@ -28,6 +28,7 @@ and keeps the step's :class:`~packline.qwen.moe.RouterStats` over real tokens on
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -63,8 +64,10 @@ def _is_moe(model) -> bool:
     return getattr(getattr(config, "text_config", config), "num_experts", None) is not None
 
 
-class Engine:
-    """The data-parallel engine's interface; see the module docstring."""
+class Engine(ABC):
+    """What every layout's engine does (see the module docstring): the step's forward and
+    backward over this rank's micro-batches (shared), and the layout's own gradient
+    reduction, clipping, replica check and states (abstract)."""
 
     def __init__(
         self,
@@ -89,11 +92,6 @@ class Engine:
         self.aux_loss_coef = aux_loss_coef
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.recorder = RouterRecorder(model) if _is_moe(model) else None
-
-    @property
-    def owns_whole_state(self) -> bool:
-        """Every rank holds the same whole adapter state (rank 0 saves it for all)."""
-        return True
 
     # -- the step ---------------------------------------------------------------------------
 
@@ -133,6 +131,46 @@ class Engine:
                 loss_total += loss_sum.detach().double()
         return StepLoss(float(loss_total), stats)
 
+    # -- what the layout decides ------------------------------------------------------------
+
+    @property
+    @abstractmethod
+    def owns_whole_state(self) -> bool:
+        """Every rank holds the same whole adapter state (rank 0 saves it for all)."""
+
+    @abstractmethod
+    def reduce_gradients(self) -> None:
+        """Sum (never average) the gradients over the ranks holding copies of each weight."""
+
+    @abstractmethod
+    def clip(self, max_norm: float) -> float:
+        """Clip by the global gradient norm; returns the norm before clipping."""
+
+    @abstractmethod
+    def check_replicas(self, *, step: int) -> list[float]:
+        """Every rank's checksum of what it holds; raises when copies differ."""
+
+    @abstractmethod
+    def local_state(self) -> dict[str, torch.Tensor]:
+        """The trainable tensors this rank owns."""
+
+    @abstractmethod
+    def load_local_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Load what :meth:`local_state` saved on this rank."""
+
+    @abstractmethod
+    def full_adapter_state(self) -> dict[str, torch.Tensor] | None:
+        """The one-process adapter state (every rank calls this; rank 0 gets it)."""
+
+
+class DataParallelEngine(Engine):
+    """One process, or torchrun data parallel: the whole model on every rank, gradients
+    summed over all of them."""
+
+    @property
+    def owns_whole_state(self) -> bool:
+        return True
+
     def reduce_gradients(self) -> None:
         """Sum (never average) the gradients over the ranks holding copies of each weight."""
         sum_grads_over_ranks(self.params)
@@ -144,8 +182,6 @@ class Engine:
         """Every rank's checksum of its trainable weights; raises when copies of the same
         weights differ after a step (:func:`~packline.train.distributed.check_replicas`)."""
         return check_replicas(self.params, step=step)
-
-    # -- states -----------------------------------------------------------------------------
 
     def local_state(self) -> dict[str, torch.Tensor]:
         """The trainable tensors this rank owns, by the model's parameter names."""
@@ -160,10 +196,6 @@ class Engine:
     def full_adapter_state(self) -> dict[str, torch.Tensor] | None:
         """The one-process adapter state (every rank calls this; rank 0 gets it)."""
         return self.local_state() if self.rank == 0 else None
-
-
-class DataParallelEngine(Engine):
-    """One process, or torchrun data parallel: the whole model on every rank."""
 
 
 class SplitEngine(Engine):
