@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
-from schemas.choices import STAGES, CudaGraphImpl, ExecutorKind, TrainBackend
+from schemas.choices import STAGES, ExecutorKind, TrainBackend
 
 if TYPE_CHECKING:  # annotations only: schemas/config.py imports this module to apply the rules
     from schemas.config import PipelineConfig
@@ -149,44 +149,160 @@ def _micro_batch(cfg: PipelineConfig) -> list[Issue] | None:
     ]
 
 
-@CONFIG_RULES.rule(
-    "packing.per_token_loss",
-    "packing",
-    "packing needs a per-token loss (token losses / loss tokens of the global batch)",
-)
-def _per_token_loss(cfg: PipelineConfig) -> list[Issue] | None:
-    if not _megatron_packed(cfg):
-        return None  # the local backend's loss is per token by construction
-    if cfg.megatron.calculate_per_token_loss:
-        return []
-    return [
-        error(
-            "megatron.calculate_per_token_loss",
-            "megatron.calculate_per_token_loss is false: a per-sequence mean weighs the "
-            "conversations of a packed row by how they were packed",
-            "set megatron.calculate_per_token_loss=true",
-        )
-    ]
+class BridgePackingGuard(NamedTuple):
+    """One of Megatron-Bridge's native-packing guardrails on a ``ConfigContainer`` key that
+    packline sends from one of its settings. The one home of each: the config rule (its id
+    ``rule``) checks packline's setting; the Megatron rule on ``megatron.extra_overrides``
+    (``packline/rules/megatron.py``) checks an extra override of ``key``, which Bridge gets
+    instead."""
+
+    rule: str
+    requires: str
+    """What the rule requires, in one line (the report's)."""
+    setting: str
+    """packline's setting that sends the value."""
+    key: str
+    """Bridge's dotted ConfigContainer key."""
+    key_requires: str
+    """What Bridge needs of the key's value, as the extra-override rule says it."""
+    holds: Callable[[Any], bool]
+    """Whether a plain value (an enum's value, a bool, an int) keeps the guardrail."""
+    why: str
+    """What goes wrong otherwise (the config rule's message, after the value)."""
+    fix: str
+    severity: Severity = "error"
 
 
-@CONFIG_RULES.rule(
-    "packing.no_collective_average",
-    "packing",
-    "packing needs gradients summed, not averaged, in the data-parallel all-reduce",
+_CUDA_GRAPHS = (
+    "CUDA graphs replay fixed shapes and packed rows change shape every step, so "
+    "Megatron-Bridge rejects them with packing"
 )
-def _no_collective_average(cfg: PipelineConfig) -> list[Issue] | None:
-    if not _megatron_packed(cfg):
-        return None  # the local backend sums gradients across ranks by construction
-    if not cfg.megatron.average_in_collective:
-        return []
-    return [
-        error(
-            "megatron.average_in_collective",
-            "megatron.average_in_collective is true: averaging in the all-reduce divides "
-            "the already globally normalized per-token loss by the DP size again",
-            "set megatron.average_in_collective=false",
-        )
-    ]
+_PACKING_REQUIRES = "Energon packing in Megatron-Bridge needs"
+#: Bridge's native-packing guardrails, in the order the config rules run.
+BRIDGE_PACKING_GUARDS = (
+    BridgePackingGuard(
+        "packing.per_token_loss",
+        "packing needs a per-token loss (token losses / loss tokens of the global batch)",
+        "megatron.calculate_per_token_loss",
+        "model.calculate_per_token_loss",
+        "true (a per-token loss)",
+        lambda v: v is True,
+        "a per-sequence mean weighs the conversations of a packed row by how they were packed",
+        "set megatron.calculate_per_token_loss=true",
+    ),
+    BridgePackingGuard(
+        "packing.no_collective_average",
+        "packing needs gradients summed, not averaged, in the data-parallel all-reduce",
+        "megatron.average_in_collective",
+        "ddp.average_in_collective",
+        "false (gradients summed)",
+        lambda v: v is False,
+        "averaging in the all-reduce divides the already globally normalized per-token loss "
+        "by the DP size again",
+        "set megatron.average_in_collective=false",
+    ),
+    BridgePackingGuard(
+        "megatron.mtp",
+        f"{_PACKING_REQUIRES} MTP off",
+        "megatron.mtp_num_layers",
+        "model.mtp_num_layers",
+        "0 (no MTP)",
+        lambda v: not v,
+        "Megatron-Bridge rejects multi-token prediction with packed sequences",
+        "set megatron.mtp_num_layers=0",
+    ),
+    BridgePackingGuard(
+        "megatron.cuda_graphs",
+        f"{_PACKING_REQUIRES} CUDA graphs off",
+        "megatron.cuda_graph_impl",
+        "model.cuda_graph_impl",
+        '"none" (no CUDA graphs)',
+        lambda v: v in (None, "none"),
+        _CUDA_GRAPHS,
+        "set megatron.cuda_graph_impl=none",
+    ),
+    BridgePackingGuard(
+        "megatron.cuda_graphs",
+        f"{_PACKING_REQUIRES} CUDA graphs off",
+        "megatron.vision_cuda_graph_impl",
+        "model.vision_cuda_graph_impl",
+        '"none" (no CUDA graphs)',
+        lambda v: v in (None, "none"),
+        _CUDA_GRAPHS,
+        "set megatron.vision_cuda_graph_impl=none",
+    ),
+    BridgePackingGuard(
+        "megatron.pipeline_parallel",
+        f"{_PACKING_REQUIRES} PP 1",
+        "train.parallel.pipeline_parallel",
+        "model.pipeline_model_parallel_size",
+        "1 (no pipeline parallelism)",
+        lambda v: (v or 1) == 1,
+        "Megatron-Bridge rejects pipeline parallelism with Energon packing",
+        "set train.parallel.pipeline_parallel=1 (split the model with TP or EP instead; "
+        "or train.backend=local, whose pipeline stages carry the packing metadata)",
+    ),
+    BridgePackingGuard(
+        "megatron.ep_comm_overlap",
+        "Megatron-Bridge turns EP communication overlap off with packing",
+        "megatron.overlap_moe_expert_parallel_comm",
+        "model.overlap_moe_expert_parallel_comm",
+        "false (Bridge turns it off)",
+        lambda v: not v,
+        "Megatron-Bridge forces it off with packing, so the run will not overlap the EP all-to-all",
+        "set megatron.overlap_moe_expert_parallel_comm=false",
+        "warning",
+    ),
+    BridgePackingGuard(
+        "megatron.delay_wgrad",
+        "Megatron-Bridge turns delayed weight-gradient compute off with packing",
+        "megatron.delay_wgrad_compute",
+        "model.delay_wgrad_compute",
+        "false (Bridge turns it off)",
+        lambda v: not v,
+        "Megatron-Bridge forces it off with packing",
+        "set megatron.delay_wgrad_compute=false",
+        "warning",
+    ),
+)
+
+
+def _setting_value(cfg: PipelineConfig, setting: str) -> Any:
+    """A dotted setting's value, plain (an enum as its value)."""
+    value: Any = cfg
+    for part in setting.split("."):
+        value = getattr(value, part)
+    return getattr(value, "value", value)
+
+
+def _shown(value: Any) -> str:
+    """A value as a config message shows it: ``true``, ``2``, ``'full'``."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    return repr(value) if isinstance(value, str) else str(value)
+
+
+def _register_guards(*rule_ids: str) -> None:
+    """One config rule per id, checking every guard of that id on packline's settings."""
+    for rule_id in rule_ids:
+        guards = [g for g in BRIDGE_PACKING_GUARDS if g.rule == rule_id]
+        group = rule_id.split(".")[0]
+
+        def check(cfg: PipelineConfig, guards=guards) -> list[Issue] | None:
+            if not _megatron_packed(cfg):
+                return None  # the local backend: per-token loss and summed gradients by design
+            out = []
+            for g in guards:
+                value = _setting_value(cfg, g.setting)
+                if not g.holds(value):
+                    message = f"{g.setting} is {_shown(value)}: {g.why}"
+                    out.append(Issue(g.severity, g.setting, message, g.fix))
+            return out
+
+        CONFIG_RULES.rule(rule_id, group, guards[0].requires)(check)
+
+
+_register_guards("packing.per_token_loss", "packing.no_collective_average")
 
 
 @CONFIG_RULES.rule(
@@ -213,63 +329,7 @@ def _fixed_width(cfg: PipelineConfig) -> list[Issue] | None:
 # --- Megatron-Bridge with Energon packing (train.backend: megatron) -------------------------
 
 
-@CONFIG_RULES.rule("megatron.mtp", "megatron", "Energon packing in Megatron-Bridge needs MTP off")
-def _mtp(cfg: PipelineConfig) -> list[Issue] | None:
-    if not _megatron_packed(cfg):
-        return None
-    n = cfg.megatron.mtp_num_layers
-    if n == 0:
-        return []
-    return [
-        error(
-            "megatron.mtp_num_layers",
-            f"megatron.mtp_num_layers is {n}: Megatron-Bridge rejects multi-token "
-            "prediction with packed sequences",
-            "set megatron.mtp_num_layers=0",
-        )
-    ]
-
-
-@CONFIG_RULES.rule(
-    "megatron.cuda_graphs", "megatron", "Energon packing in Megatron-Bridge needs CUDA graphs off"
-)
-def _cuda_graphs(cfg: PipelineConfig) -> list[Issue] | None:
-    if not _megatron_packed(cfg):
-        return None
-    m = cfg.megatron
-    return [
-        error(
-            f"megatron.{name}",
-            f"megatron.{name} is '{value.value}': CUDA graphs replay fixed shapes and "
-            "packed rows change shape every step, so Megatron-Bridge rejects them with packing",
-            f"set megatron.{name}=none",
-        )
-        for name, value in (
-            ("cuda_graph_impl", m.cuda_graph_impl),
-            ("vision_cuda_graph_impl", m.vision_cuda_graph_impl),
-        )
-        if value is not CudaGraphImpl.none
-    ]
-
-
-@CONFIG_RULES.rule(
-    "megatron.pipeline_parallel", "megatron", "Energon packing in Megatron-Bridge needs PP 1"
-)
-def _pipeline_parallel(cfg: PipelineConfig) -> list[Issue] | None:
-    if not _megatron_packed(cfg):
-        return None
-    pp = cfg.train.parallel.pipeline_parallel
-    if pp == 1:
-        return []
-    return [
-        error(
-            "train.parallel.pipeline_parallel",
-            f"train.parallel.pipeline_parallel is {pp}: Megatron-Bridge rejects pipeline "
-            "parallelism with Energon packing",
-            "set train.parallel.pipeline_parallel=1 (split the model with TP or EP instead; "
-            "or train.backend=local, whose pipeline stages carry the packing metadata)",
-        )
-    ]
+_register_guards("megatron.mtp", "megatron.cuda_graphs", "megatron.pipeline_parallel")
 
 
 SUPPORTED_TASK_ENCODERS = ("QwenVLEnergonTaskEncoderConfig",)
@@ -296,43 +356,7 @@ def _task_encoder(cfg: PipelineConfig) -> list[Issue] | None:
     ]
 
 
-@CONFIG_RULES.rule(
-    "megatron.ep_comm_overlap",
-    "megatron",
-    "Megatron-Bridge turns EP communication overlap off with packing",
-)
-def _ep_comm_overlap(cfg: PipelineConfig) -> list[Issue] | None:
-    if not _megatron_packed(cfg):
-        return None
-    if not cfg.megatron.overlap_moe_expert_parallel_comm:
-        return []
-    return [
-        warning(
-            "megatron.overlap_moe_expert_parallel_comm",
-            "megatron.overlap_moe_expert_parallel_comm is true: Megatron-Bridge forces it "
-            "off with packing, so the run will not overlap the EP all-to-all",
-            "set megatron.overlap_moe_expert_parallel_comm=false",
-        )
-    ]
-
-
-@CONFIG_RULES.rule(
-    "megatron.delay_wgrad",
-    "megatron",
-    "Megatron-Bridge turns delayed weight-gradient compute off with packing",
-)
-def _delay_wgrad(cfg: PipelineConfig) -> list[Issue] | None:
-    if not _megatron_packed(cfg):
-        return None
-    if not cfg.megatron.delay_wgrad_compute:
-        return []
-    return [
-        warning(
-            "megatron.delay_wgrad_compute",
-            "megatron.delay_wgrad_compute is true: Megatron-Bridge forces it off with packing",
-            "set megatron.delay_wgrad_compute=false",
-        )
-    ]
+_register_guards("megatron.ep_comm_overlap", "megatron.delay_wgrad")
 
 
 # --- what packline refuses to touch (schemas/safety.py) -------------------------------------

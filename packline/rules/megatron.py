@@ -7,8 +7,6 @@ in the container."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
-from typing import Any, NamedTuple
 
 from packline.megatron.overrides import (
     BridgeRun,
@@ -24,11 +22,11 @@ from schemas.config import (
     TrainBackend,
 )
 from schemas.guardrails import (
+    BRIDGE_PACKING_GUARDS,
     Check,
     Finding,
     Issue,
     RuleBook,
-    Severity,
     error,
     warning,
 )
@@ -240,69 +238,6 @@ def _extra_override_fields(run: BridgeRun) -> list[Issue] | None:
     return out
 
 
-class _Guard(NamedTuple):
-    """A guardrail on one key: what Bridge's native packing requires of its value, and the
-    packline setting (checked by a config rule) that sends it."""
-
-    key: str
-    requires: str
-    holds: Callable[[Any], bool]
-    own: str
-    severity: Severity = "error"
-
-
-#: Bridge's native-packing guardrails on keys packline sends from a ``megatron.*`` setting.
-#: packline's own values are checked by the config rules (schemas/guardrails.py); an extra
-#: override replaces them, so it is checked here, as the value Bridge gets.
-PACKING_GUARDS = (
-    _Guard(
-        "model.calculate_per_token_loss",
-        "true (a per-token loss)",
-        lambda v: v is True,
-        "megatron.calculate_per_token_loss",
-    ),
-    _Guard(
-        "ddp.average_in_collective",
-        "false (gradients summed)",
-        lambda v: v is False,
-        "megatron.average_in_collective",
-    ),
-    _Guard("model.mtp_num_layers", "0 (no MTP)", lambda v: not v, "megatron.mtp_num_layers"),
-    _Guard(
-        "model.cuda_graph_impl",
-        '"none" (no CUDA graphs)',
-        lambda v: v in (None, "none"),
-        "megatron.cuda_graph_impl",
-    ),
-    _Guard(
-        "model.vision_cuda_graph_impl",
-        '"none" (no CUDA graphs)',
-        lambda v: v in (None, "none"),
-        "megatron.vision_cuda_graph_impl",
-    ),
-    _Guard(
-        "model.pipeline_model_parallel_size",
-        "1 (no pipeline parallelism)",
-        lambda v: (v or 1) == 1,
-        "train.parallel.pipeline_parallel",
-    ),
-    _Guard(
-        "model.overlap_moe_expert_parallel_comm",
-        "false (Bridge turns it off)",
-        lambda v: not v,
-        "megatron.overlap_moe_expert_parallel_comm",
-        "warning",
-    ),
-    _Guard(
-        "model.delay_wgrad_compute",
-        "false (Bridge turns it off)",
-        lambda v: not v,
-        "megatron.delay_wgrad_compute",
-        "warning",
-    ),
-)
-
-
 @MEGATRON_RULES.rule(
     "megatron.extra_override_guardrails",
     "megatron",
@@ -313,16 +248,16 @@ def _extra_override_guardrails(run: BridgeRun) -> list[Issue] | None:
     if not _megatron(run) or not run.packing:
         return None
     out = []
-    for g in PACKING_GUARDS:
+    for g in BRIDGE_PACKING_GUARDS:  # the same guardrails the config rules check
         if g.key in run.extra and not g.holds(run.extra[g.key]):
             out.append(
                 Issue(
                     g.severity,
                     "megatron.extra_overrides",
                     f"{run.shown(g.key)}: Energon native packing in Megatron-Bridge needs "
-                    f"{g.key} {g.requires}",
+                    f"{g.key} {g.key_requires}",
                     f"remove {g.key} from megatron.extra_overrides (packline sends it from "
-                    f"{g.own})",
+                    f"{g.setting})",
                 )
             )
     return out
