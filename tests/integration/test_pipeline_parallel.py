@@ -25,7 +25,7 @@ import torch
 from packline.qwen.forward import packed_forward, token_loss_sum
 from packline.qwen.processor import load_processor
 from packline.train.distributed import torchrun_command
-from packline.train.pipeline import StageModule, StagePlan
+from packline.train.stage_split import StageModule, StagePlan
 from packline.workdir import processor_dir
 from stages.train import training_stream
 from tests.conftest import make_config
