@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import packline
-from packline.qwen.processor import TINY_LAYOUT_VERSION, image_geometry, video_geometry
+from packline.qwen.processor import image_geometry, tiny_processor_key, video_geometry
 from schemas.config import PipelineConfig, SourceKind, TrainBackend
 
 #: Bumped when the layout of prepare's outputs changes, so older outputs are rebuilt.
@@ -83,7 +83,7 @@ def _connect(cfg: PipelineConfig) -> list[Any]:
     bridge = cfg.train.backend is TrainBackend.megatron  # measured as Bridge renders
     return [
         cfg.section_hash("processor"),
-        hash_tree(src, content=True) if src else f"tiny-{TINY_LAYOUT_VERSION}",
+        hash_tree(src, content=True) if src else f"tiny-{tiny_processor_key()}",
         {
             "seq_length": cfg.packing.seq_length,
             "alignment": cfg.packing.alignment,

@@ -68,6 +68,24 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
+from packline.shapes_words import (  # noqa: F401 - the set's words, re-exported
+    ANSWER_CHOICES,
+    ANSWER_KINDS,
+    BACKGROUND_NAMES,
+    BACKGROUND_RGB,
+    COLOUR_NAMES,
+    COLOUR_RGB,
+    DIRECTION_NAMES,
+    GRID,
+    MIN_CONTRAST,
+    NUMBER_WORDS,
+    ORDINALS,
+    POSITION_NAMES,
+    PREPOSITION,
+    SHAPE_NAMES,
+    SIDES,
+    SIZE_WORDS,
+)
 from packline.video import write_video
 
 __all__ = [
@@ -89,96 +107,6 @@ __all__ = [
     "normalize_answer",
     "write_shapes_dataset",
 ]
-
-ANSWER_KINDS = (
-    "count",
-    "colour",
-    "position",
-    "describe",
-    "compare",
-    "text",
-    "direction",
-    "order",
-    "count_time",
-    "colour_change",
-)
-"""What an answer checks; selects the rule :func:`answer_matches` applies."""
-
-_COLOURS: dict[str, tuple[int, int, int]] = {
-    "red": (220, 38, 38),
-    "green": (34, 160, 64),
-    "blue": (37, 90, 220),
-    "yellow": (245, 210, 30),
-    "purple": (130, 60, 180),
-    "orange": (245, 135, 25),
-    "black": (20, 20, 20),
-    "white": (245, 245, 245),
-}
-COLOUR_NAMES = tuple(_COLOURS)
-"""Shape colours, as named in questions and answers."""
-
-_BACKGROUNDS: dict[str, tuple[int, int, int]] = {
-    "grey": (128, 128, 128),
-    "tan": (196, 178, 140),
-    "slate": (64, 84, 100),
-    "pale teal": (170, 205, 200),
-    "pink": (225, 190, 200),
-}
-BACKGROUND_NAMES = tuple(_BACKGROUNDS)
-"""Background colours, as named in the detailed descriptions."""
-# A shape colour is used on a background only if they are at least this far apart in RGB,
-# so no shape is hard to see (e.g. white on pale teal is skipped).
-_MIN_CONTRAST = 100.0
-
-SHAPE_NAMES = ("circle", "square", "triangle", "rectangle", "star", "pentagon", "hexagon")
-"""Shape kinds drawn in the images."""
-
-_SIDES = {"triangle": 3, "square": 4, "rectangle": 4, "pentagon": 5, "hexagon": 6}
-
-_GRID = (
-    ("top left", "top", "top right"),
-    ("left", "centre", "right"),
-    ("bottom left", "bottom", "bottom right"),
-)
-POSITION_NAMES = tuple(name for row in _GRID for name in row)
-"""Cells of the 3x3 grid a shape can sit in, as answered to "Where is ...?"."""
-
-_PREPOSITION = {
-    "top left": "at the top left",
-    "top": "at the top",
-    "top right": "at the top right",
-    "left": "on the left",
-    "centre": "in the centre",
-    "right": "on the right",
-    "bottom left": "at the bottom left",
-    "bottom": "at the bottom",
-    "bottom right": "at the bottom right",
-}
-
-DIRECTION_NAMES = ("left", "right", "up", "down")
-"""Directions a shape moves in, as answered to "Which way does ... move?"."""
-ORDINALS = ("first", "second", "third")
-"""How the images of a multi-image row are named ("the second image")."""
-NUMBER_WORDS = tuple(
-    (
-        "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen "
-        "fifteen sixteen seventeen eighteen nineteen twenty"
-    ).split()
-)
-"""Numbers as words (index = value), in questions and as accepted answers."""
-SIZE_WORDS = ("small", "medium", "large")
-"""A shape's size in the detailed descriptions, by its share of its grid cell."""
-
-ANSWER_CHOICES: dict[str, tuple[str, ...]] = {
-    "colour": COLOUR_NAMES,
-    "position": POSITION_NAMES,
-    "direction": DIRECTION_NAMES,
-    "order": SHAPE_NAMES,
-    "count_time": ("0", "1", "2", "3", "4"),
-    "colour_change": COLOUR_NAMES,
-}
-"""Every answer a question of these kinds can have (the kinds with a closed set), e.g. for
-the chance of guessing: ``1 / len(ANSWER_CHOICES[kind])``."""
 
 SHAPES_VERSION = 2
 """Bumped when what :func:`write_shapes_dataset` writes for the same arguments changes (2:
@@ -250,7 +178,7 @@ class _Shape:
 
     @property
     def position(self) -> str:
-        return _GRID[self.row][self.col]
+        return GRID[self.row][self.col]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -281,8 +209,8 @@ class _Turn:
 
 def _palette(background: str) -> list[str]:
     """The shape colours that stand out on ``background``, in :data:`COLOUR_NAMES` order."""
-    bg_rgb = _BACKGROUNDS[background]
-    return [c for c, rgb in _COLOURS.items() if math.dist(rgb, bg_rgb) >= _MIN_CONTRAST]
+    bg_rgb = BACKGROUND_RGB[background]
+    return [c for c, rgb in COLOUR_RGB.items() if math.dist(rgb, bg_rgb) >= MIN_CONTRAST]
 
 
 def _sample_picture(rng: random.Random) -> _Picture:
@@ -301,7 +229,7 @@ def _sample_picture(rng: random.Random) -> _Picture:
     width = wb * _TOKEN_PX + rng.randint(0 if wb == _MIN_SIDE_BLOCKS else -_JITTER, _JITTER)
     height = hb * _TOKEN_PX + rng.randint(0 if hb == _MIN_SIDE_BLOCKS else -_JITTER, _JITTER)
 
-    background = rng.choice(list(_BACKGROUNDS))
+    background = rng.choice(list(BACKGROUND_RGB))
     palette = _palette(background)
     num_shapes = rng.randint(1, 6)
     cells = sorted(rng.sample(range(9), num_shapes))
@@ -343,7 +271,7 @@ def _star_points(cx: int, cy: int, r: float) -> list[tuple[int, int]]:
 def _draw_shape(draw: ImageDraw.ImageDraw, kind: str, cx: int, cy: int, size: int, colour: str):
     """Draw one shape of bounding width ``size`` centred at (``cx``, ``cy``): the one home
     of a shape's look, for pictures and clip frames alike."""
-    fill = _COLOURS[colour]
+    fill = COLOUR_RGB[colour]
     r = size / 2
     if kind == "circle":
         draw.ellipse((cx - r, cy - r, cx + r, cy + r), fill=fill)
@@ -355,11 +283,11 @@ def _draw_shape(draw: ImageDraw.ImageDraw, kind: str, cx: int, cy: int, size: in
     elif kind == "star":
         draw.polygon(_star_points(cx, cy, r), fill=fill)
     else:
-        draw.regular_polygon((cx, cy, r), _SIDES[kind], fill=fill)
+        draw.regular_polygon((cx, cy, r), SIDES[kind], fill=fill)
 
 
 def _draw_picture(picture: _Picture) -> Image.Image:
-    image = Image.new("RGB", (picture.width, picture.height), _BACKGROUNDS[picture.background])
+    image = Image.new("RGB", (picture.width, picture.height), BACKGROUND_RGB[picture.background])
     draw = ImageDraw.Draw(image)
     for s in picture.shapes:
         _draw_shape(draw, s.kind, s.cx, s.cy, s.size, s.colour)
@@ -384,7 +312,7 @@ def _join(items: list[str], conjunction: str = "and") -> str:
 
 
 def _shape_phrase(s: _Shape, *, detail: bool) -> str:
-    core = f"{s.colour} {s.kind} {_PREPOSITION[s.position]}"
+    core = f"{s.colour} {s.kind} {PREPOSITION[s.position]}"
     if not detail:
         return _article(core)
     return (
@@ -517,7 +445,7 @@ def _q_position(rng: random.Random, pics: list[_Picture], idx: int | None) -> _T
     if rng.random() < 0.65:
         reply = s.position
     else:
-        reply = f"The {name} is {_PREPOSITION[s.position]}."
+        reply = f"The {name} is {PREPOSITION[s.position]}."
     return _Turn(
         question=q,
         reply=reply,
@@ -633,9 +561,9 @@ def _text_turns(rng: random.Random, num_turns: int) -> tuple[str, list[_Turn]]:
     """Text-only questions; returns a preamble for the first user message and the turns."""
     if rng.random() < 0.3:
         turns = []
-        for kind in rng.sample(sorted(_SIDES), min(num_turns, 3)):
+        for kind in rng.sample(sorted(SIDES), min(num_turns, 3)):
             if rng.random() < 0.6:
-                n = _SIDES[kind]
+                n = SIDES[kind]
                 q = f"How many sides does {_article(kind)} have?"
                 reply = (
                     str(n)
@@ -644,8 +572,8 @@ def _text_turns(rng: random.Random, num_turns: int) -> tuple[str, list[_Turn]]:
                 )
                 turns.append(_Turn(question=q, reply=reply, kind="text", answer=str(n)))
             else:
-                n = _SIDES[kind]
-                others = [k for k in _SIDES if _SIDES[k] != n]
+                n = SIDES[kind]
+                others = [k for k in SIDES if SIDES[k] != n]
                 options = [*rng.sample(others, 2), kind]
                 rng.shuffle(options)
                 listed = _join([_article(o) for o in options], "or")
@@ -711,8 +639,8 @@ def _text_turns(rng: random.Random, num_turns: int) -> tuple[str, list[_Turn]]:
                     answer=colour,
                 )
             )
-        if kind in _SIDES:
-            corners = n * _SIDES[kind]
+        if kind in SIDES:
+            corners = n * SIDES[kind]
             candidates.append(
                 _Turn(
                     question=f"How many corners do the {_plural(kind)} have altogether?",
@@ -871,7 +799,7 @@ def _sample_colour_change(rng: random.Random, num_frames: int, background: str) 
         (a, b)
         for a in palette
         for b in palette
-        if a != b and math.dist(_COLOURS[a], _COLOURS[b]) >= _MIN_CHANGE_CONTRAST
+        if a != b and math.dist(COLOUR_RGB[a], COLOUR_RGB[b]) >= _MIN_CHANGE_CONTRAST
     ]
     before, after = rng.choice(pairs)
     change_at = rng.randint(2, num_frames - 2)  # each colour shows for 2+ frames
@@ -930,7 +858,7 @@ def _sample_clip(rng: random.Random) -> _Clip:
     large shapes in strong colours (so what happens survives the lossy encode)."""
     kind = rng.choice(CLIP_KINDS)
     num_frames = _clip_frames_count(rng)
-    background = rng.choice(list(_BACKGROUNDS))
+    background = rng.choice(list(BACKGROUND_RGB))
     return _CLIP_SAMPLERS[kind](rng, num_frames, background)
 
 
@@ -939,7 +867,7 @@ def _draw_clip(clip: _Clip) -> np.ndarray:
     :func:`_draw_shape` as pictures are."""
     out = np.empty((clip.num_frames, clip.height, clip.width, 3), dtype=np.uint8)
     for t, sprites in enumerate(clip.frames):
-        image = Image.new("RGB", (clip.width, clip.height), _BACKGROUNDS[clip.background])
+        image = Image.new("RGB", (clip.width, clip.height), BACKGROUND_RGB[clip.background])
         draw = ImageDraw.Draw(image)
         for s in sprites:
             _draw_shape(draw, s.kind, s.cx, s.cy, s.size, s.colour)
@@ -1333,7 +1261,7 @@ def _caption_by_cell(pic: _Picture) -> str:
     """Every shape after its grid cell, in reading order, then the counts: the words that
     say where come first, the colour and kind after them."""
     lines = [
-        f"{_PREPOSITION[s.position].capitalize()}, {_article(s.colour + ' ' + s.kind)}."
+        f"{PREPOSITION[s.position].capitalize()}, {_article(s.colour + ' ' + s.kind)}."
         for s in pic.shapes
     ]
     return " ".join([*lines, _counts(pic)])
@@ -1341,7 +1269,7 @@ def _caption_by_cell(pic: _Picture) -> str:
 
 def _caption_by_kind(pic: _Picture) -> str:
     """Every shape named by its kind and cell first, its colour last, then the counts."""
-    lines = [f"The {s.kind} {_PREPOSITION[s.position]} is {s.colour}." for s in pic.shapes]
+    lines = [f"The {s.kind} {PREPOSITION[s.position]} is {s.colour}." for s in pic.shapes]
     return " ".join([*lines, _counts(pic)])
 
 
@@ -1394,8 +1322,8 @@ def _fact_row(seed: int, split: str, index: int) -> dict:
     by colour and by kind), no question asked."""
     rng = random.Random(f"packline-pretrain-fact:{seed}:{split}:{index}")
     facts = []
-    for kind in rng.sample(sorted(_SIDES), rng.randint(1, 3)):
-        facts.append(f"{_article(kind).capitalize()} has {_SIDES[kind]} sides.")
+    for kind in rng.sample(sorted(SIDES), rng.randint(1, 3)):
+        facts.append(f"{_article(kind).capitalize()} has {SIDES[kind]} sides.")
     groups = {}
     for _ in range(rng.randint(2, 4)):
         groups.setdefault((rng.choice(COLOUR_NAMES), rng.choice(SHAPE_NAMES)), rng.randint(1, 4))
@@ -1645,12 +1573,12 @@ def answer_matches(expected: str, generated: str, kind: str) -> bool:
         found = _SHAPE_RE.search(gen)
         return found is not None and found.group(1) == exp
     if kind == "colour_change":
-        return exp in _COLOURS and set(_where_to(gen, list(_COLOURS))) == {exp}
+        return exp in COLOUR_RGB and set(_where_to(gen, list(COLOUR_RGB))) == {exp}
     if kind in ("count", "count_time"):
         want = _first_number(exp)
         return want is not None and _first_number(gen) == want
     if kind == "colour":
-        named = {w for w in gen.split() if w in _COLOURS}
+        named = {w for w in gen.split() if w in COLOUR_RGB}
         return named == {exp}
     if kind == "position":
         found = _POSITION_RE.search(gen)

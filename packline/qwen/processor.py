@@ -49,7 +49,7 @@ from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoP
 
 from packline.cache import cache_dir
 from packline.qwen.vision import ImageGeometry, VideoGeometry
-from packline.synthetic import (
+from packline.shapes_words import (
     BACKGROUND_NAMES,
     COLOUR_NAMES,
     DIRECTION_NAMES,
@@ -64,13 +64,6 @@ from schemas.errors import UserError
 
 TINY_VOCAB_SIZE = 4096
 """Ids in the tiny tokenizer, special tokens included."""
-
-TINY_LAYOUT_VERSION = 4
-"""Bumped when what :func:`build_tiny_processor` writes changes (2: a standard
-``Qwen3VLProcessor`` dir with image and video processors; 3: the tokenizer's corpus takes the
-shapes set's words from :mod:`packline.synthetic`; 4: the video questions' words, and the
-video processor's ``cap_pixels_per_frame`` said explicitly), so that stages fingerprinting
-the built-in processor rebuild it."""
 
 SPECIAL_TOKENS = (
     "<|endoftext|>",
@@ -336,12 +329,13 @@ def build_tiny_processor(out_dir: Path) -> Path:
 
 @functools.cache  # its inputs are fixed once the modules are imported
 def tiny_processor_key() -> str:
-    """sha256 over everything :func:`build_tiny_processor`'s output depends on: the layout
-    version, the vocab size, the special and tag tokens, the chat template, the tokenizer's
-    training corpus (so the word lists it is drawn from), the image geometry, the builder's
+    """sha256 over everything :func:`build_tiny_processor`'s output depends on (no version to
+    bump by hand: a change to any of them is a new key, so a new cache entry, and connect's
+    fingerprint changes with it): the vocab size, the special and tag tokens, the chat
+    template, the tokenizer's training corpus (so the word lists it is drawn from,
+    :mod:`packline.shapes_words`), the image geometry, the builder's
     own source and the versions of ``tokenizers`` and ``transformers``."""
     parts = {
-        "layout": TINY_LAYOUT_VERSION,
         "vocab_size": TINY_VOCAB_SIZE,
         "tokens": [*SPECIAL_TOKENS, *TAG_TOKENS],
         "chat_template": CHAT_TEMPLATE,

@@ -16,16 +16,16 @@ from PIL import Image
 
 from packline.qwen.vision import ImageGeometry, VideoGeometry
 from packline.synthetic import (
-    _BACKGROUNDS,
     _CLIP_FRAMES,
     _CLIP_QUESTIONS,
     _CLIP_SAMPLERS,
-    _COLOURS,
     _EVENT_GAP,
     ANSWER_CHOICES,
     ANSWER_KINDS,
+    BACKGROUND_RGB,
     CLIP_FPS,
     CLIP_KINDS,
+    COLOUR_RGB,
     PRETRAIN_CHAT_SHARE,
     PRETRAIN_MAX_TOKENS,
     PRETRAIN_TEXT_SHARE,
@@ -336,7 +336,7 @@ def test_sampled_frames_catch_every_event_gap() -> None:
         assert len(idx) < num_frames  # the processor really drops frames
 
 
-_PALETTE_RGB = {**_COLOURS, **{f"bg:{k}": v for k, v in _BACKGROUNDS.items()}}
+_PALETTE_RGB = {**COLOUR_RGB, **{f"bg:{k}": v for k, v in BACKGROUND_RGB.items()}}
 
 
 def _nearest_colour(rgb: np.ndarray) -> str:
@@ -355,7 +355,7 @@ def _pixel_facts(clip: _Clip, frames: np.ndarray, indices: np.ndarray) -> dict:
     facts: dict = {}
     if clip.kind == "move":
         mover = clip.frames[0][-1]
-        want = np.asarray(_COLOURS[mover.colour], dtype=float)
+        want = np.asarray(COLOUR_RGB[mover.colour], dtype=float)
         centroids = []
         for frame in frames:
             mask = np.linalg.norm(frame.astype(float) - want, axis=-1) < 50
@@ -435,7 +435,7 @@ def test_clip_answers_match_decoded_sampled_frames(tmp_path: Path, kind: str) ->
     for i in range(2 * (_CLIP_FRAMES[1] - _CLIP_FRAMES[0] + 1)):
         num_frames = _CLIP_FRAMES[0] + i % (_CLIP_FRAMES[1] - _CLIP_FRAMES[0] + 1)
         rng = random.Random(f"clip-test:{kind}:{i}")
-        clip = _CLIP_SAMPLERS[kind](rng, num_frames, rng.choice(list(_BACKGROUNDS)))
+        clip = _CLIP_SAMPLERS[kind](rng, num_frames, rng.choice(list(BACKGROUND_RGB)))
         pixels = _draw_clip(clip)
         assert pixels.shape == (num_frames, clip.height, clip.width, 3)
         path = write_video(tmp_path / f"{kind}-{i}.mp4", pixels, clip.fps)
