@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import io
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from megatron.energon import WorkerConfig, get_loader, get_val_dataset
@@ -18,7 +20,6 @@ from packline.energon.sample import ConversationReader
 from packline.packing.thd import to_device
 from packline.qwen.forward import packed_forward, token_hits, token_loss_sum
 from packline.qwen.lengths import DecodedVideo, run_processor
-from packline.synthetic import ANSWER_CHOICES, answer_matches, normalize_answer
 from packline.video import VideoHeader, decode_frames
 
 
@@ -80,27 +81,48 @@ def _val_questions(dataset_path: Path, max_samples: int):
             yield sample, answers[0]
 
 
-def chance_accuracy(dataset_path: Path, *, max_samples: int) -> tuple[float, dict[str, float]]:
+class AnswerScorer(Protocol):
+    """How a data set grades the answers its val samples ask (``meta.answers``: the turn, the
+    question kind, the expected answer); the built-in set's is
+    :data:`packline.shapes_answers.SHAPES_SCORER`."""
+
+    #: every answer a question of a kind can have, for the kinds with a closed set
+    choices: Mapping[str, tuple[str, ...]]
+
+    def normalize(self, text: str) -> str: ...
+
+    def matches(self, expected: str, generated: str, kind: str) -> bool: ...
+
+
+def chance_accuracy(
+    dataset_path: Path, *, max_samples: int, scorer: AnswerScorer
+) -> tuple[float, dict[str, float]]:
     """Accuracy of guessing uniformly among the answers a question kind can have, on the
     questions :func:`eval_accuracy` asks: (Σ 1/|answers of the question's kind| / N, that
-    per kind). A kind's answers are those the built-in set can give it
-    (:data:`~packline.synthetic.ANSWER_CHOICES`), or at least the distinct ones asked."""
+    per kind). A kind's answers are those the scorer's choices give it, or at least the
+    distinct ones asked."""
     kinds = [
-        (q["kind"], normalize_answer(q["answer"]))
+        (q["kind"], scorer.normalize(q["answer"]))
         for _, q in _val_questions(dataset_path, max_samples)
     ]
     if not kinds:
         return float("nan"), {}
     distinct = Counter(kind for kind, _ in set(kinds))
     by_kind = {
-        kind: 1 / max(n, len(ANSWER_CHOICES.get(kind, ()))) for kind, n in sorted(distinct.items())
+        kind: 1 / max(n, len(scorer.choices.get(kind, ()))) for kind, n in sorted(distinct.items())
     }
     return sum(by_kind[kind] for kind, _ in kinds) / len(kinds), by_kind
 
 
 @torch.no_grad()
 def eval_accuracy(
-    model, processor, dataset_path: Path, *, max_samples: int, max_new_tokens: int = 32
+    model,
+    processor,
+    dataset_path: Path,
+    *,
+    max_samples: int,
+    scorer: AnswerScorer,
+    max_new_tokens: int = 32,
 ) -> tuple[float, int, dict[str, dict[str, float]]]:
     """(share of correct answers, questions asked, per question kind: its questions and
     share of correct answers): for each val conversation with a checkable answer, the model
@@ -135,7 +157,7 @@ def eval_accuracy(
             out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True
         )
         asked[first["kind"]] += 1
-        correct[first["kind"]] += answer_matches(first["answer"], text, first["kind"])
+        correct[first["kind"]] += scorer.matches(first["answer"], text, first["kind"])
     total = sum(asked.values())
     by_kind = {
         kind: {"questions": n, "accuracy": correct[kind] / n} for kind, n in sorted(asked.items())
@@ -172,6 +194,7 @@ class Evaluator:
         packing_buffer_size: int,
         image_token_id: int,
         eval_samples: int,
+        scorer: AnswerScorer,
         video_token_id: int | None = None,
     ):
         self.dataset_path = Path(dataset_path)
@@ -182,10 +205,11 @@ class Evaluator:
         self.image_token_id = image_token_id
         self.video_token_id = video_token_id
         self.eval_samples = eval_samples
+        self.scorer = scorer
 
     def chance(self) -> tuple[float, dict[str, float]]:
         """:func:`chance_accuracy` of the questions :meth:`evaluate` asks."""
-        return chance_accuracy(self.dataset_path, max_samples=self.eval_samples)
+        return chance_accuracy(self.dataset_path, max_samples=self.eval_samples, scorer=self.scorer)
 
     def evaluate(self, model) -> EvalResult:
         loss, token_accuracy, _ = eval_loss(
@@ -198,7 +222,11 @@ class Evaluator:
             video_token_id=self.video_token_id,
         )
         acc, asked, by_kind = eval_accuracy(
-            model, self.processor, self.dataset_path, max_samples=self.eval_samples
+            model,
+            self.processor,
+            self.dataset_path,
+            max_samples=self.eval_samples,
+            scorer=self.scorer,
         )
         return EvalResult(
             loss=loss,

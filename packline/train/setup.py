@@ -13,6 +13,7 @@ from transformers.pytorch_utils import Conv1D
 from packline.counters import flops_model_for
 from packline.qwen.attention import set_text_attention
 from packline.qwen.model import build_tiny_model, tiny_config
+from packline.shapes_answers import SHAPES_SCORER
 from packline.tracking import Tracker
 from packline.train.distributed import broadcast_object, rank_world
 from packline.train.evaluate import Evaluator
@@ -172,6 +173,7 @@ def build_trainer(
         image_token_id=image_token_id,
         video_token_id=video_token_id,
         eval_samples=settings.eval_samples,
+        scorer=SHAPES_SCORER,  # the built-in set's grading of the answers its samples ask
     )
     device = device or torch.device("cpu")
     return Trainer(
