@@ -453,7 +453,7 @@ def layout_issues(cfg: PipelineConfig, *, setting: str) -> list[Issue]:
 )
 def _local_layout(cfg: PipelineConfig) -> list[Issue] | None:
     if cfg.train.backend is not TrainBackend.local or cfg.executor.kind is ExecutorKind.slurm:
-        return None  # on SLURM: slurm.parallel; Bridge splits its GPUs (megatron_overrides.py)
+        return None  # on SLURM: slurm.parallel; Bridge splits its GPUs (packline.rules.megatron)
     return layout_issues(cfg, setting="train.nproc_per_node")
 
 
