@@ -118,6 +118,9 @@ PACK_ROW_FILL = "pack/row_fill"
 DATA_SEEN = "data/seen"
 DATA_PACKED = "data/packed"
 DATA_DROPPED = "data/dropped"
+DATA_SKIPPED_ON_RESUME = "data/skipped_on_resume"
+"""Conversations a resume under another data-parallel layout skipped because the run before
+it trained them (logged only when there are some)."""
 
 
 def dropped(reason: str) -> str:

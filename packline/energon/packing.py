@@ -23,13 +23,14 @@ policy); a malformed one is a counted skip under Energon's bounded failure toler
 from __future__ import annotations
 
 import zlib
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 
 from megatron.energon import Cooker, DefaultTaskEncoder, Sample, edataclass, stateless
 from megatron.energon.errors import FatalSampleError
 
 from packline.energon.sample import CHATML_COOKER, ConversationSample, cook_conversation
+from packline.packing.ledger import SKIPPED_ON_RESUME
 from packline.packing.selection import align_up, select_packs
 from packline.packing.thd import EncodedConversation, PackedBatch, build_packed_batch
 from packline.qwen.encode import ConversationEncoder, Tokenized
@@ -92,6 +93,9 @@ class _QwenPackingEncoder(
         self._encoder: ConversationEncoder | None = None
         # Ledger entries of this worker not yet attached to a row.
         self._pending_seen = 0
+        self.skip: Counter = Counter()
+        """Keys to skip, each as many times as counted (set before the loader starts: a
+        resume under another layout skips what the run before it trained)."""
         self._pending_dropped: dict[str, list[str]] = defaultdict(list)
 
     @property
@@ -120,6 +124,13 @@ class _QwenPackingEncoder(
         return QwenConversation.derive_from(
             sample, length=length, drop_reason=reason, tokenized=None, encoded=None
         )
+
+    def _skipped(self, sample: ConversationSample) -> QwenConversation | None:
+        """The sample dropped as trained before the resume, if it is still to be skipped."""
+        if self.skip[sample.__key__] <= 0:
+            return None
+        self.skip[sample.__key__] -= 1
+        return self._dropped(sample, 0, SKIPPED_ON_RESUME)
 
     def _malformed(self, key: str) -> None:
         self._pending_dropped["malformed"].append(key)
@@ -200,6 +211,8 @@ class LazyQwenPackingEncoder(_QwenPackingEncoder):
     @stateless(failure_tolerance=100)
     def preencode_sample(self, sample: ConversationSample) -> QwenConversation:
         self._pending_seen += 1
+        if skipped := self._skipped(sample):
+            return skipped
         try:
             tok = self.encoder.tokenize(
                 sample.__key__,
@@ -238,6 +251,8 @@ class EagerQwenPackingEncoder(_QwenPackingEncoder):
     @stateless(failure_tolerance=100)
     def encode_sample(self, sample: ConversationSample) -> QwenConversation:
         self._pending_seen += 1
+        if skipped := self._skipped(sample):
+            return skipped
         try:
             enc = self.encoder.encode_eager(
                 sample.__key__,

@@ -13,6 +13,10 @@ from dataclasses import dataclass, field
 from packline import metrics as names
 
 DROP_REASONS = ("overlength", "malformed")
+SKIPPED_ON_RESUME = "trained_before_resume"
+"""The reason a row carries for a conversation its stream skipped because a run resumed
+under another data-parallel layout had trained it (:meth:`TrainStream.continue_after
+<packline.train.data.TrainStream.continue_after>`): counted apart, not as seen again."""
 
 
 @dataclass
@@ -22,18 +26,24 @@ class Ledger:
     seen: int = 0
     packed: int = 0
     dropped: Counter = field(default_factory=Counter)
+    skipped_on_resume: int = 0
+    """Read again after a resume under another layout and skipped: trained before."""
 
     def add(self, *, seen: int, packed: int, dropped: dict[str, list[str]]) -> None:
-        self.seen += seen
+        skipped = len(dropped.get(SKIPPED_ON_RESUME, ()))
+        self.seen += seen - skipped
+        self.skipped_on_resume += skipped
         self.packed += packed
         for reason, keys in dropped.items():
-            self.dropped[reason] += len(keys)
+            if reason != SKIPPED_ON_RESUME:
+                self.dropped[reason] += len(keys)
 
     def merge(self, other: Ledger) -> Ledger:
         return Ledger(
             seen=self.seen + other.seen,
             packed=self.packed + other.packed,
             dropped=self.dropped + other.dropped,
+            skipped_on_resume=self.skipped_on_resume + other.skipped_on_resume,
         )
 
     @property
@@ -58,4 +68,6 @@ class Ledger:
         }
         for reason in sorted(set(DROP_REASONS) | set(self.dropped)):
             out[names.dropped(reason)] = float(self.dropped.get(reason, 0))
+        if self.skipped_on_resume:
+            out[names.DATA_SKIPPED_ON_RESUME] = float(self.skipped_on_resume)
         return out

@@ -9,13 +9,14 @@ and keys); the trainer takes them ``rows_per_rank`` at a time with :meth:`next_r
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from packline.energon.loader import train_loader
 from packline.energon.packing import PackingSettings, make_encoder
-from packline.packing.ledger import Ledger
+from packline.packing.ledger import SKIPPED_ON_RESUME, Ledger
 from packline.packing.thd import PackedBatch
 
 
@@ -53,10 +54,10 @@ class TrainStream:
         world: int = 1,
     ):
         self.settings = settings
-        encoder = make_encoder(settings.encoder_mode, processor_dir, settings.packing)
+        self.encoder = make_encoder(settings.encoder_mode, processor_dir, settings.packing)
         self.loader = train_loader(
             dataset_path,
-            encoder,
+            self.encoder,
             packing_buffer_size=settings.packing_buffer_size,
             rank=rank,
             world_size=world,
@@ -67,6 +68,11 @@ class TrainStream:
             seed_offset=settings.seed,
         )
         self.ledger = Ledger()
+        self.trained: Counter = Counter()
+        """Keys of the conversations in the rows this stream returned, with multiplicity
+        (with what a resume under another layout inherited: :meth:`continue_after`)."""
+        self.skips: Counter = Counter()
+        """What the encoder is still to skip, as far as its rows have reported."""
         self._rows: Iterator | None = None
 
     def rows(self) -> Iterator[PackedBatch]:
@@ -85,16 +91,19 @@ class TrainStream:
         while True:
             batch = next(self._rows).batch
             self.ledger.add(seen=batch.seen, packed=batch.num_conversations, dropped=batch.dropped)
+            self.trained.update(batch.keys)
+            self.skips.subtract(batch.dropped.get(SKIPPED_ON_RESUME, ()))
+            self.skips = +self.skips  # drop what is done
             if batch.num_conversations:
                 return batch
 
     # -- checkpoints ------------------------------------------------------------------------
 
     def state(self) -> dict:
-        """What resumes this stream exactly: Energon's loader state and the ledger. Samples
-        seen but still waiting in a packing buffer are left out of the ledger's ``seen``:
-        Energon restores its buffers by encoding those samples again, which counts them a
-        second time."""
+        """What resumes this stream exactly: Energon's loader state, the ledger, what it
+        trained and what it is still to skip. Samples seen but still waiting in a packing
+        buffer are left out of the ledger's ``seen``: Energon restores its buffers by
+        encoding those samples again, which counts them a second time."""
         led = self.ledger
         return {
             "loader": self.loader.save_state_rank(),
@@ -102,11 +111,50 @@ class TrainStream:
                 "seen": led.packed + led.num_dropped,
                 "packed": led.packed,
                 "dropped": dict(led.dropped),
+                "skipped_on_resume": led.skipped_on_resume,
             },
+            "trained": dict(self.trained),
+            "skips": dict(self.skips),
         }
 
     def restore(self, state: dict) -> None:
+        """Continue exactly where :meth:`state` stood (the same data-parallel layout)."""
         self.loader.restore_state_rank(state["loader"])
-        led = state["ledger"]
-        self.ledger = Ledger(seen=led["seen"], packed=led["packed"])
-        self.ledger.dropped.update(led["dropped"])
+        self.ledger = _ledger(state["ledger"])
+        self.trained = Counter(state["trained"])
+        self._skip(Counter(state["skips"]))
+
+    def continue_after(self, states: list[dict], *, counts_ledger: bool) -> int:
+        """Continue the :meth:`state` of every data-parallel rank of a run saved under
+        another layout: Energon's positions are per rank and cannot carry over, so this
+        stream starts from the beginning and skips each conversation the saved run trained
+        as many times as it trained it (a conversation lives in one rank's slice, so every
+        rank is given them all). ``counts_ledger``: this rank carries the saved ledger and
+        trained counts on (one rank does, so they are counted once). Returns how many
+        conversations the saved run trained."""
+        trained: Counter = Counter()
+        merged = Ledger()
+        for st in states:
+            trained.update(st["trained"])
+            merged = merged.merge(_ledger(st["ledger"]))
+        if counts_ledger:
+            self.ledger, self.trained = merged, Counter(trained)
+        self._skip(trained)
+        return trained.total()
+
+    def _skip(self, keys: Counter) -> None:
+        """Skip ``keys`` (before the loader starts: its workers copy the encoder)."""
+        if self._rows is not None:
+            raise RuntimeError("the stream has started: restore it before reading")
+        self.skips = Counter(keys)
+        self.encoder.skip = Counter(keys)
+
+
+def _ledger(saved: dict) -> Ledger:
+    led = Ledger(
+        seen=saved["seen"],
+        packed=saved["packed"],
+        skipped_on_resume=saved.get("skipped_on_resume", 0),
+    )
+    led.dropped.update(saved["dropped"])
+    return led

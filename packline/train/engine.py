@@ -5,20 +5,20 @@ evaluation); an engine owns what the layout changes (:mod:`packline.train.layout
 
 - :class:`DataParallelEngine` — every rank holds the whole model (one process, or torchrun
   data parallel): forward and backward per micro-batch, gradients summed over all ranks,
-  ``torch.nn.utils.clip_grad_norm_``; the adapters are one state, saved by rank 0.
+  ``torch.nn.utils.clip_grad_norm_``.
 - :class:`ExpertParallelEngine` — the MoE's experts split over a stage's ranks with
   transformers' engine (:mod:`packline.train.expert_parallel`); forward and backward per
   micro-batch as above, dense adapter gradients summed over the data-parallel ranks, expert
-  adapter gradients over the copies of each expert, the norm over both meshes; each rank
-  saves the adapters it owns.
+  adapter gradients over the copies of each expert, the norm over both meshes.
 - :class:`PipelineEngine` — the decoder split into stages with
   ``torch.distributed.pipelining`` (:mod:`packline.train.pipeline`), optionally with EP inside
-  each stage; the schedule runs every micro-batch of the step; each rank saves its stage's
-  adapters.
+  each stage; the schedule runs every micro-batch of the step.
 
 Every engine computes the same loss — Σ token loss / the global batch's target tokens, the
 gradients summed, never averaged — so the layout changes where the work runs, not the run:
-the equivalence tests compare each layout with one process on the same rows.
+the equivalence tests compare each layout with one process on the same rows. Checkpoints do
+not go through the engine: every rank saves what it holds under layout-free names
+(:mod:`packline.train.checkpoint`), so any layout resumes any other's.
 
 MoE models: every engine records the router logits (:class:`packline.qwen.moe.RouterRecorder`)
 and keeps the step's :class:`~packline.qwen.moe.RouterStats` over real tokens only;
@@ -136,7 +136,7 @@ class Engine(ABC):
     @property
     @abstractmethod
     def owns_whole_state(self) -> bool:
-        """Every rank holds the same whole adapter state (rank 0 saves it for all)."""
+        """Every rank holds the same whole adapter state."""
 
     @abstractmethod
     def reduce_gradients(self) -> None:
@@ -153,10 +153,6 @@ class Engine(ABC):
     @abstractmethod
     def local_state(self) -> dict[str, torch.Tensor]:
         """The trainable tensors this rank owns."""
-
-    @abstractmethod
-    def load_local_state(self, state: dict[str, torch.Tensor]) -> None:
-        """Load what :meth:`local_state` saved on this rank."""
 
     @abstractmethod
     def full_adapter_state(self) -> dict[str, torch.Tensor] | None:
@@ -187,12 +183,6 @@ class DataParallelEngine(Engine):
         """The trainable tensors this rank owns, by the model's parameter names."""
         return {n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad}
 
-    def load_local_state(self, state: dict[str, torch.Tensor]) -> None:
-        with torch.no_grad():
-            for n, p in self.model.named_parameters():
-                if n in state:
-                    p.copy_(state[n])
-
     def full_adapter_state(self) -> dict[str, torch.Tensor] | None:
         """The one-process adapter state (every rank calls this; rank 0 gets it)."""
         return self.local_state() if self.rank == 0 else None
@@ -201,7 +191,7 @@ class DataParallelEngine(Engine):
 class SplitEngine(Engine):
     """What EP and PP share: each rank holds part of the adapters (its experts' slices, its
     stage's layers), sums dense gradients over its stage's data ranks and expert gradients
-    over the copies of its experts, clips by the norm over every mesh, saves what it owns,
+    over the copies of its experts, clips by the norm over every mesh,
     and the parts merge back into the one-process PEFT state
     (:func:`packline.train.expert_parallel.merge_adapter_states`)."""
 
@@ -223,11 +213,6 @@ class SplitEngine(Engine):
         from packline.train.expert_parallel import local_adapter_state
 
         return local_adapter_state(self.model)
-
-    def load_local_state(self, state: dict) -> None:
-        from packline.train.expert_parallel import load_local_adapter_state
-
-        load_local_adapter_state(self.model, state)  # refuses another rank's experts
 
     def full_adapter_state(self) -> dict[str, torch.Tensor] | None:
         from packline.train.expert_parallel import merge_adapter_states

@@ -573,6 +573,42 @@ def _same(name: str, a: torch.Tensor, b: torch.Tensor) -> None:
         )
 
 
+def expert_factor_slices(model: nn.Module) -> dict[str, tuple[str, int, int]]:
+    """Every expert adapter factor this rank holds, as ``{PEFT name: (factor "A" | "B",
+    first expert, number of experts held)}``: an EP rank's :class:`ExpertLora` slices, or a
+    one-process PEFT model's whole stacks (its ``ParamWrapper`` on an experts parameter).
+    :func:`expert_views` splits them by expert: the layout-free checkpoint's currency."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    out = {n: (f, m.first_expert, m.num_local_experts) for n, (m, f) in _expert_factors(model).items()}
+    for name, module in model.named_modules():
+        if isinstance(module, ParamWrapper) and getattr(module, "num_experts", 1) > 1:
+            for factor in ("A", "B"):
+                out[f"{name}.lora_{factor}.{ADAPTER}.weight"] = (factor, 0, module.num_experts)
+    return out
+
+
+def expert_views(t: torch.Tensor, factor: str, first: int, count: int) -> dict[int, torch.Tensor]:
+    """``{global expert: its view of t}`` for a factor holding ``count`` experts from
+    ``first`` on: rows ``i·r … i·r + r`` of ``lora_A`` ``(r·n, in)``, the strided columns
+    ``[:, :, i]`` of ``lora_B`` ``(out, r·n)`` read as ``(out, r, n)``. Views: writing them
+    writes ``t``.
+
+    >>> a = torch.arange(8.0).reshape(4, 2)  # r = 2, two experts from expert 6 on
+    >>> {e: v.tolist() for e, v in expert_views(a, "A", 6, 2).items()}
+    {6: [[0.0, 1.0], [2.0, 3.0]], 7: [[4.0, 5.0], [6.0, 7.0]]}
+    >>> b = torch.arange(4.0).reshape(1, 4)  # (out 1, r 2 × 2 experts): expert i at i, 2 + i
+    >>> {e: v.tolist() for e, v in expert_views(b, "B", 0, 2).items()}
+    {0: [[0.0, 2.0]], 1: [[1.0, 3.0]]}
+    """
+    if factor == "A":
+        r = t.shape[0] // count
+        return {first + i: t[i * r : (i + 1) * r] for i in range(count)}
+    r = t.shape[1] // count
+    grid = t.view(t.shape[0], r, count)
+    return {first + i: grid[:, :, i] for i in range(count)}
+
+
 def expert_parameter_names(model: nn.Module) -> list[str]:
     """The PEFT names of this rank's expert adapter factors."""
     return list(_expert_factors(model))

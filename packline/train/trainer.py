@@ -54,9 +54,9 @@ from packline.energon.packing import PackingSettings
 from packline.flops import mfu
 from packline.packing.ledger import Ledger
 from packline.packing.thd import PackedBatch, build_padded_batch
-from packline.progress import progress
+from packline.progress import console, progress
 from packline.tracking import Tracker
-from packline.train.checkpoint import Checkpointer
+from packline.train.checkpoint import AdapterState, Checkpointer, OptimizerState, blob
 from packline.train.data import StreamSettings, TrainStream
 from packline.train.distributed import all_gather_object, barrier, rank_world
 from packline.train.engine import DataParallelEngine, Engine, router_metrics
@@ -565,62 +565,84 @@ class Trainer:
 
     # -- checkpoints ------------------------------------------------------------------------
 
-    def trainable_state(self) -> dict[str, torch.Tensor]:
-        """The trainable tensors this rank holds (all of them unless the model is split)."""
-        return self.engine.local_state()
-
     def save_checkpoint(self) -> Path:
-        """Checkpoint the run at this step (every rank calls this). When every rank holds
-        the whole model, rank 0 saves the adapters and optimizer for all; when the model is
-        split (EP, PP), each rank saves the part it owns."""
-        stream = self.stream.state()
-        weights = {
-            "adapter.pt": self.trainable_state(),
-            "optimizer.pt": self.optimizer.state_dict(),
-            "scheduler.pt": self.scheduler.state_dict(),
-        }
-        whole = self.engine.owns_whole_state
-        own = {
-            "loader.pt": stream["loader"],
-            "rng.pt": _rng_state(),
-            "ledger.json": stream["ledger"],
-        }
+        """Checkpoint the run at this step, layout-free (every rank calls this; see
+        :mod:`packline.train.checkpoint`): the adapters and optimizer state each rank
+        holds, the scheduler, the run's step, counters and layout, each data-parallel
+        index's stream and each rank's RNG."""
+        lay = self.layout
         return self.checkpointer.save(
             self.step,
-            own=own if whole else {**own, **weights},
-            shared=weights if whole and self.lead else {},
-            state={
-                "step": self.step,
-                "counters": self.counters.state_dict(),
-                "layout": self.layout_record(),
+            {
+                "adapter": AdapterState(self.model),
+                "optimizer": OptimizerState(self.model, self.optimizer),
+                "scheduler": blob(self.scheduler.state_dict()),
+                "run": blob(
+                    {
+                        "step": self.step,
+                        "counters": self.counters.state_dict(),
+                        "layout": self.layout_record(),
+                    }
+                ),
+                f"stream/d{self.coords.d:03d}of{lay.data:03d}": blob(self.stream.state()),
+                f"rng/rank{self.rank:03d}of{self.world:03d}": blob(_rng_state()),
             },
         )
 
     def layout_record(self) -> dict:
-        """The layout a checkpoint was written under (resume needs the same one)."""
+        """The layout a checkpoint was written under."""
         lay = self.layout
-        return {"pipeline": lay.pipeline, "expert": lay.expert, "fsdp": lay.fsdp}
+        return {
+            "world": lay.world,
+            "data": lay.data,
+            "pipeline": lay.pipeline,
+            "expert": lay.expert,
+            "fsdp": lay.fsdp,
+        }
 
     def resume(self) -> int:
-        """Load the latest complete checkpoint, if any; returns its step (0 when fresh)."""
+        """Load the latest complete checkpoint, if any; returns its step (0 when fresh).
+        Any layout loads any other's checkpoint. With the same number of data-parallel
+        ranks each stream continues exactly where it stood; otherwise the streams start
+        again and skip, once each, the conversations the saved run trained (one warning
+        line; the ledger counts them as ``data/skipped_on_resume``)."""
         path = self.checkpointer.latest()
         if path is None:
             return 0
-        ckpt = self.checkpointer.load(path)
-        written = ckpt.state.get("layout", {"pipeline": 1, "expert": 1, "fsdp": False})
-        if written != self.layout_record():
-            raise ValueError(
-                f"{path} was written under the layout {written}, this run's is "
-                f"{self.layout_record()}: resume with the same train.parallel"
-            )
-        weights = ckpt.shared if self.engine.owns_whole_state else ckpt.own
-        self.engine.load_local_state(weights("adapter.pt"))
-        self.optimizer.load_state_dict(weights("optimizer.pt"))
-        self.scheduler.load_state_dict(weights("scheduler.pt"))
-        self.stream.restore({"loader": ckpt.own("loader.pt"), "ledger": ckpt.own("ledger.json")})
-        _set_rng_state(ckpt.own("rng.pt"))
-        self.step = ckpt.state["step"]
-        self.counters.load_state_dict(ckpt.state["counters"])
+        ck = self.checkpointer
+        saved = ck.names(path)
+        objects = ck.read(path, "run", "scheduler")
+        run = objects["run"]
+        ck.load(
+            path,
+            {
+                "adapter": AdapterState(self.model),
+                "optimizer": OptimizerState(self.model, self.optimizer, saved),
+            },
+        )
+        self.scheduler.load_state_dict(objects["scheduler"])
+        lay, written = self.layout, run["layout"]
+        streams = sorted(k for k in saved if k.startswith("stream/"))
+        if written["data"] == lay.data:
+            mine = f"stream/d{self.coords.d:03d}of{lay.data:03d}"
+            self.stream.restore(ck.read(path, mine)[mine])
+        else:
+            every = list(ck.read(path, *streams).values())
+            trained = self.stream.continue_after(every, counts_ledger=self.coords.d == 0)
+            if self.lead:
+                console.log(
+                    f"[yellow]warning:[/] {path.name} was written by {written['data']} "
+                    f"data-parallel rank(s), this run has {lay.data}: the loaders' positions "
+                    f"cannot carry over rank for rank, so the stream starts again and skips "
+                    f"the {trained} conversation(s) trained before, once each "
+                    "(data/skipped_on_resume)"
+                )
+        rngs = sorted(k for k in saved if k.startswith("rng/"))
+        own = f"rng/rank{self.rank:03d}of{self.world:03d}"
+        rng = own if own in rngs else rngs[0]
+        _set_rng_state(ck.read(path, rng)[rng])
+        self.step = run["step"]
+        self.counters.load_state_dict(run["counters"])
         return self.step
 
 

@@ -68,10 +68,10 @@ def test_bf16_precision_runs_the_training_forwards_under_autocast(work, tmp_path
 
 def _train_cmd(work: Path, *, kill_in_checkpoint: int | None = None) -> list[str]:
     """``packline stage train`` of 20 steps; with ``kill_in_checkpoint``, SIGKILLed while it
-    writes that step's checkpoint (after the adapter, before the optimizer state)."""
+    writes that step's checkpoint (after its data file, before DCP commits the metadata)."""
     cli = ["pipelines.cli"]
     if kill_in_checkpoint is not None:
-        cli = ["tests.integration.kill_in_checkpoint", str(kill_in_checkpoint), "adapter.pt"]
+        cli = ["tests.integration.kill_in_checkpoint", str(kill_in_checkpoint), "__0_0.distcp"]
     return [
         sys.executable,
         "-m",
@@ -186,10 +186,10 @@ def test_rerunning_a_finished_run_resumes_at_its_end_and_trains_nothing(work, tm
     trainer_for(cfg, True, run).train()
     (last,) = sorted((run / "checkpoints").iterdir())
     assert last.name == "step_000002"
-    state = (last / "state.json").read_bytes()
+    state = {p.name: p.read_bytes() for p in last.iterdir()}
     again = trainer_for(cfg, True, run)
     again.train()
     assert again.step == 2
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000002"]
-    assert (last / "state.json").read_bytes() == state
+    assert {p.name: p.read_bytes() for p in last.iterdir()} == state
     assert [r["step"] for r in read_records(run / "metrics.jsonl")] == [1, 2]

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from packline.train.checkpoint import Checkpointer
 from packline.train.distributed import torchrun_command
 from tests.integration.train_helpers import SMALL
 
@@ -79,4 +80,5 @@ def test_two_rank_stage_reads_disjoint_data_and_keeps_replicas_equal(work, tmp_p
     result = json.loads((run_work / "train" / "packed" / "result.json").read_text())
     assert result["ranks"] == 2 and result["steps"] == steps
     ckpt = run_work / "train" / "packed" / "checkpoints" / f"step_{steps:06d}"
-    assert (ckpt / "loader_rank000.pt").is_file() and (ckpt / "loader_rank001.pt").is_file()
+    saved = Checkpointer(ckpt.parent, keep_last=1).names(ckpt)
+    assert {"stream/d000of002", "stream/d001of002"} <= set(saved)  # each rank's loader
