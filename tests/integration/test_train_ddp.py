@@ -14,7 +14,11 @@ import pytest
 
 from packline.train.checkpoint import Checkpointer
 from packline.train.distributed import torchrun_command
-from tests.integration.train_helpers import SMALL
+from stages.connect import connect_processor
+from stages.prepare import prepare_dataset
+from stages.validate import validate_config
+from tests.conftest import make_config
+from tests.integration.train_helpers import SMALL, check_resume_on_one_process
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -39,13 +43,26 @@ def test_two_ranks_packed_and_unpacked_step_agree(work, tmp_path):
     assert r["grads_equal_across_ranks"]  # summed, identically on both ranks
 
 
+#: a set whose epoch outlasts 10 steps of one row per rank: a rank's 400 conversations hold
+#: the ~100 it trains plus Energon's shuffle (100) and packing (64) buffers, which already
+#: read into the next epoch when the slice is smaller
+WIDE = (*SMALL, "data.num_train=800", "train.compare_packing=false")
+
+
 @pytest.mark.slow
-def test_two_rank_stage_reads_disjoint_data_and_keeps_replicas_equal(work, tmp_path):
+def test_two_rank_stage_reads_disjoint_data_keeps_replicas_equal_and_resumes_on_one_rank(
+    tmp_path, capsys
+):
+    """The ranks read disjoint rows and keep equal weights; the run's last checkpoint (step
+    10) resumes on one process (every saved value loads bitwise) and trains on without a
+    conversation of the epoch twice."""
     run_work = tmp_path / "work"
-    run_work.mkdir()
-    for name in ("prepare", "connect", "validate"):  # copies: packline refuses links there
-        shutil.copytree(work / name, run_work / name)
-    steps = 4
+    cfg = make_config(run_work, *WIDE)
+    prepare_dataset(cfg)
+    connect_processor(cfg)
+    validate_config(cfg)
+    steps = 10
+    settings = list(WIDE)
     cmd = [
         sys.executable,
         "-m",
@@ -53,10 +70,8 @@ def test_two_rank_stage_reads_disjoint_data_and_keeps_replicas_equal(work, tmp_p
         "stage",
         "train",
         f"work_dir={run_work}",
-        *SMALL,
-        "train.global_batch_size=4",
+        *settings,
         "train.nproc_per_node=2",
-        "train.compare_packing=false",
         f"train.max_steps={steps}",
         "train.save_every=2",
         "train.eval_samples=0",
@@ -82,3 +97,14 @@ def test_two_rank_stage_reads_disjoint_data_and_keeps_replicas_equal(work, tmp_p
     ckpt = run_work / "train" / "packed" / "checkpoints" / f"step_{steps:06d}"
     saved = Checkpointer(ckpt.parent, keep_last=1).names(ckpt)
     assert {"stream/d000of002", "stream/d001of002"} <= set(saved)  # each rank's loader
+
+    more = 3
+    records = check_resume_on_one_process(
+        run_work, [*settings, "train.save_every=2"], step=steps, more=more, capsys=capsys
+    )
+    before = [k for r in records[:steps] for k in r["keys"]]
+    after = [k for r in records[steps:] for k in r["keys"]]
+    assert len(set(before)) == len(before)  # the saved run's part of the epoch ...
+    assert after and not set(after) & set(before)  # ... not trained again after the resume
+    skipped = records[steps]["data/skipped_on_resume"]
+    assert 0 < skipped <= len(before)  # read again by the new stream and skipped, counted
