@@ -7,8 +7,9 @@ own, and the runner for every stage's, without any stage importing another.
 Each stage's own part: prepare, the data and prepare sections, the processor's geometry,
 the user's source (every file's path, size and mtime) and its output layout; connect, the
 processor section and dir (its bytes), and the packing settings the forecast uses; validate,
-every setting a rule reads and the model's ``config.json``; train, its sections and the
-model checkpoint's files.
+every setting a rule reads and the model's ``config.json``; train, its sections (the local
+run's parallel layout aside: any layout resumes any other's checkpoints) and the model
+checkpoint's files.
 """
 
 from __future__ import annotations
@@ -114,15 +115,27 @@ def _validate(cfg: PipelineConfig) -> list[Any]:
     return [settings, model_hash]
 
 
+#: The local run's parallel layout, left out of its fingerprint: any layout resumes any
+#: other's checkpoints (packline/train/checkpoint.py), so a run restarted on more or fewer
+#: ranks, or split otherwise, continues where it stood instead of starting over.
+LOCAL_LAYOUT_KEYS = ("nproc_per_node", "parallel")
+
+
 def _train(cfg: PipelineConfig) -> list[Any]:
     sections = ["model", "lora", "train", "packing"]
     if cfg.train.backend == TrainBackend.megatron:
         sections.append("megatron")
+    d = cfg.to_dict()
+    settings = {s: d[s] for s in sections}
+    if cfg.train.backend == TrainBackend.local:
+        settings["train"] = {
+            k: v for k, v in settings["train"].items() if k not in LOCAL_LAYOUT_KEYS
+        }
     # The checkpoint's files (path, size, mtime): a base rebuilt at the same path retrains,
     # and the old run's adapters are not resumed onto it.
     model_dir = Path(cfg.model.path).expanduser() if cfg.model.path else None
     weights = hash_tree(model_dir) if model_dir is not None and model_dir.is_dir() else None
-    return [cfg.section_hash(*sections), weights]
+    return [settings, weights]
 
 
 _OWN = {"prepare": _prepare, "connect": _connect, "validate": _validate, "train": _train}

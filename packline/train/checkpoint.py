@@ -45,7 +45,7 @@ import os
 import pickle
 import shutil
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -232,7 +232,9 @@ class OptimizerState(Stateful):
         self.saved = {k[len(prefix) :]: v for k, v in (saved or {}).items() if k.startswith(prefix)}
 
     def state_dict(self) -> dict[str, Any]:
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        groups = [
+            {k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups
+        ]
         out: dict[str, Any] = {self.GROUPS: blob(groups)}
         h = self.held
         if self.saved:  # loading: a target of the saved size for each value this rank holds

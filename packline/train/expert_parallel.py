@@ -93,8 +93,9 @@ _BASE_IMPL = "_packline_base_experts_impl"  # on an experts module: its implemen
 def distribute_experts(model: nn.Module, layout: ParallelLayout, groups=None) -> nn.Module:
     """Split ``model`` (the plain HF MoE model, the same weights on every rank) over the
     ranks as ``layout`` says and return it (FSDP2 may change its class). Every rank calls
-    this together. ``groups`` (:meth:`ParallelLayout.groups`) is not needed: the meshes are
-    built here, over the same ranks."""
+    this together. ``groups`` (:class:`~packline.train.layout.LayoutGroups`): its device
+    mesh splits a pipeline stage's experts (built here when None); without a pipeline,
+    transformers' engine builds its own mesh over the same ranks."""
     from packline.train.distributed import init_from_env
 
     if layout.expert == 1 and not layout.fsdp:
@@ -110,7 +111,11 @@ def distribute_experts(model: nn.Module, layout: ParallelLayout, groups=None) ->
     model = model.to(device)
     if layout.pipeline == 1:
         return _distribute_with_engine(model, layout)
-    return _distribute_stage_experts(model, layout, device)
+    if groups is None:
+        from packline.train.layout import LayoutGroups
+
+        groups = LayoutGroups(layout)
+    return _distribute_stage_experts(model, layout, groups.mesh)
 
 
 def _device() -> torch.device:
@@ -153,22 +158,15 @@ def _vl_fsdp_plan(model: nn.Module) -> dict[str, str] | None:
     }
 
 
-def _distribute_stage_experts(
-    model: nn.Module, layout: ParallelLayout, device: torch.device
-) -> nn.Module:
+def _distribute_stage_experts(model: nn.Module, layout: ParallelLayout, mesh) -> nn.Module:
     """``layout.pipeline > 1``: ``apply_expert_parallelism`` on the expert-parallel group of
-    this rank's stage (ranks ``stage·data + copy·E + e``, e = 0..E-1), no FSDP."""
-    from torch.distributed.device_mesh import init_device_mesh
+    this rank's stage (``mesh["ep"]``, the layout's mesh: ranks ``stage·data + copy·E + e``,
+    e = 0..E-1), no FSDP."""
     from transformers.distributed import DistributedConfig
     from transformers.distributed.expert_parallel import apply_expert_parallelism
 
     if layout.expert == 1:
         return model
-    mesh = init_device_mesh(
-        device.type,
-        (layout.pipeline, layout.expert_data, layout.expert, 1),
-        mesh_dim_names=("pp", "edp", "ep", "tp"),
-    )
     # The model's resolved EP plan (its own DistributedConfig mesh is never built).
     _, ep_plan, _ = model._resolve_parallel_plans(
         DistributedConfig(fsdp_size=layout.expert, ep_size=layout.expert)
@@ -580,7 +578,9 @@ def expert_factor_slices(model: nn.Module) -> dict[str, tuple[str, int, int]]:
     :func:`expert_views` splits them by expert: the layout-free checkpoint's currency."""
     from peft.tuners.lora.layer import ParamWrapper
 
-    out = {n: (f, m.first_expert, m.num_local_experts) for n, (m, f) in _expert_factors(model).items()}
+    out = {
+        n: (f, m.first_expert, m.num_local_experts) for n, (m, f) in _expert_factors(model).items()
+    }
     for name, module in model.named_modules():
         if isinstance(module, ParamWrapper) and getattr(module, "num_experts", 1) > 1:
             for factor in ("A", "B"):

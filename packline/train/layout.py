@@ -1,8 +1,9 @@
 """What a local training run's parallel layout (:class:`schemas.layout.ParallelLayout`: who
 holds and reads what) needs of torch, once:
 
-- :class:`LayoutGroups` — the process groups (stage's data-parallel ranks, the pipeline's
-  stages, the expert-parallel ranks, the copies of each expert);
+- :class:`LayoutGroups` — the layout's ``DeviceMesh`` and its process groups (stage's
+  data-parallel ranks, the pipeline's stages, the expert-parallel ranks, the copies of each
+  expert);
 - :func:`count_once` — a per-rank value summed over the world with one copy per
   data-parallel index (every stage reads the same rows: their counters count once);
 - :func:`clip_grad_norm` — the global gradient norm over parameters that live on different
@@ -21,44 +22,44 @@ from schemas.layout import ParallelLayout
 
 
 class LayoutGroups:
-    """The process groups of a layout, created collectively (``dist.new_group`` on every
-    rank for every group). Without a process group (one rank) every group is None and the
-    collectives below are no-ops."""
+    """The layout as torch's ``DeviceMesh`` and the process groups it gives, created
+    collectively (every rank builds the same meshes):
+
+    - ``mesh`` ``(pp, edp, ep, tp)`` — pipeline stages × copies of each expert × expert
+      slices × 1 (the tensor-parallel dim transformers' expert parallelism asks for), so
+      ``rank = stage·data + copy·E + e``: ``pipeline`` (the same ``d`` on every stage) is
+      its ``pp`` dim, ``expert`` (a stage's E slices of one copy) its ``ep``, and
+      ``expert_copies`` (the copies of this rank's experts) its ``edp``;
+    - ``stage_mesh`` ``(pp, dp)`` — ``stage_data`` (a stage's data-parallel ranks) is its
+      ``dp`` dim.
+
+    Without a process group (one rank) the meshes and groups are None and the collectives
+    below are no-ops."""
 
     def __init__(self, layout: ParallelLayout):
         self.layout = layout
         self.rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         self.coords = layout.coords(self.rank)
+        self.mesh = self.stage_mesh = None
         self.stage_data = self.pipeline = self.expert = self.expert_copies = None
         if layout.world == 1:
             return
+        from torch.distributed.device_mesh import init_device_mesh
+
         lay = layout
-        # every rank creates every group in the same order (new_group is collective)
-        for stage in range(lay.pipeline):
-            ranks = [lay.rank_of(stage=stage, d=d) for d in range(lay.data)]
-            g = dist.new_group(ranks)
-            if stage == self.coords.stage:
-                self.stage_data = g
-            for copy in range(lay.expert_data):
-                ranks = [
-                    lay.rank_of(stage=stage, d=copy * lay.expert + e) for e in range(lay.expert)
-                ]
-                g = dist.new_group(ranks)
-                if stage == self.coords.stage and copy == self.coords.expert_copy:
-                    self.expert = g
-            for e in range(lay.expert):
-                ranks = [
-                    lay.rank_of(stage=stage, d=copy * lay.expert + e)
-                    for copy in range(lay.expert_data)
-                ]
-                g = dist.new_group(ranks)
-                if stage == self.coords.stage and e == self.coords.ep_rank:
-                    self.expert_copies = g
-        for d in range(lay.data):
-            ranks = [lay.rank_of(stage=s, d=d) for s in range(lay.pipeline)]
-            g = dist.new_group(ranks)
-            if d == self.coords.d:
-                self.pipeline = g
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.mesh = init_device_mesh(
+            device,
+            (lay.pipeline, lay.expert_data, lay.expert, 1),
+            mesh_dim_names=("pp", "edp", "ep", "tp"),
+        )
+        self.stage_mesh = init_device_mesh(
+            device, (lay.pipeline, lay.data), mesh_dim_names=("pp", "dp")
+        )
+        self.stage_data = self.stage_mesh.get_group("dp")
+        self.pipeline = self.mesh.get_group("pp")
+        self.expert = self.mesh.get_group("ep")
+        self.expert_copies = self.mesh.get_group("edp")
 
     @cached_property
     def pipeline_ranks(self) -> list[int]:

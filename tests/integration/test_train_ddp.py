@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from packline.train.checkpoint import Checkpointer
 from packline.train.distributed import torchrun_command
@@ -97,6 +98,26 @@ def test_two_rank_stage_reads_disjoint_data_keeps_replicas_equal_and_resumes_on_
     ckpt = run_work / "train" / "packed" / "checkpoints" / f"step_{steps:06d}"
     saved = Checkpointer(ckpt.parent, keep_last=1).names(ckpt)
     assert {"stream/d000of002", "stream/d001of002"} <= set(saved)  # each rank's loader
+
+    # the finished run, rerun on one process by the CLI: the same run dir (the layout is not
+    # part of the run's fingerprint), resumed at its end under the new layout, nothing trained
+    adapter = run_work / "train" / "packed" / "adapter" / "adapter_model.safetensors"
+    exported = load_file(adapter)
+    kept = {p.name: p.read_bytes() for p in ckpt.iterdir()}
+    one = [
+        *cmd[: cmd.index("train.nproc_per_node=2")],
+        *cmd[cmd.index("train.nproc_per_node=2") + 1 :],
+    ]
+    rerun = subprocess.run(one, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stderr
+    assert "cannot carry over rank for rank" in " ".join(rerun.stderr.split())
+    assert {p.name: p.read_bytes() for p in ckpt.iterdir()} == kept
+    assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == list(
+        range(1, steps + 1)
+    )
+    again = load_file(adapter)  # exported from the one process's loaded adapter
+    assert sorted(again) == sorted(exported)
+    assert all(torch.equal(again[k], exported[k]) for k in exported)
 
     more = 3
     records = check_resume_on_one_process(

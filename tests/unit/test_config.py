@@ -118,6 +118,24 @@ def test_a_base_rebuilt_at_the_same_path_changes_the_train_fingerprint(tmp_path:
     assert stage_fingerprint(cfg, "train") != first
 
 
+def test_the_local_layout_is_not_part_of_the_train_fingerprint(tmp_path: Path):
+    """A local run restarted on other ranks or split otherwise resumes its checkpoints (any
+    layout loads any other's), so its run dir is kept; any other train setting, or the
+    Megatron backend's layout, starts it over."""
+    from packline.fingerprints import stage_fingerprint
+
+    def fp(*overrides: str) -> str:
+        return stage_fingerprint(load_config(None, [f"work_dir={tmp_path}", *overrides]), "train")
+
+    base = fp()
+    assert fp("train.nproc_per_node=2") == base
+    moe = ("model.moe=true", "model.path=null", "packing.pad_to_max_length=true")
+    ep2 = ("train.nproc_per_node=2", "train.parallel.expert_parallel=2")
+    assert fp(*moe, *ep2) == fp(*moe)
+    assert fp("train.global_batch_size=8") != base
+    assert fp("train.num_workers=1") != base  # the loader's state is per worker
+
+
 @pytest.mark.parametrize(
     ("tp", "cp", "sp", "expected"),
     [
