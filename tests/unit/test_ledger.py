@@ -32,3 +32,17 @@ def test_ledgers_of_ranks_merge():
     merged = a.merge(b)
     assert (merged.seen, merged.packed, merged.num_dropped) == (5, 4, 1)
     merged.check()
+
+
+def test_conversations_skipped_on_resume_are_counted_apart_not_seen_twice():
+    """A resume under another layout re-reads what the saved run trained and skips it: the
+    row reports those keys, which count as skipped, not as seen again or dropped."""
+    from packline.packing.ledger import SKIPPED_ON_RESUME
+
+    ledger = Ledger(seen=3, packed=3)  # the saved run's
+    ledger.add(seen=4, packed=2, dropped={SKIPPED_ON_RESUME: ["a", "b"]})
+    ledger.check()
+    metrics = ledger.to_metrics()
+    assert (metrics["data/seen"], metrics["data/skipped_on_resume"]) == (5.0, 2.0)
+    assert metrics["data/dropped"] == 0.0
+    assert "data/skipped_on_resume" not in Ledger(seen=1, packed=1).to_metrics()
