@@ -13,9 +13,10 @@ rank reading only what it holds:
 - AdamW's state the same way, per parameter and field (:class:`OptimizerState`:
   ``<name>:exp_avg``, ``<name>@expert003:exp_avg_sq``, ``<name>:step``), and its param
   groups' hyper-parameters;
-- plain objects pickled into one value each (:func:`blob` / :func:`unblob`): the scheduler,
-  the run's step, counters and layout, each data-parallel index's loader state and each
-  rank's RNG.
+- every other state as one pickled value (:class:`Pickled`, a :class:`Stateful` over an
+  object's own state and restore): the scheduler, the run's step, counters and layout,
+  each data-parallel index's stream (Energon's loader state, the ledger, what it trained)
+  and each rank's RNG.
 
 Copies of one value on several ranks (a replicated adapter, an expert slice held twice) are
 written once (DCP's own de-duplication). The trainer (:meth:`Trainer.save_checkpoint
@@ -30,7 +31,8 @@ the metadata); nothing runs by default.
 >>> import tempfile, pathlib
 >>> ckpt = Checkpointer(pathlib.Path(tempfile.mkdtemp()), keep_last=2)
 >>> for step in (5, 10, 15):
-...     _ = ckpt.save(step, {"w": torch.full((2,), float(step)), "run": blob({"step": step})})
+...     run = Pickled(lambda: {"step": step}, print)
+...     _ = ckpt.save(step, {"w": torch.full((2,), float(step)), "run": run})
 >>> [p.name for p in ckpt.complete()]
 ['step_000010', 'step_000015']
 >>> state = {"w": torch.zeros(2)}
@@ -46,6 +48,7 @@ import pickle
 import shutil
 import warnings
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +88,30 @@ def blob(value: Any) -> bytes:
 
 def unblob(data: bytes) -> Any:
     return pickle.loads(data)
+
+
+class Pickled(Stateful):
+    """A :class:`Stateful` over any object's own ``state()`` / ``restore(state)`` pair (the
+    scheduler's ``state_dict``, the stream's loader state, the RNG), saved as one pickled
+    value ``<name>.state``: layout-free by construction, one per rank where the name says
+    so.
+
+    >>> box = {"n": 1}
+    >>> p = Pickled(lambda: dict(box), box.update)
+    >>> p.load_state_dict({"state": blob({"n": 2})}); box
+    {'n': 2}
+    """
+
+    KEY = "state"
+
+    def __init__(self, state: Callable[[], Any], restore: Callable[[Any], Any]):
+        self._state, self._restore = state, restore
+
+    def state_dict(self) -> dict[str, bytes]:
+        return {self.KEY: blob(self._state())}
+
+    def load_state_dict(self, state: dict[str, bytes]) -> None:
+        self._restore(unblob(state[self.KEY]))
 
 
 class _Writer(FileSystemWriter):
@@ -166,10 +193,10 @@ class Checkpointer:
             quiet.__exit__(None, None, None)
 
     def read(self, path: Path, *names: str) -> dict[str, Any]:
-        """The :func:`blob` values ``names`` of ``path``."""
-        state: dict[str, Any] = {n: b"" for n in names}
-        self.load(path, state)
-        return {n: unblob(v) for n, v in state.items()}
+        """The :class:`Pickled` states saved as ``names`` in ``path``."""
+        out: dict[str, Any] = {}
+        self.load(path, {n: Pickled(lambda: None, partial(out.__setitem__, n)) for n in names})
+        return out
 
 
 # -- the trainable state, layout-free ------------------------------------------------------------

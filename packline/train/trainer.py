@@ -40,6 +40,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint.stateful import Stateful
 
 from packline import metrics as names
 from packline.counters import (
@@ -56,7 +57,7 @@ from packline.packing.ledger import Ledger
 from packline.packing.thd import PackedBatch, build_padded_batch
 from packline.progress import console, progress
 from packline.tracking import Tracker
-from packline.train.checkpoint import AdapterState, Checkpointer, OptimizerState, blob
+from packline.train.checkpoint import AdapterState, Checkpointer, OptimizerState, Pickled
 from packline.train.data import StreamSettings, TrainStream
 from packline.train.distributed import all_gather_object, barrier, rank_world
 from packline.train.engine import DataParallelEngine, Engine, router_metrics
@@ -567,27 +568,37 @@ class Trainer:
 
     def save_checkpoint(self) -> Path:
         """Checkpoint the run at this step, layout-free (every rank calls this; see
-        :mod:`packline.train.checkpoint`): the adapters and optimizer state each rank
-        holds, the scheduler, the run's step, counters and layout, each data-parallel
-        index's stream and each rank's RNG."""
+        :mod:`packline.train.checkpoint`)."""
+        return self.checkpointer.save(self.step, self.checkpoint_state())
+
+    def checkpoint_state(self, saved: dict | None = None) -> dict[str, Stateful]:
+        """What a checkpoint holds, as :class:`Stateful` objects by name: the adapters and
+        optimizer state this rank holds, the scheduler, the run (step, counters, layout),
+        this data-parallel index's stream and this rank's RNG. ``saved``: the names of the
+        checkpoint to load (a fresh optimizer learns from them what it loads)."""
         lay = self.layout
-        return self.checkpointer.save(
-            self.step,
-            {
-                "adapter": AdapterState(self.model),
-                "optimizer": OptimizerState(self.model, self.optimizer),
-                "scheduler": blob(self.scheduler.state_dict()),
-                "run": blob(
-                    {
-                        "step": self.step,
-                        "counters": self.counters.state_dict(),
-                        "layout": self.layout_record(),
-                    }
-                ),
-                f"stream/d{self.coords.d:03d}of{lay.data:03d}": blob(self.stream.state()),
-                f"rng/rank{self.rank:03d}of{self.world:03d}": blob(_rng_state()),
-            },
-        )
+        return {
+            "adapter": AdapterState(self.model),
+            "optimizer": OptimizerState(self.model, self.optimizer, saved),
+            "scheduler": Pickled(self.scheduler.state_dict, self.scheduler.load_state_dict),
+            "run": Pickled(self._run_state, self._restore_run),
+            self._stream_name(lay.data): Pickled(self.stream.state, self.stream.restore),
+            f"rng/rank{self.rank:03d}of{self.world:03d}": Pickled(_rng_state, _set_rng_state),
+        }
+
+    def _stream_name(self, data: int) -> str:
+        return f"stream/d{self.coords.d:03d}of{data:03d}"
+
+    def _run_state(self) -> dict:
+        return {
+            "step": self.step,
+            "counters": self.counters.state_dict(),
+            "layout": self.layout_record(),
+        }
+
+    def _restore_run(self, run: dict) -> None:
+        self.step = run["step"]
+        self.counters.load_state_dict(run["counters"])
 
     def layout_record(self) -> dict:
         """The layout a checkpoint was written under."""
@@ -611,22 +622,19 @@ class Trainer:
             return 0
         ck = self.checkpointer
         saved = ck.names(path)
-        objects = ck.read(path, "run", "scheduler")
-        run = objects["run"]
-        ck.load(
-            path,
-            {
-                "adapter": AdapterState(self.model),
-                "optimizer": OptimizerState(self.model, self.optimizer, saved),
-            },
-        )
-        self.scheduler.load_state_dict(objects["scheduler"])
-        lay, written = self.layout, run["layout"]
-        streams = sorted(k for k in saved if k.startswith("stream/"))
-        if written["data"] == lay.data:
-            mine = f"stream/d{self.coords.d:03d}of{lay.data:03d}"
-            self.stream.restore(ck.read(path, mine)[mine])
-        else:
+        written = ck.read(path, "run")["run"]["layout"]
+        state = self.checkpoint_state(saved)
+        own_rng = next(k for k in state if k.startswith("rng/"))
+        if f"{own_rng}.{Pickled.KEY}" not in saved:  # another world: rank 0's RNG
+            state[min(k.rpartition(".")[0] for k in saved if k.startswith("rng/"))] = state.pop(
+                own_rng
+            )
+        lay = self.layout
+        if written["data"] != lay.data:
+            del state[self._stream_name(lay.data)]
+        ck.load(path, state)
+        if written["data"] != lay.data:
+            streams = sorted({k.rpartition(".")[0] for k in saved if k.startswith("stream/")})
             every = list(ck.read(path, *streams).values())
             trained = self.stream.continue_after(every, counts_ledger=self.coords.d == 0)
             if self.lead:
@@ -637,12 +645,6 @@ class Trainer:
                     f"the {trained} conversation(s) trained before, once each "
                     "(data/skipped_on_resume)"
                 )
-        rngs = sorted(k for k in saved if k.startswith("rng/"))
-        own = f"rng/rank{self.rank:03d}of{self.world:03d}"
-        rng = own if own in rngs else rngs[0]
-        _set_rng_state(ck.read(path, rng)[rng])
-        self.step = run["step"]
-        self.counters.load_state_dict(run["counters"])
         return self.step
 
 

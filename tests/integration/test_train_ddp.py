@@ -97,7 +97,8 @@ def test_two_rank_stage_reads_disjoint_data_keeps_replicas_equal_and_resumes_on_
     assert result["ranks"] == 2 and result["steps"] == steps
     ckpt = run_work / "train" / "packed" / "checkpoints" / f"step_{steps:06d}"
     saved = Checkpointer(ckpt.parent, keep_last=1).names(ckpt)
-    assert {"stream/d000of002", "stream/d001of002"} <= set(saved)  # each rank's loader
+    loaders = {"stream/d000of002.state", "stream/d001of002.state"}  # each rank's
+    assert loaders <= set(saved)
 
     # the finished run, rerun on one process by the CLI: the same run dir (the layout is not
     # part of the run's fingerprint), resumed at its end under the new layout, nothing trained

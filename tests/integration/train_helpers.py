@@ -98,7 +98,7 @@ def check_resume_on_one_process(
     assert held == len(trainer.params) > 0
     groups = pickle.loads(optimizer["param_groups"])
     assert [g["lr"] for g in trainer.optimizer.param_groups] == [g["lr"] for g in groups]
-    assert trainer.scheduler.state_dict() == pickle.loads(saved["scheduler"])
+    assert trainer.scheduler.state_dict() == pickle.loads(saved["scheduler"]["state"])
     assert trainer.scheduler.last_epoch == step
     assert sorted(p.name for p in ckpt.iterdir()) == before  # read, never rewritten
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from packline.train.checkpoint import AdapterState, Checkpointer, OptimizerState, blob
+from packline.train.checkpoint import AdapterState, Checkpointer, OptimizerState, Pickled
 
 
 def _model_and_optimizer(seed: int):
@@ -36,7 +36,7 @@ def test_a_fresh_model_and_optimizer_load_the_checkpoint_bitwise_and_train_on(tm
         {
             "adapter": AdapterState(model),
             "optimizer": OptimizerState(model, optimizer),
-            "scheduler": blob(scheduler.state_dict()),
+            "scheduler": Pickled(scheduler.state_dict, scheduler.load_state_dict),
         },
     )
     names = ckpt.names(path)
@@ -49,9 +49,12 @@ def test_a_fresh_model_and_optimizer_load_the_checkpoint_bitwise_and_train_on(tm
     fresh[0].weight.data.copy_(model[0].weight)  # the frozen base is the same
     ckpt.load(
         path,
-        {"adapter": AdapterState(fresh), "optimizer": OptimizerState(fresh, fresh_opt, names)},
+        {
+            "adapter": AdapterState(fresh),
+            "optimizer": OptimizerState(fresh, fresh_opt, names),
+            "scheduler": Pickled(fresh_sched.state_dict, fresh_sched.load_state_dict),
+        },
     )
-    fresh_sched.load_state_dict(ckpt.read(path, "scheduler")["scheduler"])
     for a, b in zip(model.parameters(), fresh.parameters(), strict=True):
         assert torch.equal(a, b)
     saved_params, loaded_params = (o.param_groups[0]["params"] for o in (optimizer, fresh_opt))
@@ -59,6 +62,7 @@ def test_a_fresh_model_and_optimizer_load_the_checkpoint_bitwise_and_train_on(tm
         s, t = optimizer.state[p], fresh_opt.state[q]
         assert set(s) == set(t) and all(torch.equal(s[k], t[k]) for k in s)
     assert fresh_opt.param_groups[0]["lr"] == optimizer.param_groups[0]["lr"]
+    assert fresh_sched.state_dict() == scheduler.state_dict()
 
     _step(model, optimizer, scheduler, x)  # the run that never stopped ...
     _step(fresh, fresh_opt, fresh_sched, x)  # ... and the resumed one
