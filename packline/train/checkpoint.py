@@ -47,7 +47,8 @@ import os
 import pickle
 import shutil
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -129,12 +130,12 @@ class _Writer(FileSystemWriter):
         _fire(self.step, METADATA)
 
 
-def _single_process_quiet():
+@contextmanager
+def _single_process_quiet() -> Iterator[None]:
     """DCP warns on every call without a process group that it assumes one process: it is."""
-    ctx = warnings.catch_warnings()
-    ctx.__enter__()
-    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-    return ctx
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 class Checkpointer:
@@ -158,19 +159,16 @@ class Checkpointer:
         return done[-1] if done else None
 
     def save(self, step: int, state: dict[str, Any]) -> Path:
-        """Write checkpoint ``step`` of ``state`` (tensors, :class:`Stateful` objects,
-        :func:`blob` values; each rank its own, copies written once)."""
+        """Write checkpoint ``step`` of ``state`` (tensors and :class:`Stateful` objects;
+        each rank its own, copies written once)."""
         final = self.root / f"{PREFIX}{step:06d}"
         tmp = self.root / f".tmp-{PREFIX}{step:06d}"
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         barrier()
-        quiet = _single_process_quiet()
-        try:
+        with _single_process_quiet():
             dcp.save(state, storage_writer=_Writer(tmp, step))
-        finally:
-            quiet.__exit__(None, None, None)
         if self.rank == 0:
             os.replace(tmp, final)
             for old in self.complete()[: -self.keep_last]:
@@ -186,11 +184,8 @@ class Checkpointer:
     def load(self, path: Path, state: dict[str, Any]) -> None:
         """Load ``path`` into ``state`` in place (its tensors, then each :class:`Stateful`'s
         ``load_state_dict``); every name in ``state`` must be in the checkpoint."""
-        quiet = _single_process_quiet()
-        try:
+        with _single_process_quiet():
             dcp.load(state, checkpoint_id=path)
-        finally:
-            quiet.__exit__(None, None, None)
 
     def read(self, path: Path, *names: str) -> dict[str, Any]:
         """The :class:`Pickled` states saved as ``names`` in ``path``."""
