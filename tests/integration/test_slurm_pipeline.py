@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
+from torch.distributed.checkpoint import FileSystemReader
 
 from schemas.config import PROJECT_ROOT
 
@@ -369,11 +370,12 @@ def _check_moe_run(local_slurm: LocalSlurm, work: Path, name: str, ranks: int) -
     for r in records:  # the rows of every data-parallel index, counted once
         assert r["train/tokens_real"] == sum(r["row_real_tokens"])
         assert r["moe/aux_loss"] > 0 and r["moe/expert_load_min"] <= 1 <= r["moe/expert_load_max"]
-    # each rank saved the part of the adapters it owns; the exported adapter is whole
+    # each rank saved the part of the adapters it owns (DCP's metadata says which rank's file
+    # holds each value: every rank's holds some); the exported adapter is whole
     step = run_dir / "checkpoints" / "step_000002"
-    assert sorted(p.name for p in step.glob("adapter_rank*.pt")) == [
-        f"adapter_rank{r:03d}.pt" for r in range(ranks)
-    ]
+    storage = FileSystemReader(step).read_metadata().storage_data
+    files = {info.relative_path for i, info in storage.items() if i.fqn.startswith("adapter.")}
+    assert files == {f"__{r}_0.distcp" for r in range(ranks)}
     assert (run_dir / "adapter" / "adapter_model.safetensors").is_file()
 
     client = MlflowClient(tracking_uri=f"sqlite:///{work / 'mlflow.db'}")
