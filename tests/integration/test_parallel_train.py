@@ -43,7 +43,9 @@ LAYOUTS = {
     "ep2": ["train.parallel.expert_parallel=2"],
     "pp2": ["train.parallel.pipeline_parallel=2", "train.parallel.schedule=1f1b"],
 }
-STEPS, KILL_AFTER = 4, 2
+KILL_AFTER = 2
+#: EP2 runs to step 10, whose checkpoint then resumes on one process (the issue's check)
+STEPS = {"ep2": 10, "pp2": 4}
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +60,7 @@ def moe_work(tmp_path_factory) -> Path:
 
 
 def _train_cmd(work: Path, layout: str) -> list[str]:
+    steps = STEPS[layout]
     return [
         sys.executable,
         "-m",
@@ -68,7 +71,7 @@ def _train_cmd(work: Path, layout: str) -> list[str]:
         "prepare.num_workers=1",
         *MOE,
         *LAYOUTS[layout],
-        f"train.max_steps={STEPS}",
+        f"train.max_steps={steps}",
         f"train.save_every={KILL_AFTER}",
         "train.keep_last=10",
         "mlflow.enabled=false",
@@ -122,15 +125,16 @@ def test_sigkill_after_a_checkpoint_then_resume_repeats_the_run_bitwise(
             break
         time.sleep(0.2)
     assert proc.wait(timeout=120) == -signal.SIGKILL
-    assert max(_steps(run_dir / "metrics.jsonl")) < STEPS
+    steps = STEPS[layout]
+    assert max(_steps(run_dir / "metrics.jsonl")) < steps
     subprocess.run(
         _train_cmd(killed, layout), cwd=ROOT, env=env, check=True, capture_output=True, timeout=900
     )
 
     done = _steps(straight / "train" / "packed" / "metrics.jsonl")
     resumed = _steps(run_dir / "metrics.jsonl")
-    assert sorted(resumed) == list(range(1, STEPS + 1))
-    for step in range(KILL_AFTER + 1, STEPS + 1):
+    assert sorted(resumed) == list(range(1, steps + 1))
+    for step in range(KILL_AFTER + 1, steps + 1):
         assert resumed[step]["train/loss"] == done[step]["train/loss"], step  # bitwise
         assert resumed[step]["keys"] == done[step]["keys"], step
         assert resumed[step]["moe/aux_loss"] == done[step]["moe/aux_loss"], step
@@ -142,7 +146,7 @@ def test_sigkill_after_a_checkpoint_then_resume_repeats_the_run_bitwise(
         assert r["moe/expert_load_min"] <= 1.0 <= r["moe/expert_load_max"]
     # each rank saved the adapters it owns (its experts' slices, its stage's layers), under
     # layout-free names: DCP's metadata says which rank's file holds each
-    ckpt = straight / "train" / "packed" / "checkpoints" / f"step_{STEPS:06d}"
+    ckpt = straight / "train" / "packed" / "checkpoints" / f"step_{steps:06d}"
     storage = FileSystemReader(ckpt).read_metadata().storage_data
     writer = {
         i.fqn: info.relative_path for i, info in storage.items() if i.fqn.startswith("adapter.")
@@ -170,5 +174,5 @@ def test_sigkill_after_a_checkpoint_then_resume_repeats_the_run_bitwise(
     # loaders cannot carry over to one, PP2's one does), and it trains on
     one = [o for o in MOE if o != "train.nproc_per_node=2"]
     check_resume_on_one_process(
-        straight, one, step=STEPS, more=2, capsys=capsys, restarts_stream=layout == "ep2"
+        straight, one, step=steps, more=2, capsys=capsys, restarts_stream=layout == "ep2"
     )
