@@ -15,17 +15,28 @@ from packline.tracking import Tracker
 from packline.train.distributed import launched
 from packline.workdir import hold
 from packline.workers import forks_exit_with_me
-from schemas.config import PipelineConfig
+from schemas.config import PipelineConfig, TrainBackend
 from schemas.errors import InputCrash, UserError
-from stages import connect, prepare, train, validate
+from stages import connect, prepare, train, train_megatron, validate
 from stages.base import StageResult, is_up_to_date, read_record, result_from_record
+
+
+def train_stage(
+    cfg: PipelineConfig, fp: str | None = None, *, parent_run_id: str | None = None
+) -> StageResult:
+    """Stage train on ``train.backend``: packline's own trainer (:mod:`stages.train`) or the
+    Megatron-Bridge finetune on the cluster (:mod:`stages.train_megatron`)."""
+    megatron = cfg.train.backend == TrainBackend.megatron
+    run = train_megatron.train_megatron if megatron else train.train_lora
+    return run(cfg, fp, parent_run_id=parent_run_id)
+
 
 #: stage name → the stage function (its record's key: packline.fingerprints.stage_fingerprint)
 REGISTRY: dict[str, Callable[..., StageResult]] = {
     "prepare": prepare.prepare_dataset,
     "connect": connect.connect_processor,
     "validate": validate.validate_config,
-    "train": train.train_lora,
+    "train": train_stage,
 }
 #: stages whose own MLflow runs nest under the stage's run
 NESTS_RUNS = {"train"}

@@ -16,6 +16,7 @@ and prints the one summary table. Every run is an MLflow child run of the stage.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -31,21 +32,21 @@ from packline.report.plots import plot_row_fill
 from packline.report.summary import RunSummary, compare_metrics, comparison_record, summarize_run
 from packline.report.table import summary_table
 from packline.tracking import Tracker
-from packline.train.data import TrainStream
 from packline.train.distributed import (
     barrier,
     init_from_env,
     launched,
     rank_device,
     rank_world,
+    shutdown,
     threads_per_rank,
     torchrun_command,
 )
 from packline.train.records import read_records
 from packline.train.setup import build_trainer
-from packline.train.trainer import EVAL_LOG, METRICS_LOG, TrainerSettings
+from packline.train.trainer import EVAL_LOG, METRICS_LOG
 from packline.workdir import claim_dir, mark_owned
-from schemas.config import PipelineConfig, TrainBackend
+from schemas.config import PipelineConfig, load_config
 from stages.base import (
     StageResult,
     dataset_path,
@@ -60,23 +61,6 @@ STAGE = "train"
 RESULT = "result.json"
 RUN_NAMES = ("packed", "unpacked")
 """The run dirs under ``<work>/train``: packing on, packing off."""
-
-
-def training_stream(cfg: PipelineConfig, *, rank: int = 0, world: int = 1) -> TrainStream:
-    """The packed rows a local train run of ``cfg`` reads on data-parallel rank ``rank`` of
-    ``world``, in training order, from the prepared dataset (connect must have run): to
-    inspect exactly what the trainer will see.
-
-    ``for row in training_stream(cfg).rows(): print(row.keys, row.cu_seqlens.tolist())``
-    """
-    stream = TrainerSettings.from_config(cfg, packed=True).stream
-    return TrainStream(
-        stream,
-        dataset_path=dataset_path(cfg),
-        processor_dir=processor_dir(cfg),
-        rank=rank,
-        world=world,
-    )
 
 
 def _claim_stage_dir(out: Path) -> Path:
@@ -195,8 +179,8 @@ def _launch_ranks(
     fp: str,
     parent_run_id: str | None,
 ) -> RunSummary:
-    """Run :func:`tracked_run_summary` under torchrun with ``train.nproc_per_node`` ranks and read
-    rank 0's summary."""
+    """Run :func:`tracked_run_summary` under torchrun with ``train.nproc_per_node`` ranks
+    (each one :func:`main`) and read rank 0's summary."""
     nproc = cfg.train.nproc_per_node
     run_dir.mkdir(parents=True, exist_ok=True)
     config_path = run_dir.parent / f"{run_dir.name}.launch.yaml"
@@ -205,7 +189,7 @@ def _launch_ranks(
     args = [str(config_path), "--mode", "packed" if packed else "unpacked", "--fp", fp]
     if parent_run_id:
         args += ["--parent-run-id", parent_run_id]
-    cmd = torchrun_command(nproc, "stages.train_ranks", args)
+    cmd = torchrun_command(nproc, "stages.train", args)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads_per_rank(nproc))}
     par = cfg.train.parallel
     split = (
@@ -232,15 +216,11 @@ def train_lora(
     """Train packing on and off (or only the configured mode) and compare them. With
     ``train.nproc_per_node`` > 1 each run happens under torchrun; when this process is
     itself one rank of a launch (torchrun on SLURM), it joins the process group and trains
-    as that rank. With ``train.backend: megatron`` run the Megatron-Bridge finetune instead
-    (cluster only). The runner has made sure validate passed these settings first."""
+    as that rank. (``train.backend: megatron`` is :mod:`stages.train_megatron`'s: the runner
+    picks the backend.) The runner has made sure validate passed these settings first."""
     t0 = time.perf_counter()
     fp = fp or stage_fingerprint(cfg, STAGE)
     require_current(cfg, "validate", by="train")
-    if cfg.train.backend == TrainBackend.megatron:
-        from stages.train_megatron import train_megatron
-
-        return train_megatron(cfg, fp, parent_run_id=parent_run_id)
     out = _claim_stage_dir(stage_dir(cfg, STAGE))
     modes = [True, False] if cfg.train.compare_packing else [cfg.packing.enabled]
     runs = []
@@ -275,3 +255,30 @@ def train_lora(
     )
     write_record(cfg, result)
     return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    """One rank of a train run under torchrun, started by :func:`_launch_ranks`: ``python -m
+    stages.train CONFIG --mode packed|unpacked --fp FINGERPRINT [--parent-run-id ID]``.
+    Rank 0 writes the run's ``result.json``."""
+    p = argparse.ArgumentParser(prog="python -m stages.train")
+    p.add_argument("config")
+    p.add_argument("--mode", choices=RUN_NAMES, required=True)
+    p.add_argument("--fp", required=True, help="fingerprint of the stage's inputs")
+    p.add_argument("--parent-run-id", default=None)
+    ns = p.parse_args(argv)
+    cfg = load_config(ns.config, [])
+    init_from_env()
+    try:
+        run_dir = stage_dir(cfg, STAGE) / ns.mode
+        packed = ns.mode == "packed"
+        tracked_run_summary(
+            cfg, packed=packed, run_dir=run_dir, fp=ns.fp, parent_run_id=ns.parent_run_id
+        )
+    finally:
+        shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

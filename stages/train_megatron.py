@@ -31,6 +31,7 @@ import os
 import time
 from typing import Any
 
+from packline.fingerprints import stage_fingerprint
 from packline.megatron.container import bridge_problem
 from packline.megatron.overrides import (
     RECIPE_MODULE,
@@ -41,7 +42,7 @@ from packline.megatron.overrides import (
 from packline.rules.megatron import megatron_problems
 from schemas.config import PipelineConfig
 from schemas.errors import UserError
-from stages.base import StageResult, stage_dir, stage_result, write_record
+from stages.base import StageResult, require_current, stage_dir, stage_result, write_record
 
 STAGE = "train"
 LAUNCH_TAG = "packline.launch_id"
@@ -121,16 +122,19 @@ def _nest_bridge_run(cfg: PipelineConfig, launch_id: str, parent_run_id: str | N
 
 
 def train_megatron(
-    cfg: PipelineConfig, fp: str, *, parent_run_id: str | None = None
+    cfg: PipelineConfig, fp: str | None = None, *, parent_run_id: str | None = None
 ) -> StageResult:
-    """Run the Bridge finetune on this rank; rank 0 records the stage."""
+    """Run the Bridge finetune on this rank; rank 0 records the stage. The runner has made
+    sure validate passed these settings first."""
     t0 = time.perf_counter()
+    fp = fp or stage_fingerprint(cfg, STAGE)
     problems = megatron_problems(cfg, world_size=_world_size())
     if problems:
         raise UserError(problems, "train.backend megatron cannot run this config")
     problem = bridge_problem(packing=cfg.packing.enabled)
     if problem:  # before any Bridge import: an old Bridge would crash on it or train unpacked
         raise UserError([problem], "train.backend megatron cannot run here")
+    require_current(cfg, "validate", by="train")
     rank = int(os.environ.get("RANK", "0"))
     # The same on every rank of this launch, so rank 0 can find the run Bridge's last rank made.
     launch_id = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID", "local")

@@ -15,11 +15,13 @@ from packline.qwen.attention import set_text_attention
 from packline.qwen.model import build_tiny_model, tiny_config
 from packline.shapes_answers import SHAPES_SCORER
 from packline.tracking import Tracker
+from packline.train.data import TrainStream
 from packline.train.distributed import broadcast_object, rank_world
 from packline.train.evaluate import Evaluator
 from packline.train.layout import LayoutGroups
 from packline.train.lora import peft_wrap
 from packline.train.trainer import Trainer, TrainerSettings, use_bf16
+from packline.workdir import dataset_path, processor_dir
 from schemas.layout import ParallelLayout
 
 #: Module types PEFT's LoRA wraps (a name match on any other type fails in get_peft_model).
@@ -257,3 +259,19 @@ def build_split_engine(cfg, processor, layout: ParallelLayout, *, packed: bool, 
     if whole is not None and device is not None:
         whole = whole.to(device)
     return engine, whole
+
+
+def training_stream(cfg, *, rank: int = 0, world: int = 1) -> TrainStream:
+    """The packed rows a local train run of ``cfg`` reads on data-parallel rank ``rank`` of
+    ``world``, in training order, from the prepared dataset (connect must have run): to
+    inspect exactly what the trainer will see.
+
+    ``for row in training_stream(cfg).rows(): print(row.keys, row.cu_seqlens.tolist())``
+    """
+    return TrainStream(
+        TrainerSettings.from_config(cfg, packed=True).stream,
+        dataset_path=dataset_path(cfg),
+        processor_dir=processor_dir(cfg),
+        rank=rank,
+        world=world,
+    )

@@ -81,8 +81,8 @@ def test_an_energon_chatml_dataset_is_adopted_in_place_through_the_whole_pipelin
     assert file_stats(written.root) == before  # not a shard rewritten, not a file touched
 
     # the training stream reads the adopted dataset's good train samples, and only those
+    from packline.train.setup import training_stream
     from schemas.config import load_config
-    from stages.train import training_stream
 
     cfg = load_config(None, [*common, *QUICK_TRAIN])
     seen: set[str] = set()

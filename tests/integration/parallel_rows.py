@@ -35,7 +35,7 @@ def parallel_config(work: Path, *overrides: str):
 def step_rows(cfg, *, d: int = 0, data: int = 1, steps: int = 1) -> list[list[PackedBatch]]:
     """The rows data-parallel rank ``d`` of ``data`` trains on in each of the first
     ``steps`` optimizer steps (``train.global_batch_size / data`` rows each)."""
-    from stages.train import training_stream
+    from packline.train.setup import training_stream
 
     per_rank, rest = divmod(cfg.train.global_batch_size, data)
     if rest:

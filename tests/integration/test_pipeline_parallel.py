@@ -25,9 +25,9 @@ import torch
 from packline.qwen.forward import packed_forward, token_loss_sum
 from packline.qwen.processor import load_processor
 from packline.train.distributed import torchrun_command
+from packline.train.setup import training_stream
 from packline.train.stage_split import StageModule, StagePlan
 from packline.workdir import processor_dir
-from stages.train import training_stream
 from tests.conftest import make_config
 from tests.integration.pp_check import (
     CASES,
