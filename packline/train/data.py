@@ -92,8 +92,10 @@ class TrainStream:
             batch = next(self._rows).batch
             self.ledger.add(seen=batch.seen, packed=batch.num_conversations, dropped=batch.dropped)
             self.trained.update(batch.keys)
-            self.skips.subtract(batch.dropped.get(SKIPPED_ON_RESUME, ()))
-            self.skips = +self.skips  # drop what is done
+            for key in batch.dropped.get(SKIPPED_ON_RESUME, ()):
+                self.skips[key] -= 1
+                if self.skips[key] <= 0:
+                    del self.skips[key]
             if batch.num_conversations:
                 return batch
 

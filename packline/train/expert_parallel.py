@@ -32,8 +32,9 @@ What runs where (every rank of the job calls each function, in the same order):
   ``e, E + e, …``). The initial values equal PEFT's for the same seed: the full factors are
   drawn exactly as PEFT draws them, then sliced.
 - :func:`load_full_adapter_state` / :func:`local_adapter_state` /
-  :func:`merge_adapter_states` — the full one-process PEFT adapter state is the currency
-  between layouts (:func:`load_local_adapter_state`: a rank's own part back, same layout).
+  :func:`merge_adapter_states` — the full one-process PEFT adapter state, gathered on rank 0
+  to evaluate and export; checkpoints instead save each rank's part under layout-free names
+  (:func:`expert_factor_slices` / :func:`expert_views`, :mod:`packline.train.checkpoint`).
 - :func:`adapter_params` splits the trainable parameters for the gradient sums (dense over
   ``groups.stage_data``, experts over ``groups.expert_copies``: :func:`reduce_adapter_grads`)
   and the clipping over both meshes (:func:`clip_adapter_grads`). FSDP2 manages none of them
@@ -499,24 +500,6 @@ def local_adapter_state(model: nn.Module, *, grads: bool = False) -> dict:
             }
     out[EXPERT_SLICES] = slices
     return out
-
-
-def load_local_adapter_state(model: nn.Module, part: dict) -> None:
-    """Copy back a :func:`local_adapter_state` of this rank (resume under the same layout):
-    every name must be there, with the same expert slice."""
-    experts = _expert_factors(model)
-    slices = part.get(EXPERT_SLICES, {})
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if not p.requires_grad:
-                continue
-            if name not in part:
-                raise KeyError(f"the local adapter state lacks {name}")
-            if name in experts and slices.get(name, {}).get("first_expert") != (
-                experts[name][0].first_expert
-            ):
-                raise ValueError(f"{name}: the state holds another rank's experts")
-            p.copy_(part[name])
 
 
 def merge_adapter_states(parts: list[dict]) -> dict[str, torch.Tensor]:

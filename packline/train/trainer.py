@@ -582,12 +582,9 @@ class Trainer:
             "optimizer": OptimizerState(self.model, self.optimizer, saved),
             "scheduler": Pickled(self.scheduler.state_dict, self.scheduler.load_state_dict),
             "run": Pickled(self._run_state, self._restore_run),
-            self._stream_name(lay.data): Pickled(self.stream.state, self.stream.restore),
-            f"rng/rank{self.rank:03d}of{self.world:03d}": Pickled(_rng_state, _set_rng_state),
+            _stream_name(self.coords.d, lay.data): Pickled(self.stream.state, self.stream.restore),
+            _rng_name(self.rank, self.world): Pickled(_rng_state, _set_rng_state),
         }
-
-    def _stream_name(self, data: int) -> str:
-        return f"stream/d{self.coords.d:03d}of{data:03d}"
 
     def _run_state(self) -> dict:
         return {
@@ -616,25 +613,25 @@ class Trainer:
         Any layout loads any other's checkpoint. With the same number of data-parallel
         ranks each stream continues exactly where it stood; otherwise the streams start
         again and skip, once each, the conversations the saved run trained (one warning
-        line; the ledger counts them as ``data/skipped_on_resume``)."""
+        line; the ledger counts them as ``data/skipped_on_resume``). Each rank takes its
+        own RNG state, or rank 0's when the number of ranks changed."""
         path = self.checkpointer.latest()
         if path is None:
             return 0
-        ck = self.checkpointer
-        saved = ck.names(path)
-        written = ck.read(path, "run")["run"]["layout"]
-        state = self.checkpoint_state(saved)
-        own_rng = next(k for k in state if k.startswith("rng/"))
-        if f"{own_rng}.{Pickled.KEY}" not in saved:  # another world: rank 0's RNG
-            state[min(k.rpartition(".")[0] for k in saved if k.startswith("rng/"))] = state.pop(
-                own_rng
-            )
-        lay = self.layout
+        ck, lay = self.checkpointer, self.layout
+        run = ck.read(path, "run")["run"]
+        written = run["layout"]
+        state = self.checkpoint_state(ck.names(path))
+        del state["run"]  # read above
+        rng = state.pop(_rng_name(self.rank, self.world))
+        same_world = written["world"] == self.world
+        state[_rng_name(self.rank if same_world else 0, written["world"])] = rng
         if written["data"] != lay.data:
-            del state[self._stream_name(lay.data)]
+            del state[_stream_name(self.coords.d, lay.data)]
         ck.load(path, state)
+        self._restore_run(run)
         if written["data"] != lay.data:
-            streams = sorted({k.rpartition(".")[0] for k in saved if k.startswith("stream/")})
+            streams = [_stream_name(d, written["data"]) for d in range(written["data"])]
             every = list(ck.read(path, *streams).values())
             trained = self.stream.continue_after(every, counts_ledger=self.coords.d == 0)
             if self.lead:
@@ -646,6 +643,15 @@ class Trainer:
                     "(data/skipped_on_resume)"
                 )
         return self.step
+
+
+def _stream_name(d: int, data: int) -> str:
+    """A checkpoint's name for data-parallel index ``d``'s stream of ``data``."""
+    return f"stream/d{d:03d}of{data:03d}"
+
+
+def _rng_name(rank: int, world: int) -> str:
+    return f"rng/rank{rank:03d}of{world:03d}"
 
 
 def _rng_state() -> dict:

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from packline.qwen.forward import packed_forward
 from packline.qwen.processor import load_processor
 from packline.train import expert_parallel as ep
+from packline.train.checkpoint import AdapterState
 from packline.train.distributed import all_gather_object, all_reduce_sum, init_from_env, shutdown
 from packline.train.layout import LayoutGroups
 from packline.train.setup import apply_lora, build_model
@@ -132,13 +133,13 @@ def run_case(E: int, ctx: dict, *, unpacked: bool) -> dict:
     }
     initial = ep.merge_adapter_states(all_gather_object(ep.local_adapter_state(model)))
     ep.load_full_adapter_state(model, full)
-    own = ep.local_adapter_state(model)
-    roundtrip = ep.merge_adapter_states(all_gather_object(own))
+    roundtrip = ep.merge_adapter_states(all_gather_object(ep.local_adapter_state(model)))
+    own = AdapterState(model).state_dict()  # what a checkpoint holds of this rank
     dense, expert = ep.adapter_params(model)
     with torch.no_grad():
         for p in dense + expert:
             p.zero_()
-    ep.load_local_adapter_state(model, own)  # a rank's own part back (resume)
+    AdapterState(model).load_state_dict(own)  # a rank's own part back (resume)
     local_roundtrip = ep.merge_adapter_states(all_gather_object(ep.local_adapter_state(model)))
     params = dense + expert
     names = [n for n, p in model.named_parameters() if p.requires_grad]
