@@ -38,9 +38,9 @@ from typing import Any
 
 from rich.console import Console
 
-from packline.bench import SEQ_LENGTH
+from packline.bench import CLUSTER_SEQ_LENGTH, SEQ_LENGTH
 from packline.bench.lengths import vlm_sft_lengths
-from packline.bench.simulation import fill_summary, time_selection
+from packline.bench.simulation import cluster_packing, fill_summary, time_selection
 from packline.bench.tables import print_loader_report, print_packing_tables
 from packline.bench.targets import loader_targets, packing_targets
 from packline.progress import console, stdout_to_stderr
@@ -118,6 +118,12 @@ def bench_packing(
             "eager_ffd@16 = lazy_ffd@16 in simulation by construction: both encoders give "
             "select_packs the same exact lengths"
         )
+        result["cluster"] = {}
+        for name, lengths in (("default", default_lengths), ("vlm_sft", vlm)):
+            console.log(f"Bridge's packer against packline's at {CLUSTER_SEQ_LENGTH} on {name}")
+            result["cluster"][name] = cluster_packing(
+                lengths, capacity=CLUSTER_SEQ_LENGTH, seed=seed
+            )
 
         loader, loader_runs, throughput = measure_loader(
             dataset_path,

@@ -25,13 +25,24 @@ class Algorithm(Enum):
 
     ffd = "ffd"
     """Plain first-fit decreasing: each sample, longest first, goes to the first pack with
-    room. What Megatron-Bridge's encoder runs; ``train.backend: megatron`` requires it."""
+    room. What Megatron-Bridge's own encoder runs; ``packing.packer: bridge`` requires it."""
     bfd = "bfd"
     """Plain best-fit decreasing: each sample goes to the fullest pack that still has room."""
     refined = "refined"
     """First-fit decreasing, then, while the round has more packs than its lower bound, the
     minimum-slack packing of the round when it needs fewer packs and a short, budgeted
-    search for one pack fewer still. Never more packs than ``ffd``; backend local only."""
+    search for one pack fewer still. Never more packs than ``ffd``."""
+
+
+class Packer(Enum):
+    """Who packs with ``train.backend: megatron`` (``packing.packer``)."""
+
+    packline = "packline"
+    """packline's dataset for Bridge (``packline/megatron/dataset.py``): Bridge's encoder with
+    lazy exact lengths from connect, ``packing.algorithm`` and carry-over."""
+    bridge = "bridge"
+    """Bridge's own ``EnergonDatasetConfig`` and encoder: every buffered sample processed
+    before selection, plain first-fit decreasing, no carry-over (to compare, or fall back)."""
 
 
 class SourceKind(Enum):

@@ -33,6 +33,7 @@ from schemas.choices import (
     EncoderMode,
     ExecutorKind,
     OverlengthPolicy,
+    Packer,
     PipelineSchedule,
     Precision,
     SourceKind,
@@ -370,8 +371,18 @@ class PackingConfig(_Section):
     packing_buffer_size: int = 64
     """Samples per DataLoader worker that selection chooses packs from."""
     algorithm: Algorithm = Algorithm.refined
-    """Selection algorithm: ``refined`` (FFD plus packline's refinement, the local default),
-    or plain ``ffd`` / ``bfd``; ``train.backend: megatron`` needs ``ffd`` (Bridge's)."""
+    """Selection algorithm: ``refined`` (FFD plus packline's refinement, the default), or
+    plain ``ffd`` / ``bfd``; ``packing.packer: bridge`` needs ``ffd`` (Bridge's)."""
+    max_carry_rounds: int = 4
+    """Carry-over: a round's underfull packs go back into the next round's buffer instead
+    of being emitted, each sample at most this many rounds (then it is emitted in the
+    fullest pack that holds it); flushed at the end of an epoch. ``0``: off, Energon's own
+    rounds (fill bounded per round). Not with ``packing.packer: bridge``."""
+    packer: Packer = Packer.packline
+    """Who packs with ``train.backend: megatron``: ``packline`` (packline's dataset for
+    Bridge: lazy exact lengths from connect, ``packing.algorithm``, carry-over) or
+    ``bridge`` (Bridge's own ``EnergonDatasetConfig``: eager, plain FFD, no carry-over).
+    The local backend always packs with packline's."""
     tensor_parallel: int = 1
     """TP size (alignment only: with sequence parallel each conversation aligns to CP·TP)."""
     context_parallel: int = 1
@@ -420,6 +431,11 @@ class PackingConfig(_Section):
             p,
             all(b > 0 for b in self.forecast_buffer_sizes),
             "packing.forecast_buffer_sizes must all be > 0",
+        )
+        _check(
+            p,
+            self.max_carry_rounds >= 0,
+            f"packing.max_carry_rounds must be >= 0, got {self.max_carry_rounds}",
         )
         return p
 

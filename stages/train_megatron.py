@@ -4,8 +4,10 @@ Runs on every torchrun rank of the SLURM train job (one process per GPU). ``mega
 is imported only inside :func:`train_megatron`: this module can be imported anywhere, the
 Bridge run happens only in the container. What it runs:
 
-1. the recipe ``megatron.recipe`` from ``megatron.bridge.recipes.qwen_vl`` (LoRA); a recipe whose
-   dataset is not Energon (the MoE ones) gets an ``EnergonDatasetConfig`` first;
+1. the recipe ``megatron.recipe`` from ``megatron.bridge.recipes.qwen_vl`` (LoRA), its dataset
+   replaced by packline's (:func:`packline.megatron.dataset.bridge_dataset`: lazy lengths,
+   packline's selection, carry-over) with ``packing.packer: packline``; otherwise a recipe
+   whose dataset is not Energon (the MoE ones) gets Bridge's ``EnergonDatasetConfig``;
 2. packline's overrides (``packline/megatron/overrides.py``), every key checked to be a field;
 3. ``finetune`` with the ``megatron.step_func`` forward step.
 
@@ -37,6 +39,7 @@ from packline.megatron.overrides import (
     RECIPE_MODULE,
     apply_overrides,
     bridge_overrides,
+    packs_with_packline,
     section_classes,
 )
 from packline.rules.megatron import megatron_problems
@@ -75,7 +78,11 @@ def build_bridge_config(cfg: PipelineConfig, overrides: dict[str, Any]) -> Any:
             ]
         )
     container = recipe_fn(peft_scheme="lora")
-    if not isinstance(container.dataset, EnergonDatasetConfig):
+    if packs_with_packline(cfg):
+        from packline.megatron.dataset import bridge_dataset
+
+        container.dataset = bridge_dataset(cfg)
+    elif not isinstance(container.dataset, EnergonDatasetConfig):
         container.dataset = EnergonDatasetConfig(
             path=overrides["dataset.path"],
             seq_length=overrides["dataset.seq_length"],

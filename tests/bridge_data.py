@@ -17,6 +17,13 @@ two names for type annotations only: :data:`PLACEHOLDERS` lists them. Each is a
 stand-in that raises when it is called or used, so a test that reached one would fail loudly.
 No Bridge function is replaced.
 
+:func:`bridge_main_tree` does the same from Bridge *main* (native Energon packing, no release
+has it), unpacked from the vendored archive :data:`MAIN_ARCHIVE`, with the modules of
+:data:`MAIN_MODULES`: the data path above plus ``data/utils.py`` (``get_dataset_provider``),
+whose other dataset builders and config classes are placeholders too
+(:data:`MAIN_PLACEHOLDERS`: only its registry's ``isinstance`` checks see them, and a
+placeholder class is an instance of nothing).
+
 Use it in a subprocess (``PYTHONPATH=<tree>``): a ``megatron.bridge`` on ``sys.path`` would make
 the rest of the suite believe Bridge is installed.
 """
@@ -24,6 +31,7 @@ the rest of the suite believe Bridge is installed.
 from __future__ import annotations
 
 import shutil
+import tarfile
 from pathlib import Path
 
 from tests.bridge_source import CACHE, PINNED, _fetch_sources, cache_lock
@@ -90,26 +98,81 @@ def _placeholder_source(names: tuple[str, ...]) -> str:
     return "".join(lines)
 
 
+#: Bridge main at ``containers/Dockerfile``'s ``BRIDGE_COMMIT``, as ``git archive`` wrote it.
+MAIN_ARCHIVE = (
+    Path(__file__).resolve().parent.parent.parent
+    / "shared"
+    / "vendor"
+    / "megatron-bridge-main-067f987df.tar.gz"
+)
+#: Bridge main's data path: the release's modules plus ``get_dataset_provider``'s module.
+MAIN_MODULES = (*MODULES, "megatron/bridge/data/utils.py")
+#: The release's placeholders plus the names ``data/utils.py`` imports for its other dataset
+#: kinds (GPT pretraining and SFT, mock VLM, FIM) and its rank-0 printing.
+MAIN_PLACEHOLDERS = {
+    **PLACEHOLDERS,
+    "megatron/bridge/utils/common_utils.py": ("get_local_rank_preinit", "print_rank_0"),
+    "megatron/core/datasets/blended_megatron_dataset_builder.py": (
+        "BlendedMegatronDatasetBuilder",
+    ),
+    "megatron/core/datasets/blended_megatron_dataset_config.py": ("BlendedMegatronDatasetConfig",),
+    "megatron/core/datasets/gpt_dataset.py": ("GPTDataset", "MockGPTDataset"),
+    "megatron/core/pipeline_parallel/utils.py": ("is_pp_first_stage", "is_pp_last_stage"),
+    "megatron/bridge/data/builders/direct_hf_sft.py": (
+        "DirectHFSFTDatasetConfig",
+        "direct_hf_sft_train_valid_test_datasets_provider",
+    ),
+    "megatron/bridge/data/builders/gpt_sft.py": (
+        "GPTSFTDatasetConfig",
+        "gpt_sft_train_valid_test_datasets_provider",
+    ),
+    "megatron/bridge/data/builders/mock_vlm_sft.py": (
+        "MockVLMSFTDatasetConfig",
+        "mock_vlm_sft_train_valid_test_datasets_provider",
+    ),
+    "megatron/bridge/data/datasets/fim_dataset.py": ("GPTFIMDataset",),
+    "megatron/bridge/training/config.py": (
+        "GPTDatasetConfig",
+        "GPTFIMDatasetConfig",
+        "MockGPTDatasetConfig",
+    ),
+}
+
+
 def bridge_data_tree(cache: Path = CACHE) -> Path:
     """The dir to put on ``PYTHONPATH`` (built once per pinned version)."""
     with cache_lock(cache):
-        return _bridge_data_tree(cache)
+        root = cache / ("bridge-data-" + "+".join(PINNED))
+        if (root / ".ok").is_file():
+            return root
+        return _build_tree(root, _fetch_sources(cache), MODULES, PLACEHOLDERS)
 
 
-def _bridge_data_tree(cache: Path) -> Path:
-    root = cache / ("bridge-data-" + "+".join(PINNED))
-    stamp = root / ".ok"
-    if stamp.is_file():
-        return root
-    src = _fetch_sources(cache)
+def bridge_main_tree(cache: Path = CACHE, archive: Path = MAIN_ARCHIVE) -> Path:
+    """The dir to put on ``PYTHONPATH`` for Bridge main's data path (built once per archive)."""
+    with cache_lock(cache):
+        root = cache / ("bridge-data-" + archive.name.removesuffix(".tar.gz"))
+        if (root / ".ok").is_file():
+            return root
+        src = cache / (archive.name + ".src")
+        if src.exists():
+            shutil.rmtree(src)
+        with tarfile.open(archive) as tar:
+            tar.extractall(src, filter="data")
+        return _build_tree(root, src / "src", MAIN_MODULES, MAIN_PLACEHOLDERS)
+
+
+def _build_tree(
+    root: Path, src: Path, modules: tuple[str, ...], placeholders: dict[str, tuple[str, ...]]
+) -> Path:
     tmp = root.with_name(root.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
-    for rel in MODULES:
+    for rel in modules:
         dest = tmp / rel
         dest.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(src / rel, dest)
-    for rel, names in PLACEHOLDERS.items():
+    for rel, names in placeholders.items():
         dest = tmp / rel
         dest.parent.mkdir(parents=True, exist_ok=True)
         dest.write_text(_placeholder_source(names))
@@ -119,8 +182,7 @@ def _bridge_data_tree(cache: Path) -> Path:
         while d != tmp / "megatron":
             (d / "__init__.py").touch()
             d = d.parent
-    stamp_text = "\n".join(PINNED)
-    (tmp / ".ok").write_text(stamp_text)
+    (tmp / ".ok").write_text(str(src))
     if root.exists():
         shutil.rmtree(root)
     tmp.rename(root)

@@ -85,17 +85,20 @@ class ClassInfo:
 
 
 class SourceIndex:
-    """Classes of a source tree by qualified name, with their (inherited) dataclass fields."""
+    """Classes of source trees by qualified name, with their (inherited) dataclass fields. A
+    module is looked up in ``roots`` in order (the pinned Bridge source, then the project's own,
+    whose dataset for Bridge subclasses Bridge's classes)."""
 
-    def __init__(self, root: Path):
-        self.root = root
+    def __init__(self, *roots: Path):
+        self.roots = roots
         self._modules: dict[str, tuple[dict[str, ClassInfo], dict[str, str]] | None] = {}
 
     def _module_file(self, module: str) -> Path | None:
-        base = self.root / Path(*module.split("."))
-        for path in (base.with_suffix(".py"), base / "__init__.py"):
-            if path.is_file():
-                return path
+        for root in self.roots:
+            base = root / Path(*module.split("."))
+            for path in (base.with_suffix(".py"), base / "__init__.py"):
+                if path.is_file():
+                    return path
         return None
 
     def _load(self, module: str) -> tuple[dict[str, ClassInfo], dict[str, str]] | None:

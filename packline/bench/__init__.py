@@ -12,8 +12,11 @@ loader`` wire them up in ``pipelines/bench.py``):
 - :mod:`~packline.bench.targets`: the figures' targets, held or not.
 - :mod:`~packline.bench.tables`: the figures as rich tables.
 
-Every figure is taken at :data:`SEQ_LENGTH`.
+Every figure is taken at :data:`SEQ_LENGTH`, but the cluster comparison (Bridge's packer
+against packline's in Bridge), at :data:`CLUSTER_SEQ_LENGTH`, as the cluster configs pack.
 """
 
-#: The sequence length (pack capacity) every benchmark figure is measured at.
+#: The sequence length (pack capacity) the benchmark's figures are measured at.
 SEQ_LENGTH = 2048
+#: The cluster configs' ``packing.seq_length``: the cluster comparison's capacity.
+CLUSTER_SEQ_LENGTH = 4096

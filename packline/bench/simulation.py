@@ -10,6 +10,8 @@ Fill is real tokens / emitted capacity. The methods of :func:`fill_by_method`:
   greedy packings, ``ffd`` the one Megatron-Bridge runs; ``refined`` is the local default.
   Eager and lazy encoders select identically, so their simulated fills are equal by
   construction.
+- ``carry_refined@B``: ``refined`` with carry-over (``packing.max_carry_rounds`` 4,
+  :mod:`packline.packing.carry`): a round's underfull packs wait for a later round.
 - ``offline_bfd``: plain BFD, the whole set in one buffer.
 - ``round_bound@B``: the most any packer can fill when, as in Energon, the stream is cut
   into disjoint buffers of B (:func:`round_bound_fill`).
@@ -59,7 +61,12 @@ def lower_bound_fill(lengths: list[int], capacity: int) -> float:
 
 
 def packed_fill(
-    stream: list[int], *, capacity: int, buffer_size: int | None, algorithm: str
+    stream: list[int],
+    *,
+    capacity: int,
+    buffer_size: int | None,
+    algorithm: str,
+    max_carry_rounds: int = 0,
 ) -> float:
     """Fill of packline's packer (backend local, one stream) on ``stream``: consecutive
     buffers of ``buffer_size`` samples (None: one buffer), an overlength sample taking its
@@ -79,6 +86,7 @@ def packed_fill(
         capacity=capacity,
         buffer_size=buffer_size or max(len(stream), 1),
         algorithm=algorithm,
+        max_carry_rounds=max_carry_rounds,
     ).fill
 
 
@@ -117,6 +125,10 @@ def fill_by_method(lengths: list[int], *, capacity: int, seed: int) -> dict[str,
     for algorithm in BENCH_ALGORITHMS:
         for b in BUFFERS:
             fill[f"lazy_{algorithm}@{b}"] = packed(b, algorithm)
+    for b in BUFFERS:
+        fill[f"carry_refined@{b}"] = packed_fill(
+            stream, capacity=capacity, buffer_size=b, algorithm="refined", max_carry_rounds=4
+        )
     fill["offline_bfd"] = packed(None, "bfd")
     for b in BUFFERS:
         fill[f"round_bound@{b}"] = round_bound_fill(stream, capacity=capacity, buffer_size=b)
@@ -156,4 +168,49 @@ def time_selection(lengths: list[int], *, capacity: int, repeats: int = 3) -> di
             select_packs(lengths, capacity=capacity, algorithm=algorithm)
             best = min(best, time.perf_counter() - t0)
         out[algorithm] = best
+    return out
+
+
+#: The cluster comparison's packers: (name, algorithm, max_carry_rounds, buffer sizes).
+#: ``bridge_ffd`` is Bridge's own encoder (``packing.packer: bridge``); ``packline_refined``
+#: packline's packer in Bridge without carry-over and ``packline_carry`` with it.
+CLUSTER_PACKERS = (
+    ("bridge_ffd", "ffd", 0, (16, 32)),
+    ("packline_refined", "refined", 0, (16, 64, 256)),
+    ("packline_carry", "refined", 4, (16, 64, 256)),
+)
+
+
+def cluster_packing(lengths: list[int], *, capacity: int, seed: int) -> dict[str, dict[str, float]]:
+    """Bridge's packer against packline's on one stream (:func:`~packline.bench.lengths.shuffled`
+    ``lengths``, backend megatron: overlength samples skipped before the buffer), per
+    ``<packer>@<buffer>`` of :data:`CLUSTER_PACKERS`: fill, padding tokens (rows × capacity −
+    tokens), rows, the per-round bound of its rounds, and the simulation's seconds per
+    sample (selection and the simulation's own bookkeeping: an upper bound on selection).
+
+    >>> c = cluster_packing([6, 5, 4, 3, 12, 2, 7, 1], capacity=10, seed=0)
+    >>> c["bridge_ffd@16"]["fill"], c["packline_carry@16"]["padding_tokens"]
+    (0.9333333333333333, 2)
+    """
+    stream = shuffled(lengths, seed)
+    out: dict[str, dict[str, float]] = {}
+    for name, algorithm, carry, buffers in CLUSTER_PACKERS:
+        for b in buffers:
+            t0 = time.perf_counter()
+            f = simulate_packing(
+                stream,
+                capacity=capacity,
+                buffer_size=b,
+                algorithm=algorithm,
+                backend="megatron",
+                max_carry_rounds=carry,
+            )
+            seconds = time.perf_counter() - t0
+            out[f"{name}@{b}"] = {
+                "fill": f.fill,
+                "padding_tokens": f.packs * capacity - f.tokens,
+                "rows": f.packs,
+                "round_bound_fill": f.round_bound_fill,
+                "select_ms_per_sample": 1e3 * seconds / max(f.samples, 1),
+            }
     return out

@@ -9,11 +9,36 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.table import Table
 
-from packline.bench import SEQ_LENGTH
+from packline.bench import CLUSTER_SEQ_LENGTH, SEQ_LENGTH
 from packline.bench.targets import Target
 
 if TYPE_CHECKING:  # the loader module imports torch and Energon; the tables need neither
     from packline.bench.loader import LoaderRun
+
+
+def print_cluster_tables(out: Console, cluster: dict[str, dict[str, dict[str, float]]]) -> None:
+    """Bridge's packer against packline's in Bridge, per distribution."""
+    for dist, label in (("default", "default set"), ("vlm_sft", "synthetic VLM SFT")):
+        table = Table(
+            title=f"cluster packing at seq_length {CLUSTER_SEQ_LENGTH}: {label}",
+            caption=(
+                "bridge_ffd: Bridge's own encoder (plain FFD, no carry-over); packline_refined: "
+                "packline's packer in Bridge, carry-over off; packline_carry: on (4 rounds). "
+                "round bound: the best fill of any packer emitting every round whole"
+            ),
+        )
+        for col in ("packer@buffer", "fill", "padding tokens", "rows", "round bound", "ms/sample"):
+            table.add_column(col, justify="right" if col != "packer@buffer" else "left")
+        for name, f in cluster[dist].items():
+            table.add_row(
+                name,
+                f"{f['fill']:.4f}",
+                f"{f['padding_tokens']:,}",
+                f"{f['rows']:,}",
+                f"{f['round_bound_fill']:.4f}" if "carry" not in name else "-",
+                f"{f['select_ms_per_sample']:.3f}",
+            )
+        out.print(table)
 
 
 def print_packing_tables(
@@ -50,6 +75,7 @@ def print_packing_tables(
             table.add_row(name, f"{value:.4f}", f"{value / fill['offline_bfd']:.4f}")
         out.print(table)
 
+    print_cluster_tables(out, result["cluster"])
     print_loader_tables(out, result, loader_runs, throughput)
     table = Table(title="selection time")
     for col in ("what", "value"):

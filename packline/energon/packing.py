@@ -13,6 +13,10 @@ of each chosen group → ``pack_selected_samples`` → ``batch``.
   Megatron-Bridge's encoder does (every frame of a video decoded); the buffer holds pixel
   tensors. Kept as the baseline.
 
+With ``packing.max_carry_rounds`` > 0 both run under carry-over
+(:class:`~packline.energon.carry.CarryOverPackingDataset`, installed by ``build_batch``):
+a round's underfull packs wait in the reading buffer for a later round.
+
 Rules kept here: ``select_samples_to_pack`` returns every sample it is given (Energon
 clears the buffer each round and drops whatever is not in a group); an overlength
 conversation is dropped *with a ledger entry* (or stops the run, per the overlength
@@ -29,6 +33,7 @@ from dataclasses import dataclass
 from megatron.energon import Cooker, DefaultTaskEncoder, Sample, edataclass, stateless
 from megatron.energon.errors import FatalSampleError
 
+from packline.energon.carry import CarryOverBuild
 from packline.energon.sample import CHATML_COOKER, ConversationSample, cook_conversation
 from packline.packing.ledger import SKIPPED_ON_RESUME
 from packline.packing.selection import align_up, select_packs
@@ -45,6 +50,7 @@ class PackingSettings:
     algorithm: str = "ffd"
     pad_to_max_length: bool = False
     overlength: str = "drop"
+    max_carry_rounds: int = 0
     seed: int = 0
 
     @classmethod
@@ -55,6 +61,7 @@ class PackingSettings:
             algorithm=packing.algorithm.value,
             pad_to_max_length=packing.pad_to_max_length,
             overlength=packing.overlength.value,
+            max_carry_rounds=packing.max_carry_rounds,
             seed=seed,
         )
 
@@ -81,7 +88,7 @@ class QwenPack(Sample):
 
 
 class _QwenPackingEncoder(
-    DefaultTaskEncoder[ConversationSample, QwenConversation, QwenPack, QwenPack]
+    CarryOverBuild, DefaultTaskEncoder[ConversationSample, QwenConversation, QwenPack, QwenPack]
 ):
     cookers = [CHATML_COOKER, Cooker(cook_conversation)]
     decoder = None  # images stay encoded bytes until they are needed
@@ -90,6 +97,9 @@ class _QwenPackingEncoder(
         super().__init__()
         self.processor_dir = str(processor_dir)
         self.settings = settings
+        self.max_carry_rounds = settings.max_carry_rounds
+        self.carry_capacity = settings.seq_length
+        self.carry_seed = settings.seed
         self._encoder: ConversationEncoder | None = None
         # Ledger entries of this worker not yet attached to a row.
         self._pending_seen = 0
@@ -134,6 +144,12 @@ class _QwenPackingEncoder(
 
     def _malformed(self, key: str) -> None:
         self._pending_dropped["malformed"].append(key)
+
+    def packing_length(self, sample: QwenConversation) -> int | None:
+        """The aligned length selection packs; None for a dropped sample (it rides along)."""
+        if sample.drop_reason is not None:
+            return None
+        return align_up(sample.length, self.settings.alignment)
 
     # -- Energon hooks ----------------------------------------------------------------------
 

@@ -6,7 +6,8 @@ no values: ``packline.megatron.overrides`` checks every ``megatron.extra_overrid
 against it without importing Bridge.
 
 Generated from the source of the pinned wheels
-(megatron-bridge==0.6.2, megatron-core==0.19.2) by tests/unit/test_megatron_overrides.py,
+(megatron-bridge==0.6.2, megatron-core==0.19.2), and of packline's dataset for Bridge
+(packline/megatron/dataset.py), by tests/unit/test_megatron_overrides.py,
 which regenerates it and asserts it is equal. Do not edit: rewrite it with
 ``PACKLINE_UPDATE_GOLDEN=1`` and
 
@@ -27,6 +28,11 @@ CLASSES: dict[str, tuple[tuple[str, ...], str, dict[str, str]]] = {
             "dataloader_type num_workers data_sharding pin_memory drop_last"
             " persistent_workers trust_remote_code dataloader_save dataloader_load"
         ),
+        {},
+    ),
+    "megatron.bridge.data.base.DatasetProvider": (
+        ("megatron.bridge.data.base.DataloaderConfig",),
+        "",
         {},
     ),
     "megatron.bridge.data.builders.energon.EnergonDatasetConfig": (
@@ -604,6 +610,16 @@ CLASSES: dict[str, tuple[tuple[str, ...], str, dict[str, str]]] = {
             "eval_iters eval_interval start_eval_at_iter eval_global_batch_size"
             " eval_micro_batch_size skip_train test_mode full_validation"
             " multiple_validation_sets validation_set_names"
+        ),
+        {},
+    ),
+    "packline.megatron.dataset.PacklineEnergonDataset": (
+        ("megatron.bridge.data.base.DatasetProvider",),
+        (
+            "path lengths_path seq_length task_encoder micro_batch_size dataloader_type"
+            " do_validation num_val_workers shuffle_buffer_size max_samples_per_sequence"
+            " packing_buffer_size dataset_kwargs pad_to_max_length"
+            " in_batch_packing_pad_to_multiple_of algorithm max_carry_rounds seed"
         ),
         {},
     ),

@@ -44,7 +44,7 @@ from packline.energon.files import BRIDGE_METADATASET
 from packline.qwen.processor import image_geometry
 from packline.tracking import experiment_name, tracking_uri
 from packline.workdir import dataset_dir, processor_dir, stage_dir
-from schemas.choices import ATTENTION_PROJECTIONS, EXPERT_PARAMETERS, MLP_PROJECTIONS
+from schemas.choices import ATTENTION_PROJECTIONS, EXPERT_PARAMETERS, MLP_PROJECTIONS, Packer
 from schemas.config import PipelineConfig
 from schemas.errors import UserError
 
@@ -67,6 +67,9 @@ assert set(LORA_TARGETS) == {*ATTENTION_PROJECTIONS, *MLP_PROJECTIONS, *EXPERT_P
 #: The concrete Bridge classes behind the ConfigContainer's union-typed sections for the runs
 #: packline builds (the other sections have one declared type on ConfigContainer).
 DATASET_CLASS = "megatron.bridge.data.builders.energon.EnergonDatasetConfig"
+#: packline's dataset for Bridge (``packing.packer: packline``), a ``DatasetProvider``; its
+#: fields are in the field table beside Bridge's (generated from its source).
+PACKLINE_DATASET_CLASS = "packline.megatron.dataset.PacklineEnergonDataset"
 TASK_ENCODER_CLASS = "megatron.bridge.data.builders.energon.QwenVLEnergonTaskEncoderConfig"
 LORA_CLASS = "megatron.bridge.peft.lora.LoRA"
 DENSE_MODEL_CLASS = "megatron.bridge.models.qwen_vl.qwen3_vl_provider.Qwen3VLModelProvider"
@@ -74,11 +77,16 @@ MOE_MODEL_CLASS = "megatron.bridge.models.qwen_vl.qwen3_vl_provider.Qwen3VLMoEMo
 RECIPE_MODULE = "megatron.bridge.recipes.qwen_vl"
 
 
+def packs_with_packline(cfg: PipelineConfig) -> bool:
+    """Bridge's dataset is packline's (``packing.packer: packline``, packing on)."""
+    return cfg.packing.enabled and cfg.packing.packer is Packer.packline
+
+
 def section_classes(cfg: PipelineConfig) -> dict[str, str]:
     """Dotted prefix → qualified class name of the concrete config object there."""
     return {
         "model": MOE_MODEL_CLASS if cfg.model.moe else DENSE_MODEL_CLASS,
-        "dataset": DATASET_CLASS,
+        "dataset": PACKLINE_DATASET_CLASS if packs_with_packline(cfg) else DATASET_CLASS,
         "dataset.task_encoder": TASK_ENCODER_CLASS,
         "peft": LORA_CLASS,
     }
@@ -192,6 +200,7 @@ def _packline_overrides(
         # 1,003,520 pixels, patch 14 — would change every image's token count)
         **_geometry_overrides(cfg),
         "model.seq_length": p.seq_length,
+        **(_packline_packing(cfg) if packs_with_packline(cfg) else {}),
         # packing requirements: one pack per micro-batch, loss normalized over tokens
         "dataset.micro_batch_size": 1,
         "train.micro_batch_size": 1,
@@ -263,6 +272,20 @@ def _packline_overrides(
             }
         )
     return o
+
+
+def _packline_packing(cfg: PipelineConfig) -> dict[str, Any]:
+    """packline's packer in Bridge (:class:`~packline.megatron.dataset.PacklineEnergonDataset`):
+    connect's exact lengths, the selection, carry-over, and the CP/SP alignment (Bridge computes
+    it only for its own ``EnergonDatasetConfig``)."""
+    p = cfg.packing
+    return {
+        "dataset.lengths_path": str(stage_dir(cfg, "connect") / "lengths.parquet"),
+        "dataset.algorithm": p.algorithm.value,
+        "dataset.max_carry_rounds": p.max_carry_rounds,
+        "dataset.seed": cfg.train.seed,
+        "dataset.in_batch_packing_pad_to_multiple_of": p.alignment,
+    }
 
 
 def _parse_value(raw: str) -> Any:

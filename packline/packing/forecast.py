@@ -19,9 +19,15 @@ What it simulates, per train backend (``backend``):
   (``select_packs``: ``ffd``, ``bfd`` or ``refined``). A sample whose aligned length is over
   ``capacity`` takes its buffer slot and is dropped by selection (the ledger's
   ``overlength``).
-- ``megatron`` (Megatron-Bridge's ``QwenVLTaskEncoder``): plain first-fit decreasing over
-  the aligned lengths, so ``algorithm`` must be ``ffd``. A sample over ``capacity`` raises in
-  Bridge's ``encode_sample`` and never reaches the buffer (``Forecast.skipped``).
+- ``megatron`` (Megatron-Bridge's ``QwenVLTaskEncoder``, or packline's subclass of it): a
+  sample over ``capacity`` raises in the encoder and never reaches the buffer
+  (``Forecast.skipped``). Bridge's own selection is plain first-fit decreasing
+  (``algorithm="ffd"``, ``packing.packer: bridge``); packline's subclass selects as the
+  local encoder does.
+- ``max_carry_rounds`` > 0 (carry-over, :mod:`packline.packing.carry`): each round emits
+  the packs :func:`~packline.packing.carry.carry_round` picks and the next round's buffer
+  starts with the samples it carried; the round that finds the stream exhausted packs
+  everything with ``algorithm``.
 
 Approximation: the stream order is the caller's. Energon gives each worker a contiguous
 range of the dataset and reads it in its own shuffled order; callers pass a seeded shuffle
@@ -44,6 +50,16 @@ its buffer and packs [2, 7, 1] into one row::
     ...                           backend="megatron", num_ranks=2)
     >>> bridge.packs_per_round, bridge.skipped, bridge.fill
     ([2, 1, 1], [4], 0.7)
+
+With carry-over, rank 0's first round emits [6, 4] and carries the 5, which the next round
+packs with the 3 (the stream is then exhausted): 4 rows instead of 5::
+
+    >>> carried = simulate_packing(stream, capacity=10, buffer_size=3, algorithm="ffd",
+    ...                            num_ranks=2, max_carry_rounds=4)
+    >>> [(r.items, r.groups, r.carried) for r in carried.rounds if r.worker == 0]
+    [([0, 1, 2], [[0, 2]], [1]), ([1, 3], [[1, 3]], [])]
+    >>> carried.packs, carried.fill
+    (4, 0.7)
 """
 
 from __future__ import annotations
@@ -54,8 +70,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from packline.packing.carry import carry_round
 from packline.packing.selection import ALGORITHMS, align_up, select_packs
-from schemas.choices import Algorithm, TrainBackend
+from schemas.choices import Algorithm, Packer, TrainBackend
 from schemas.guardrails import train_nproc_per_node, train_world
 
 if TYPE_CHECKING:
@@ -77,6 +94,8 @@ class Round:
     """Stream positions of the samples in the buffer, in arrival order."""
     groups: list[list[int]] = field(default_factory=list)
     """The packs selection emits, as stream positions (the algorithm's order)."""
+    carried: list[int] = field(default_factory=list)
+    """Carry-over: the positions put back for the next round."""
 
 
 @dataclass(kw_only=True)
@@ -87,6 +106,7 @@ class Forecast:
     buffer_size: int
     backend: str
     algorithm: str
+    max_carry_rounds: int
     num_streams: int
     """Loader streams with a buffer each: ranks × max(workers, 1)."""
     lengths: list[int]
@@ -125,8 +145,9 @@ class Forecast:
     @property
     def round_bound_packs(self) -> int:
         """Σ over rounds of ⌈Σ fitting lengths of the round / capacity⌉: the fewest rows any
-        packer can emit with these rounds (Energon clears the buffer each round, so no
-        sample waits for a better one)."""
+        packer can emit with these rounds when, as Energon's ``PackingDataset`` does, each
+        round emits everything it selected (no carry-over: no sample waits for a better
+        one). With carry-over it only counts the rows of each round's emitted tokens."""
         rows = 0
         for r in self.rounds:
             packed = sum(self.lengths[i] for g in r.groups for i in g)
@@ -173,6 +194,28 @@ def _bit_reversal(indices: list[int]) -> list[int]:
     return out
 
 
+def _worker_streams(
+    lengths: list[int], *, capacity: int, backend: str, num_ranks: int, num_workers: int
+) -> tuple[list[list[int]], list[int]]:
+    """Each global worker's stream of positions, and the positions skipped before any buffer
+    (backend megatron's overlength samples)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown train backend {backend!r}: use one of {BACKENDS}")
+    if num_ranks < 1 or num_workers < 0:
+        raise ValueError(
+            f"need num_ranks >= 1 and num_workers >= 0, got {num_ranks}, {num_workers}"
+        )
+    streams: list[list[int]] = []
+    skipped: list[int] = []
+    for start, end in worker_ranges(len(lengths), num_ranks * max(num_workers, 1)):
+        stream = list(range(start, end))
+        if backend == "megatron":
+            skipped += [i for i in stream if lengths[i] > capacity]
+            stream = [i for i in stream if lengths[i] <= capacity]
+        streams.append(stream)
+    return streams, skipped
+
+
 def buffer_rounds(
     lengths: list[int],
     *,
@@ -182,28 +225,70 @@ def buffer_rounds(
     num_ranks: int = 1,
     num_workers: int = 0,
 ) -> tuple[list[Round], list[int]]:
-    """The rounds (without groups) each worker's buffer holds, and the positions skipped
-    before any buffer (backend megatron's overlength samples)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown train backend {backend!r}: use one of {BACKENDS}")
+    """The rounds (without groups) each worker's buffer holds without carry-over, and the
+    positions skipped before any buffer (backend megatron's overlength samples)."""
     if buffer_size < 1:
         raise ValueError(f"buffer_size must be >= 1, got {buffer_size}")
-    if num_ranks < 1 or num_workers < 0:
-        raise ValueError(
-            f"need num_ranks >= 1 and num_workers >= 0, got {num_ranks}, {num_workers}"
-        )
-    rounds: list[Round] = []
-    skipped: list[int] = []
-    for worker, (start, end) in enumerate(
-        worker_ranges(len(lengths), num_ranks * max(num_workers, 1))
-    ):
-        stream = list(range(start, end))
-        if backend == "megatron":
-            skipped += [i for i in stream if lengths[i] > capacity]
-            stream = [i for i in stream if lengths[i] <= capacity]
-        for at in range(0, len(stream), buffer_size):
-            rounds.append(Round(worker=worker, items=stream[at : at + buffer_size]))
+    streams, skipped = _worker_streams(
+        lengths, capacity=capacity, backend=backend, num_ranks=num_ranks, num_workers=num_workers
+    )
+    rounds = [
+        Round(worker=worker, items=stream[at : at + buffer_size])
+        for worker, stream in enumerate(streams)
+        for at in range(0, len(stream), buffer_size)
+    ]
     return rounds, skipped
+
+
+def _select(lengths: list[int], items: list[int], capacity: int, algorithm: str) -> list[list[int]]:
+    fits = [i for i in items if lengths[i] <= capacity]
+    sizes = [lengths[i] for i in fits]
+    groups = select_packs(sizes, capacity=capacity, algorithm=algorithm, seed=None)
+    return [[fits[j] for j in g] for g in groups]
+
+
+def _carry_rounds(
+    lengths: list[int],
+    stream: list[int],
+    worker: int,
+    *,
+    capacity: int,
+    buffer_size: int,
+    algorithm: str,
+    max_carry_rounds: int,
+) -> list[Round]:
+    """One worker's rounds with carry-over, as ``CarryOverPackingDataset`` runs them: the
+    buffer is topped up to ``buffer_size`` from the stream before each round; the round that
+    finds the stream exhausted packs what is left with ``algorithm``."""
+    rounds: list[Round] = []
+    waiting: list[tuple[int, int]] = []  # (position, rounds waited)
+    at = 0
+    while True:
+        exhausted = False
+        while len(waiting) < buffer_size:
+            if at == len(stream):
+                exhausted = True
+                break
+            waiting.append((stream[at], 0))
+            at += 1
+        if not waiting:
+            return rounds
+        r = Round(worker=worker, items=[i for i, _ in waiting])
+        rounds.append(r)
+        if exhausted:
+            r.groups = _select(lengths, r.items, capacity, algorithm)
+            return rounds
+        fits = [(i, w) for i, w in waiting if lengths[i] <= capacity]
+        decided = carry_round(
+            [lengths[i] for i, _ in fits],
+            [w for _, w in fits],
+            capacity=capacity,
+            max_rounds=max_carry_rounds,
+            seed=r.items[0],
+        )
+        r.groups = [[fits[j][0] for j in g] for g in decided.emit]
+        r.carried = [fits[j][0] for j in decided.carry]
+        waiting = [(fits[j][0], fits[j][1] + 1) for j in decided.carry]
 
 
 def simulate_packing(
@@ -215,37 +300,57 @@ def simulate_packing(
     backend: str = "local",
     num_ranks: int = 1,
     num_workers: int = 0,
+    max_carry_rounds: int = 0,
 ) -> Forecast:
     """Simulate one epoch of the ``backend``'s packer over ``lengths`` (aligned, in stream
-    order) — see the module docstring. ``num_workers`` is per rank, 0 meaning one stream."""
+    order) — see the module docstring. ``num_workers`` is per rank, 0 meaning one stream;
+    ``max_carry_rounds`` 0 is Energon's own round (no carry-over)."""
     if algorithm not in ALGORITHMS:
         raise ValueError(f"unknown packing algorithm {algorithm!r}: use one of {ALGORITHMS}")
-    if backend == "megatron" and algorithm != "ffd":
-        raise ValueError(
-            f"backend megatron selects with plain first-fit decreasing, not {algorithm!r}: "
-            "simulate it with algorithm='ffd'"
+    if max_carry_rounds < 0:
+        raise ValueError(f"max_carry_rounds must be >= 0, got {max_carry_rounds}")
+    if max_carry_rounds:
+        if buffer_size < 1:
+            raise ValueError(f"buffer_size must be >= 1, got {buffer_size}")
+        streams, skipped = _worker_streams(
+            lengths,
+            capacity=capacity,
+            backend=backend,
+            num_ranks=num_ranks,
+            num_workers=num_workers,
         )
-    rounds, skipped = buffer_rounds(
-        lengths,
-        capacity=capacity,
-        buffer_size=buffer_size,
-        backend=backend,
-        num_ranks=num_ranks,
-        num_workers=num_workers,
-    )
-    dropped: list[int] = []
-    for r in rounds:
-        fits = [i for i in r.items if lengths[i] <= capacity]
-        dropped += [i for i in r.items if lengths[i] > capacity]
-        groups = select_packs(
-            [lengths[i] for i in fits], capacity=capacity, algorithm=algorithm, seed=None
+        rounds = [
+            r
+            for worker, stream in enumerate(streams)
+            for r in _carry_rounds(
+                lengths,
+                stream,
+                worker,
+                capacity=capacity,
+                buffer_size=buffer_size,
+                algorithm=algorithm,
+                max_carry_rounds=max_carry_rounds,
+            )
+        ]
+    else:
+        rounds, skipped = buffer_rounds(
+            lengths,
+            capacity=capacity,
+            buffer_size=buffer_size,
+            backend=backend,
+            num_ranks=num_ranks,
+            num_workers=num_workers,
         )
-        r.groups = [[fits[j] for j in g] for g in groups]
+        for r in rounds:
+            r.groups = _select(lengths, r.items, capacity, algorithm)
+    # an overlength sample is in one round only: selection never carries it
+    dropped = [i for r in rounds for i in r.items if lengths[i] > capacity]
     return Forecast(
         capacity=capacity,
         buffer_size=buffer_size,
         backend=backend,
         algorithm=algorithm,
+        max_carry_rounds=max_carry_rounds,
         num_streams=num_ranks * max(num_workers, 1),
         lengths=list(lengths),
         rounds=rounds,
@@ -278,13 +383,16 @@ def data_parallel_ranks(cfg: PipelineConfig) -> int:
 
 def forecast_settings(cfg: PipelineConfig) -> dict[str, Any]:
     """How the forecast simulates ``cfg``'s packer (``simulate_packing``'s keywords): the
-    train backend, its selection — plain ``ffd`` for backend megatron, as Bridge runs
-    whatever ``packing.algorithm`` says (validate refuses any other there), else
-    ``packing.algorithm`` — and its loader streams, ranks × ``train.num_workers``."""
-    megatron = cfg.train.backend is TrainBackend.megatron
+    train backend, its selection and carry-over — Bridge's own packer
+    (``packing.packer: bridge`` with backend megatron) runs plain ``ffd`` without carry-over
+    whatever the config says (validate refuses any other setting there), packline's packer
+    ``packing.algorithm`` and ``packing.max_carry_rounds`` — and its loader streams, ranks ×
+    ``train.num_workers``."""
+    bridge = cfg.train.backend is TrainBackend.megatron and cfg.packing.packer is Packer.bridge
     return {
         "backend": cfg.train.backend.value,
-        "algorithm": "ffd" if megatron else cfg.packing.algorithm.value,
+        "algorithm": "ffd" if bridge else cfg.packing.algorithm.value,
+        "max_carry_rounds": 0 if bridge else cfg.packing.max_carry_rounds,
         "num_ranks": data_parallel_ranks(cfg),
         "num_workers": cfg.train.num_workers,
     }
@@ -308,10 +416,12 @@ def forecast_fill(
     backend: str = "local",
     num_ranks: int = 1,
     num_workers: int = 0,
+    max_carry_rounds: int = 0,
 ) -> dict[str, Any]:
     """Fill of packing ``lengths`` (already aligned; any over ``capacity`` are handled as
     ``backend`` does: see ``packline.packing.forecast``) in a seeded stream order, one
-    buffer of B samples per loader stream at a time, for each B; and the lower bound
+    buffer of B samples per loader stream at a time, for each B (with carry-over when
+    ``max_carry_rounds`` > 0, and then also the fill without it); and the lower bound
     Σlen/(⌈Σlen/C⌉·C) over the samples that fit."""
     algorithm = algorithm.value if isinstance(algorithm, Algorithm) else algorithm
     stream = [lengths[i] for i in stream_order(len(lengths), seed)]
@@ -325,11 +435,11 @@ def forecast_fill(
         "algorithm": algorithm,
         "num_ranks": num_ranks,
         "num_workers": num_workers,
+        "max_carry_rounds": max_carry_rounds,
     }
     per_buffer = {}
     for b in buffer_sizes:
-        simulated = simulate_packing(
-            stream,
+        settings = dict(
             capacity=capacity,
             buffer_size=b,
             algorithm=algorithm,
@@ -337,7 +447,10 @@ def forecast_fill(
             num_ranks=num_ranks,
             num_workers=num_workers,
         )
+        simulated = simulate_packing(stream, **settings, max_carry_rounds=max_carry_rounds)
         per_buffer[str(b)] = {"packs": simulated.packs, "fill": simulated.fill}
+        if max_carry_rounds:
+            per_buffer[str(b)]["fill_without_carry"] = simulate_packing(stream, **settings).fill
     out["buffers"] = per_buffer
     min_packs = -(-total // capacity)
     out["lower_bound"] = {

@@ -217,7 +217,7 @@ def lower_bound(lengths: list[int], capacity: int) -> int:
     return best
 
 
-def _fullest_subset(lengths: list[int], capacity: int, rng: random.Random) -> list[int]:
+def fullest_subset(lengths: list[int], capacity: int, rng: random.Random) -> list[int]:
     """Positions of a subset of ``lengths`` with the largest sum ≤ ``capacity``, one of
     the fullest chosen by ``rng``: a subset sum over bit sets (bit s of ``reach[j]`` is set
     when some subset of the first j items, in a shuffled order, sums to s), walked back from
@@ -296,7 +296,7 @@ def fewer_groups(
         held[b] = []
 
     def fullest(items: list[int], room: int) -> tuple[list[int], list[int]]:
-        take = set(_fullest_subset([lengths[i] for i in items], room, rng))
+        take = set(fullest_subset([lengths[i] for i in items], room, rng))
         return (
             [i for j, i in enumerate(items) if j in take],
             [i for j, i in enumerate(items) if j not in take],

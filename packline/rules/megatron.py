@@ -13,11 +13,13 @@ from packline.megatron.overrides import (
     bridge_alignment,
     bridge_run,
     lora_target_problems,
+    packs_with_packline,
     section_classes,
     unknown_field,
 )
 from schemas.config import (
     ExecutorKind,
+    Packer,
     PipelineConfig,
     TrainBackend,
 )
@@ -111,23 +113,35 @@ def _micro_batch_setting(run: BridgeRun) -> list[Issue] | None:
 @MEGATRON_RULES.rule(
     "megatron.algorithm",
     "megatron",
-    "packing.algorithm is ffd: Megatron-Bridge's encoder selects first-fit decreasing",
+    "packing.packer bridge: packing.algorithm is ffd and packing.max_carry_rounds 0, as "
+    "Megatron-Bridge's own encoder packs (plain first-fit decreasing, no carry-over)",
 )
 def _algorithm(run: BridgeRun) -> list[Issue] | None:
     cfg = run.cfg
-    if not _megatron(run) or not cfg.packing.enabled:
+    if not _megatron(run) or not cfg.packing.enabled or cfg.packing.packer is not Packer.bridge:
         return None
+    out = []
     algorithm = cfg.packing.algorithm.value
-    if algorithm == "ffd":
-        return []
-    return [
-        error(
-            "packing.algorithm",
-            f"packing.algorithm is '{algorithm}', but Megatron-Bridge's encoder selects packs "
-            "by plain first-fit decreasing: connect's forecast would describe other packs",
-            "set packing.algorithm=ffd",
+    if algorithm != "ffd":
+        out.append(
+            error(
+                "packing.algorithm",
+                f"packing.algorithm is '{algorithm}', but with packing.packer bridge "
+                "Megatron-Bridge's encoder selects packs by plain first-fit decreasing: "
+                "connect's forecast would describe other packs",
+                "set packing.algorithm=ffd, or packing.packer=packline",
+            )
         )
-    ]
+    if cfg.packing.max_carry_rounds:
+        out.append(
+            error(
+                "packing.max_carry_rounds",
+                f"packing.max_carry_rounds is {cfg.packing.max_carry_rounds}, but with "
+                "packing.packer bridge Energon emits every pack a round selects (no carry-over)",
+                "set packing.max_carry_rounds=0, or packing.packer=packline",
+            )
+        )
+    return out
 
 
 @MEGATRON_RULES.rule(
@@ -389,11 +403,11 @@ def _dist_train(run: BridgeRun) -> list[Issue] | None:
 @MEGATRON_RULES.rule(
     "megatron.in_batch_packing",
     "megatron",
-    "Energon native packing excludes the legacy in-batch packing flags",
+    "packing.packer bridge: Energon native packing excludes the legacy in-batch packing flags",
 )
 def _in_batch_packing(run: BridgeRun) -> list[Issue] | None:
-    if not _megatron(run) or not run.packing:
-        return None
+    if not _megatron(run) or not run.packing or packs_with_packline(run.cfg):
+        return None  # packline's dataset has no such flags (an extra override is refused)
     return [
         error(
             "megatron.extra_overrides",

@@ -19,6 +19,7 @@ from packline.bench.lengths import VlmSftShape, shuffled, vlm_sft_lengths, vlm_s
 from packline.bench.loader import LoaderRun, torch_threads
 from packline.bench.processes import WorkerRss, child_pids, wait_for_exit
 from packline.bench.simulation import (
+    cluster_packing,
     fill_by_method,
     fill_summary,
     lower_bound_fill,
@@ -29,6 +30,7 @@ from packline.bench.simulation import (
 )
 from packline.bench.tables import print_loader_report, print_packing_tables
 from packline.bench.targets import loader_targets, packing_targets
+from packline.packing.forecast import simulate_packing
 
 
 @pytest.mark.parametrize("module", [lengths, simulation, targets, processes, loader, data])
@@ -92,6 +94,10 @@ def test_fill_by_method_exact_on_equal_lengths():
         "lazy_refined@64",
         "lazy_refined@256",
         "lazy_refined@1024",
+        "carry_refined@16",
+        "carry_refined@64",
+        "carry_refined@256",
+        "carry_refined@1024",
         "offline_bfd",
         "round_bound@16",
         "round_bound@64",
@@ -173,6 +179,9 @@ def test_worker_rss_sees_a_new_child_only():
 
 
 def _result(*, fill256: float, offline: float, rss256: float, overhead: float, select: float):
+    """Figures whose targets all hold or all fail together (carry-over's fill above the lazy
+    fill at 256 from 0.99 on, else below 0.97; its ms per sample twice the 100k lengths'
+    seconds)."""
     fill = {
         "lazy_ffd@256": fill256,
         "lazy_bfd@256": fill256,
@@ -180,9 +189,18 @@ def _result(*, fill256: float, offline: float, rss256: float, overhead: float, s
         "offline_bfd": offline,
         "round_bound@256": fill256,
     }
+    carry_fill = fill256 + 0.005 if fill256 >= 0.99 else fill256 - 0.02
+    carry = {"fill": carry_fill, "select_ms_per_sample": 2 * select}
+    cluster = {}
+    for b in (16, 64):
+        fill[f"carry_refined@{b}"] = carry_fill
+        fill[f"round_bound@{b}"] = fill256
+        cluster[f"packline_carry@{b}"] = carry
+        cluster[f"packline_refined@{b}"] = {"round_bound_fill": fill256}
     return {
         "default": {"fill": fill},
         "vlm_sft": {"fill": fill},
+        "cluster": {"vlm_sft": cluster},
         "worker_rss_mb": {"eager_ffd@16": 700.0, "lazy_ffd@256": rss256},
         "packing_overhead": overhead,
         "select_100k_s": select,
@@ -194,7 +212,9 @@ def test_targets_hold_or_not():
         _result(fill256=0.99, offline=0.995, rss256=600.0, overhead=0.03, select=0.5)
     )
     assert all(t["held"] for t in good.values())
-    assert len(good) == 9  # 2 sets × 3 algorithms, worker RSS, overhead, selection time
+    # 2 sets × 3 algorithms, carry-over's fill (2 sets × 2 buffers) and selection time,
+    # worker RSS, overhead, selection time
+    assert len(good) == 14
     bad = packing_targets(
         _result(fill256=0.985, offline=0.9999, rss256=701.0, overhead=0.06, select=1.0)
     )
@@ -331,6 +351,10 @@ def test_packing_tables_print_each_distributions_fills_and_the_selection_time():
     result["vlm_sft"] = fill_summary(vlm_sft_lengths(200, seed=0), capacity=2048, seed=0)
     result["default"]["fill"]["lazy_ffd@256.measured"] = result.pop("fill_measured")
     result["select_100k_s"] = 0.25
+    result["cluster"] = {
+        "default": cluster_packing([3] * 20 + [4000], capacity=4096, seed=0),
+        "vlm_sft": cluster_packing(vlm_sft_lengths(200, seed=0), capacity=4096, seed=0),
+    }
     result["targets"] = packing_targets(result)
     select_s = {"ffd": 0.125, "bfd": 0.25, "refined": 0.2}
     text = _render(print_packing_tables, result, loader_runs, throughput, select_s, 500)
@@ -349,3 +373,29 @@ def test_packing_tables_print_each_distributions_fills_and_the_selection_time():
     assert rows["default.fill.lazy_ffd@256"][0].startswith(f"{60 / 2048:.4f} (1.0000x offline")
     assert rows["default.fill.lazy_ffd@256"][-1] == "no"
     assert rows["packing overhead"] == ["+20.0%"]
+    assert "cluster packing at seq_length 4096: default set" in words
+    # 21 samples (4,060 tokens) in Bridge's rounds of 16 and 5: a row each
+    assert rows["bridge_ffd@16"][:3] == [f"{4060 / 8192:.4f}", "4,132", "2"]
+
+
+def test_cluster_packing_packs_the_same_tokens_every_way_and_bridge_is_plain_ffd():
+    lengths = vlm_sft_lengths(2000, seed=7)
+    capacity = 4096
+    c = cluster_packing(lengths, capacity=capacity, seed=3)
+    assert set(c) == {
+        "bridge_ffd@16", "bridge_ffd@32", *(f"packline_{m}@{b}" for m in ("refined", "carry")
+                                            for b in (16, 64, 256))
+    }  # fmt: skip
+    tokens = {name: f["rows"] * capacity - f["padding_tokens"] for name, f in c.items()}
+    assert len(set(tokens.values())) == 1  # every packer packs every sample that fits, once
+    for name, f in c.items():
+        assert f["fill"] == pytest.approx(tokens[name] / (f["rows"] * capacity))
+        assert f["select_ms_per_sample"] > 0
+    for b in (16, 64, 256):  # without carry-over no packer beats the per-round bound
+        refined = c[f"packline_refined@{b}"]
+        assert refined["fill"] <= refined["round_bound_fill"] + 1e-12
+    stream = shuffled(lengths, 3)
+    bridge = simulate_packing(
+        stream, capacity=capacity, buffer_size=16, algorithm="ffd", backend="megatron"
+    )
+    assert c["bridge_ffd@16"]["rows"] == bridge.packs

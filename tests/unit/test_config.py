@@ -7,7 +7,14 @@ import yaml
 
 from packline.rules.megatron import megatron_problems
 from pipelines.cli import main
-from schemas.config import PROJECT_ROOT, Algorithm, PackingConfig, TrainBackend, load_config
+from schemas.config import (
+    PROJECT_ROOT,
+    Algorithm,
+    Packer,
+    PackingConfig,
+    TrainBackend,
+    load_config,
+)
 from schemas.errors import UserError
 from tests.unit.test_megatron_overrides import processor_stand_in
 
@@ -81,13 +88,16 @@ def test_enum_override_lists_allowed_values():
     ]
 
 
-def test_default_algorithm_is_refined_and_the_cluster_configs_run_bridges_ffd():
+def test_default_algorithm_is_refined_with_carry_over_and_every_shipped_config_packs_so(
+    tmp_path: Path,
+):
     assert load_config(None, []).packing.algorithm is Algorithm.refined
     assert PackingConfig().algorithm is Algorithm.refined
-    for path in SHIPPED:
-        raw = yaml.safe_load(path.read_text())
-        megatron = (raw.get("train") or {}).get("backend") == "megatron"
-        assert raw["packing"]["algorithm"] == ("ffd" if megatron else "refined"), path.name
+    assert PackingConfig().max_carry_rounds == 4 and PackingConfig().packer is Packer.packline
+    for path in SHIPPED:  # the cluster configs too: Bridge trains on packline's packer
+        cfg = load_config(path, cluster_stand_ins(path, tmp_path))
+        assert cfg.packing.algorithm is Algorithm.refined, path.name
+        assert cfg.packing.max_carry_rounds == 4 and cfg.packing.packer is Packer.packline
 
 
 def test_overrides_apply_after_yaml():

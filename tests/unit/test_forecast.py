@@ -124,9 +124,9 @@ def test_overlength_takes_a_slot_locally_and_is_skipped_before_bridges_buffer():
     assert local.fill == bridge.fill == 12 / 20
 
 
-def test_megatron_backend_requires_plain_ffd_and_bad_arguments_are_refused():
-    with pytest.raises(ValueError, match="plain first-fit decreasing, not 'refined'"):
-        simulate_packing([1], capacity=4, buffer_size=1, algorithm="refined", backend="megatron")
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="max_carry_rounds must be >= 0"):
+        simulate_packing([1], capacity=4, buffer_size=1, algorithm="ffd", max_carry_rounds=-1)
     with pytest.raises(ValueError, match="unknown packing algorithm 'greedy'"):
         simulate_packing([1], capacity=4, buffer_size=1, algorithm="greedy")
     with pytest.raises(ValueError, match="unknown train backend 'nemo'"):
@@ -232,16 +232,42 @@ def test_bridge_packs_per_buffer_equal_the_megatron_forecast(
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [
-        ([], {"backend": "local", "algorithm": "refined", "num_ranks": 1, "num_workers": 0}),
         (
-            ["train.nproc_per_node=2", "train.num_workers=3", "packing.algorithm=bfd"],
-            {"backend": "local", "algorithm": "bfd", "num_ranks": 2, "num_workers": 3},
+            [],
+            {
+                "backend": "local",
+                "algorithm": "refined",
+                "max_carry_rounds": 4,
+                "num_ranks": 1,
+                "num_workers": 0,
+            },
+        ),
+        (
+            [
+                "train.nproc_per_node=2",
+                "train.num_workers=3",
+                "packing.algorithm=bfd",
+                "packing.max_carry_rounds=0",
+            ],
+            {
+                "backend": "local",
+                "algorithm": "bfd",
+                "max_carry_rounds": 0,
+                "num_ranks": 2,
+                "num_workers": 3,
+            },
         ),
         (  # the local backend on SLURM: every process of the train job is a DP rank
             ["executor.kind=slurm", "executor.slurm.nodes=2", "executor.slurm.nproc_per_node=2"],
-            {"backend": "local", "algorithm": "refined", "num_ranks": 4, "num_workers": 0},
+            {
+                "backend": "local",
+                "algorithm": "refined",
+                "max_carry_rounds": 4,
+                "num_ranks": 4,
+                "num_workers": 0,
+            },
         ),
-        (  # Bridge: 2 nodes × 8 GPUs over TP 2 × CP 2; plain FFD whatever the config says
+        (  # Bridge with packline's packer: 2 nodes × 8 GPUs over TP 2 × CP 2
             [
                 "train.backend=megatron",
                 "executor.slurm.nodes=2",
@@ -249,7 +275,23 @@ def test_bridge_packs_per_buffer_equal_the_megatron_forecast(
                 "packing.context_parallel=2",
                 "train.num_workers=2",
             ],
-            {"backend": "megatron", "algorithm": "ffd", "num_ranks": 4, "num_workers": 2},
+            {
+                "backend": "megatron",
+                "algorithm": "refined",
+                "max_carry_rounds": 4,
+                "num_ranks": 4,
+                "num_workers": 2,
+            },
+        ),
+        (  # Bridge's own packer: plain FFD without carry-over whatever the config says
+            ["train.backend=megatron", "packing.packer=bridge"],
+            {
+                "backend": "megatron",
+                "algorithm": "ffd",
+                "max_carry_rounds": 0,
+                "num_ranks": 8,
+                "num_workers": 0,
+            },
         ),
     ],
 )
@@ -258,3 +300,37 @@ def test_forecast_settings_follow_the_train_backend(overrides, expected):
     from schemas.config import load_config
 
     assert forecast_settings(load_config(None, overrides)) == expected
+
+
+@pytest.mark.parametrize("backend", ["local", "megatron"])
+@pytest.mark.parametrize("buffer_size", [3, 16, 64])
+def test_carry_over_emits_every_sample_once_and_no_sample_waits_longer_than_allowed(
+    backend, buffer_size
+):
+    lengths = [align_up(n, 4) for n in shuffled(vlm_sft_lengths(1500, seed=5), 2)]
+    capacity, max_rounds = 2048, 3
+    f = simulate_packing(
+        lengths,
+        capacity=capacity,
+        buffer_size=buffer_size,
+        algorithm="refined",
+        backend=backend,
+        num_ranks=2,
+        num_workers=2,
+        max_carry_rounds=max_rounds,
+    )
+    emitted = [i for r in f.rounds for g in r.groups for i in g]
+    fits = [i for i, n in enumerate(lengths) if n <= capacity]
+    assert sorted(emitted) == fits  # each fitting sample exactly once
+    assert sorted(f.dropped + f.skipped) == [i for i, n in enumerate(lengths) if n > capacity]
+    assert all(sum(lengths[i] for i in g) <= capacity for r in f.rounds for g in r.groups)
+    # a sample is in the buffer of at most max_rounds + 1 rounds of its worker
+    rounds_in = {}
+    for r in f.rounds:
+        for i in r.items:
+            rounds_in[i] = rounds_in.get(i, 0) + 1
+        assert len(r.items) <= buffer_size and r.groups  # every round emits
+        carried_next = set(r.carried)
+        assert not carried_next & {i for g in r.groups for i in g}
+    assert max(rounds_in.values()) <= max_rounds + 1
+    # (how much fuller the rows are is a benchmark figure: packline bench packing)

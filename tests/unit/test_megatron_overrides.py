@@ -69,7 +69,7 @@ def cluster_config(path: Path, tmp_path: Path, *overrides: str) -> PipelineConfi
 @pytest.fixture(scope="module")
 def bridge_index() -> SourceIndex:
     try:
-        return SourceIndex(fetch_sources())
+        return SourceIndex(fetch_sources(), PROJECT_ROOT)
     except IndexUnreachable as exc:
         pytest.skip(f"cannot download the pinned Megatron-Bridge wheels from the index: {exc}")
 
@@ -193,6 +193,7 @@ def test_megatron_problems_listed_together(tmp_path: Path):
         DENSE,
         tmp_path,
         "model.path=null",
+        "packing.packer=bridge",
         "packing.algorithm=bfd",
         "train.parallel.expert_parallel=4",
         "packing.pad_to_max_length=true",  # EP > 1 needs it (a validate guardrail)
@@ -202,6 +203,7 @@ def test_megatron_problems_listed_together(tmp_path: Path):
     problems = megatron_problems(cfg)
     assert any("model.path" in p for p in problems)
     assert any("ffd" in p for p in problems)
+    assert any("packing.max_carry_rounds" in p for p in problems)  # bridge's packer: none
     assert any("model.moe" in p for p in problems)
     assert any("global_batch_size 12" in p for p in problems)
     assert megatron_problems(cluster_config(MOE, tmp_path)) == []
@@ -267,13 +269,16 @@ FIELDS_MODULE = PROJECT_ROOT / "packline" / "megatron" / "fields.py"
 
 
 def run_sections() -> dict[str, list[str]]:
-    """Each ``section_classes`` prefix → the classes packline's runs put there (dense, MoE)."""
+    """Each ``section_classes`` prefix → the classes packline's runs put there (dense, MoE;
+    packline's dataset or Bridge's)."""
     out: dict[str, list[str]] = {}
     for moe in ("false", "true"):
-        for prefix, qualified in section_classes(load_config(None, [f"model.moe={moe}"])).items():
-            out.setdefault(prefix, [])
-            if qualified not in out[prefix]:
-                out[prefix].append(qualified)
+        for packer in ("packline", "bridge"):
+            cfg = load_config(None, [f"model.moe={moe}", f"packing.packer={packer}"])
+            for prefix, qualified in section_classes(cfg).items():
+                out.setdefault(prefix, [])
+                if qualified not in out[prefix]:
+                    out[prefix].append(qualified)
     return out
 
 
@@ -367,7 +372,8 @@ def field_table_source(table: dict[str, tuple[tuple[str, ...], dict[str, str]]])
         "against it without importing Bridge.",
         "",
         "Generated from the source of the pinned wheels",
-        f"({', '.join(PINNED)}) by tests/unit/test_megatron_overrides.py,",
+        f"({', '.join(PINNED)}), and of packline's dataset for Bridge",
+        "(packline/megatron/dataset.py), by tests/unit/test_megatron_overrides.py,",
         "which regenerates it and asserts it is equal. Do not edit: rewrite it with",
         "``PACKLINE_UPDATE_GOLDEN=1`` and",
         "",
@@ -442,13 +448,18 @@ def test_shipped_field_table_agrees_with_the_pinned_source(path: Path, tmp_path,
         *bridge_overrides(cfg, mlflow_tags={"packline.launch_id": "1"}),
         "model.dist_train.use_dist_train",
         "dist.eval_context_parallel_size",
-        "dataset.enable_in_batch_packing",
-        "dataset.defer_in_batch_packing_to_step",
         "dataset.do_validation",
         "comm_overlap.tp_comm_overlap_cfg.qkv_dgrad",
     ]
     assert unknown_keys(bridge_index, good, classes) == []
     assert [k for k in good if unknown_field(k, classes) is not None] == []
+    # Bridge's legacy in-batch packing: fields of its own dataset config, not of packline's
+    legacy = ["dataset.enable_in_batch_packing", "dataset.defer_in_batch_packing_to_step"]
+    own = section_classes(cluster_config(path, tmp_path, "packing.packer=bridge"))
+    assert unknown_keys(bridge_index, legacy, own) == []
+    assert [unknown_field(k, own) for k in legacy] == [None, None]
+    assert len(unknown_keys(bridge_index, legacy, classes)) == 2
+    assert all("PacklineEnergonDataset" in unknown_field(k, classes) for k in legacy)
     bad = ["ddp.average_in_colective", "model.dist_train.use_dist", "dataset.task_encoder.x"]
     assert len(unknown_keys(bridge_index, bad, classes)) == 3
     assert [unknown_field(k, classes) for k in bad] == [
@@ -460,8 +471,14 @@ def test_shipped_field_table_agrees_with_the_pinned_source(path: Path, tmp_path,
     ]
 
 
+#: The modules that run only where Megatron-Bridge is (the container; Bridge main's vendored data
+#: path in tests): they import it at the top. No other module imports them at the top.
+BRIDGE_SIDE = ("packline/megatron/dataset.py", "packline/megatron/task_encoder.py")
+
+
 def test_only_train_megatron_imports_bridge_and_only_inside_functions():
-    importers = {}
+    importers, bridge_side_importers = {}, {}
+    bridge_side = {m.removesuffix(".py").replace("/", ".") for m in BRIDGE_SIDE}
     packages = ("packline", "stages", "schemas", "pipelines")
     for path in (p for pkg in packages for p in (PROJECT_ROOT / pkg).rglob("*.py")):
         tree = ast.parse(path.read_text())
@@ -472,11 +489,15 @@ def test_only_train_megatron_imports_bridge_and_only_inside_functions():
                 names = [node.module]
             elif isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
+            rel = str(path.relative_to(PROJECT_ROOT))
             if any(n.startswith("megatron.bridge") for n in names):
-                rel = str(path.relative_to(PROJECT_ROOT))
                 importers.setdefault(rel, []).append(node in top_level)
-    assert list(importers) == ["stages/train_megatron.py"]
+            if any(n in bridge_side for n in names):
+                bridge_side_importers.setdefault(rel, []).append(node in top_level)
+    assert sorted(importers) == sorted(["stages/train_megatron.py", *BRIDGE_SIDE])
     assert not any(importers["stages/train_megatron.py"])  # lazily, inside functions
+    for rel, top in bridge_side_importers.items():
+        assert rel in BRIDGE_SIDE or not any(top), f"{rel} imports a Bridge-side module at the top"
 
 
 def test_train_megatron_refuses_a_config_it_cannot_run_before_importing_bridge(tmp_path: Path):

@@ -201,10 +201,18 @@ def test_shipped_config_breaks_no_guardrail(path: Path, tmp_path: Path):
 
 EXTRA = "megatron.extra_overrides"
 # (rule id, config, overrides, severity): one Bridge rule broken, on the config alone
+#: Bridge's own packer (its dataset config has the legacy in-batch packing fields).
+BRIDGE_PACKER = ("packing.packer=bridge", "packing.algorithm=ffd", "packing.max_carry_rounds=0")
+
 MEGATRON_BREAKS = [
     ("megatron.executor", DENSE, ["executor.kind=local"], "error"),
     ("megatron.paths", DENSE, ["model.path=null"], "error"),
-    ("megatron.algorithm", DENSE, ["packing.algorithm=bfd"], "error"),
+    (
+        "megatron.algorithm",
+        DENSE,
+        ["packing.packer=bridge", "packing.algorithm=bfd", "packing.max_carry_rounds=0"],
+        "error",
+    ),
     (
         "megatron.micro_batch_setting",
         DENSE,
@@ -252,13 +260,13 @@ MEGATRON_BREAKS = [
     (
         "megatron.in_batch_packing",
         DENSE,
-        [f"{EXTRA}=[dataset.enable_in_batch_packing=true]"],
+        [*BRIDGE_PACKER, f"{EXTRA}=[dataset.enable_in_batch_packing=true]"],
         "error",
     ),
     (
         "megatron.in_batch_packing",
         DENSE,
-        [f"{EXTRA}=[dataset.defer_in_batch_packing_to_step=true]"],
+        [*BRIDGE_PACKER, f"{EXTRA}=[dataset.defer_in_batch_packing_to_step=true]"],
         "error",
     ),
     ("megatron.alignment", DENSE, [f"{EXTRA}=[dist.eval_context_parallel_size=3]"], "error"),

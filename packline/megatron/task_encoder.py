@@ -1,0 +1,136 @@
+"""Megatron-Bridge's Qwen-VL task encoder with packline's packing: what the cluster run packs
+with (``packing.packer: packline``). Imports ``megatron.bridge``: only in the container, or in
+a test that runs Bridge main's data path from the vendored source.
+
+:class:`PacklineQwenVLTaskEncoder` subclasses Bridge main's ``QwenVLTaskEncoder`` and keeps
+its ``encode_sample``, ``pack_selected_samples``, ``batch`` and ``encode_batch`` as they are,
+so Bridge's forward step, THD metadata and mRoPE see exactly the tensors Bridge's own encoder
+makes of the same samples (the tests compare them bitwise). What changes is when and what is
+selected:
+
+- **Lazy exact lengths.** ``preencode_sample`` looks the sample's exact length up in connect's
+  ``lengths.parquet`` (measured as Bridge renders it: images before each turn's text,
+  qwen-vl-utils' resize, the task encoder's geometry) and touches no pixel; a key connect
+  never measured stops the run with the key and the fix (never a guess). An aligned length
+  over ``seq_length`` is skipped as Bridge's ``encode_sample`` skips it (a ``ValueError``
+  under Energon's failure tolerance). ``postencode_sample`` runs Bridge's ``encode_sample``
+  on the samples of a chosen pack only, and checks the length it made is connect's.
+- **packline's selection.** ``select_samples_to_pack`` runs
+  :func:`~packline.packing.selection.select_packs` with ``packing.algorithm`` (``refined``
+  by default) over the aligned lengths, where Bridge runs plain first-fit decreasing.
+- **Carry-over.** ``build_batch`` installs
+  :class:`~packline.energon.carry.CarryOverPackingDataset` (``max_carry_rounds`` > 0), the
+  same wrapper the local backend's encoder uses.
+
+What still sits in the buffer: the Energon sample as the dataset decoded it (Bridge's
+``ChatMLWebdataset`` decodes images when it reads a sample), but no processor output —
+``pixel_values`` and the prepared sequence are made after selection, for the chosen packs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from typing import Any
+
+from megatron.bridge.data.energon.task_encoder_utils import ChatMLSample
+from megatron.bridge.models.qwen_vl.data.energon import QwenVLTaskEncoder, QwenVLTaskSample
+from megatron.energon import Sample, edataclass, stateless
+from megatron.energon.errors import FatalSampleError
+from megatron.energon.task_encoder.base import get_failure_tolerance
+from megatron.energon.wrappers import MapDataset
+
+from packline.energon.carry import CarryOverBuild
+from packline.megatron.lengths import KeyLengths
+from packline.packing.selection import align_up, select_packs
+
+
+@edataclass
+class MeasuredSample(Sample):
+    """A sample in a packing buffer: its exact length (connect's) and the Energon sample."""
+
+    length: int
+    sample: ChatMLSample
+
+
+class PacklineQwenVLTaskEncoder(CarryOverBuild, QwenVLTaskEncoder):
+    """Bridge's ``QwenVLTaskEncoder`` with lazy lengths, packline's selection and carry-over
+    (see the module docstring). ``bridge`` are ``QwenVLTaskEncoder``'s own arguments; native
+    packing is always on."""
+
+    def __init__(
+        self,
+        *,
+        lengths: KeyLengths,
+        algorithm: str = "refined",
+        max_carry_rounds: int = 4,
+        seed: int = 0,
+        **bridge: Any,
+    ):
+        super().__init__(enable_energon_packing=True, **bridge)
+        self.lengths = lengths
+        self.algorithm = algorithm
+        self.max_carry_rounds = max_carry_rounds
+        self.carry_capacity = self.seq_length
+        self.carry_seed = seed
+
+    def build_encode_sample(self, dataset, *, worker_config):
+        """``preencode_sample`` before the buffer. (Energon refuses a pre-encode hook beside
+        an ``encode_sample`` it did not define, and Bridge's class defines one: here it runs
+        after selection, from ``postencode_sample``.)"""
+        return MapDataset(
+            dataset,
+            self.preencode_sample,
+            worker_config=worker_config,
+            stateless_map_fn=True,
+            failure_tolerance=get_failure_tolerance(
+                self.preencode_sample, self.__default_failure_tolerance__
+            ),
+        )
+
+    def packing_length(self, sample: MeasuredSample) -> int:
+        """The length a sample takes in a row: its exact length aligned to the CP/SP multiple."""
+        return align_up(sample.length, self.in_batch_packing_pad_to_multiple_of)
+
+    @stateless(failure_tolerance=100)
+    def preencode_sample(self, sample: ChatMLSample) -> MeasuredSample:
+        length = self.lengths.get(sample.__key__)
+        if length is None:
+            raise FatalSampleError.from_sample(
+                sample,
+                f"sample {sample.__key__!r} has no length in connect's table "
+                f"{self.lengths.path}: the dataset is not the one connect measured. Rerun "
+                "connect on it (packline stage connect <config>), or set packing.packer=bridge",
+            )
+        aligned = align_up(length, self.in_batch_packing_pad_to_multiple_of)
+        if aligned > self.seq_length:  # as Bridge's encode_sample: a tolerated skip
+            raise ValueError(
+                f"Sample {sample.__key__} aligned sequence length {aligned} "
+                f"exceeds seq_length={self.seq_length}."
+            )
+        return MeasuredSample.derive_from(sample, length=length, sample=sample)
+
+    @stateless(failure_tolerance=100)
+    def postencode_sample(self, sample: MeasuredSample) -> QwenVLTaskSample:
+        encoded = self.encode_sample(sample.sample)  # Bridge's own
+        made = encoded.prepared_sequence.sequence_length
+        if made != sample.length:
+            raise FatalSampleError.from_sample(
+                sample,
+                f"sample {sample.__key__!r}: connect measured {sample.length} tokens, Bridge's "
+                f"encoder made {made}: lengths.parquet was measured with another processor or "
+                "geometry. Rerun connect with this config",
+            )
+        # The restore key of the buffered sample (Energon restores packs through it).
+        return dataclasses.replace(encoded, __restore_key__=sample.__restore_key__)
+
+    def select_samples_to_pack(self, samples: list[MeasuredSample]) -> list[list[MeasuredSample]]:
+        """Every sample in exactly one group, chosen by ``packing.algorithm``."""
+        keys = "|".join(s.__key__ for s in samples)
+        groups = select_packs(
+            [self.packing_length(s) for s in samples],
+            capacity=self.seq_length,
+            algorithm=self.algorithm,
+            seed=zlib.crc32(keys.encode()) ^ self.carry_seed,
+        )
+        return [[samples[i] for i in g] for g in groups]
