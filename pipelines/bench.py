@@ -44,6 +44,7 @@ from packline.bench.simulation import cluster_packing, fill_summary, time_select
 from packline.bench.tables import print_loader_report, print_packing_tables
 from packline.bench.targets import loader_targets, packing_targets
 from packline.progress import console, stdout_to_stderr
+from packline.report.plots import plot_cluster_packing
 
 
 @contextlib.contextmanager
@@ -124,6 +125,8 @@ def bench_packing(
             result["cluster"][name] = cluster_packing(
                 lengths, capacity=CLUSTER_SEQ_LENGTH, seed=seed
             )
+        plot = plot_cluster_packing(result["cluster"], work_dir / "cluster_packing.png")
+        console.log(f"cluster packing plot: {plot}")
 
         loader, loader_runs, throughput = measure_loader(
             dataset_path,

@@ -253,11 +253,18 @@ def merge_parts(
     for b, v in forecast["buffers"].items():
         metrics[f"connect/forecast_fill_b{b}"] = v["fill"]
         metrics[f"connect/forecast_packs_b{b}"] = v["packs"]
+        if "fill_without_carry" in v:  # carry-over on: what Energon's own rounds would fill
+            metrics[f"connect/forecast_fill_nocarry_b{b}"] = v["fill_without_carry"]
     if bridge_videos is not None:  # what Bridge's encoder makes of the videos (validate warns)
         metrics.update(bridge_video_metrics(bridge_videos))
     console.log(verify_line(verify))
+    carry = (
+        f" (carry-over, {forecast['max_carry_rounds']} rounds)"
+        if forecast["max_carry_rounds"]
+        else ""
+    )
     console.log(
-        "connect: forecast fill "
+        f"connect: forecast fill{carry} "
         + ", ".join(f"B={b}: {v['fill']:.3f}" for b, v in forecast["buffers"].items())
         + f"; lower bound {forecast['lower_bound']['fill']:.3f}"
     )

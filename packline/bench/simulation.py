@@ -185,8 +185,11 @@ def cluster_packing(lengths: list[int], *, capacity: int, seed: int) -> dict[str
     """Bridge's packer against packline's on one stream (:func:`~packline.bench.lengths.shuffled`
     ``lengths``, backend megatron: overlength samples skipped before the buffer), per
     ``<packer>@<buffer>`` of :data:`CLUSTER_PACKERS`: fill, padding tokens (rows × capacity −
-    tokens), rows, the per-round bound of its rounds, and the simulation's seconds per
-    sample (selection and the simulation's own bookkeeping: an upper bound on selection).
+    tokens), rows, the per-round bound of its rounds (what no packer without carry-over
+    beats), the buffer bound (what no packer at all beats: a row holds samples of one buffer,
+    at most ``buffer`` of them, so there are at least ⌈samples / buffer⌉ rows, and at least
+    ⌈tokens / capacity⌉), and the simulation's seconds per sample (selection and the
+    simulation's own bookkeeping: an upper bound on selection).
 
     >>> c = cluster_packing([6, 5, 4, 3, 12, 2, 7, 1], capacity=10, seed=0)
     >>> c["bridge_ffd@16"]["fill"], c["packline_carry@16"]["padding_tokens"]
@@ -206,11 +209,13 @@ def cluster_packing(lengths: list[int], *, capacity: int, seed: int) -> dict[str
                 max_carry_rounds=carry,
             )
             seconds = time.perf_counter() - t0
+            fewest = max(-(-f.samples // b), -(-f.tokens // capacity), 1)
             out[f"{name}@{b}"] = {
                 "fill": f.fill,
                 "padding_tokens": f.packs * capacity - f.tokens,
                 "rows": f.packs,
                 "round_bound_fill": f.round_bound_fill,
+                "buffer_bound_fill": f.tokens / (fewest * capacity),
                 "select_ms_per_sample": 1e3 * seconds / max(f.samples, 1),
             }
     return out

@@ -24,10 +24,12 @@ def print_cluster_tables(out: Console, cluster: dict[str, dict[str, dict[str, fl
             caption=(
                 "bridge_ffd: Bridge's own encoder (plain FFD, no carry-over); packline_refined: "
                 "packline's packer in Bridge, carry-over off; packline_carry: on (4 rounds). "
-                "round bound: the best fill of any packer emitting every round whole"
+                "round bound: the best fill of any packer emitting every round whole; buffer "
+                "bound: of any packer at all (a row holds at most a buffer of samples)"
             ),
         )
-        for col in ("packer@buffer", "fill", "padding tokens", "rows", "round bound", "ms/sample"):
+        cols = ("packer@buffer", "fill", "padding tokens", "rows", "round bound", "buffer bound")
+        for col in (*cols, "ms/sample"):
             table.add_column(col, justify="right" if col != "packer@buffer" else "left")
         for name, f in cluster[dist].items():
             table.add_row(
@@ -36,6 +38,7 @@ def print_cluster_tables(out: Console, cluster: dict[str, dict[str, dict[str, fl
                 f"{f['padding_tokens']:,}",
                 f"{f['rows']:,}",
                 f"{f['round_bound_fill']:.4f}" if "carry" not in name else "-",
+                f"{f['buffer_bound_fill']:.4f}",
                 f"{f['select_ms_per_sample']:.3f}",
             )
         out.print(table)

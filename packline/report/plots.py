@@ -209,3 +209,32 @@ def plot_length_histogram(df: pd.DataFrame, seq_length: int, path: Path) -> None
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def plot_cluster_packing(
+    cluster: Mapping[str, Mapping[str, Mapping[str, float]]], path: Path
+) -> Path:
+    """``bench packing``'s cluster comparison: fill against buffer size per packer (Bridge's
+    FFD, packline's refined selection without and with carry-over) and the buffer bound, one
+    panel per distribution; saved to ``path``."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(cluster), figsize=(5.5 * len(cluster), 3.8), squeeze=False)
+    for ax, (dist, methods) in zip(axes[0], cluster.items(), strict=True):
+        series: dict[str, list[tuple[int, float]]] = {}
+        bound: dict[int, float] = {}
+        for name, figures in methods.items():
+            packer, _, buffer = name.rpartition("@")
+            series.setdefault(packer, []).append((int(buffer), figures["fill"]))
+            bound[int(buffer)] = figures["buffer_bound_fill"]
+        for packer, points in series.items():
+            xs, ys = zip(*sorted(points), strict=True)
+            ax.plot(xs, ys, marker="o", label=packer)
+        xs = sorted(bound)
+        ax.plot(xs, [bound[x] for x in xs], ls=":", color="grey", label="buffer bound")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("packing buffer (samples per loader worker)")
+        ax.set_ylabel("fill (real tokens / row capacity)")
+        ax.set_title(dist)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    return _save(fig, path)

@@ -7,7 +7,7 @@ per step, not per sample): eval loss drops clearly and the share of reply tokens
 predicts right rises clearly, and packing on and off — which train the very same
 conversations per step — end with the same eval loss (to 1e-6) and answer accuracy within
 sampling noise. Answer accuracy is reported per question kind beside its chance; on this
-tiny base it stays near chance (tutorial page 10 says why), so it is not asserted to rise.
+tiny base it stays near chance (tutorial page 11 says why), so it is not asserted to rise.
 
 The packed run's losses also guard refactors: ``tests/golden/default_packed_losses.json``
 holds every step's ``train/loss`` of this run with carry-over off

@@ -49,6 +49,10 @@ from tests.integration.chatml_dataset import adopt, file_stats, write_chatml_dat
 ROOT = Path(__file__).resolve().parents[2]
 MEGATRON = (
     "train.backend=megatron",
+    # Bridge's own dataset config and packer (its FFD bins are checked against the forecast);
+    # packline's packer in Bridge: test_bridge_packline_dataset.py
+    "packing.packer=bridge",
+    "packing.max_carry_rounds=0",
     "packing.algorithm=ffd",
     "mlflow.enabled=false",
     "lora.target_modules=[q_proj,k_proj,v_proj,o_proj]",

@@ -50,13 +50,19 @@ def test_connect_cheap_length_equals_processor_for_every_default_sample(default_
 def test_connect_forecast_is_monotone_and_bounded(default_set):
     out, result, _ = default_set
     forecast = json.loads((out / "forecast.json").read_text())
-    fills = [forecast["buffers"][str(b)]["fill"] for b in (1, 16, 64, 256, 1024)]
-    assert fills[0] == pytest.approx(forecast["unpacked"]["fill"])
-    assert all(a <= b + 1e-9 for a, b in zip(fills, fills[1:], strict=False))
-    assert fills[-1] <= forecast["lower_bound"]["fill"] + 1e-9
+    buffers = [forecast["buffers"][str(b)] for b in (1, 16, 64, 256, 1024)]
+    fills = [v["fill"] for v in buffers]  # with carry-over (the default, 4 rounds)
+    energon = [v["fill_without_carry"] for v in buffers]  # Energon's own rounds
+    assert forecast["max_carry_rounds"] == 4
+    assert fills[0] == energon[0] == pytest.approx(forecast["unpacked"]["fill"])
+    assert all(a <= b + 1e-9 for a, b in zip(energon, energon[1:], strict=False))
+    assert all(c >= e - 1e-9 for c, e in zip(fills, energon, strict=True))
+    assert fills[1] > energon[1] + 0.1  # a buffer of 16: the per-round bound lifted
+    assert max(fills) <= forecast["lower_bound"]["fill"] + 1e-9
     assert forecast["lower_bound"]["fill"] > 0.95
     assert (out / "length_histogram.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert result.metrics["connect/forecast_fill_b64"] == pytest.approx(fills[2])
+    assert result.metrics["connect/forecast_fill_nocarry_b64"] == pytest.approx(energon[2])
     # The default config's packer: backend local, refined, one stream; the FLOPs forecast
     # packs the same stream into the same rows at the configured buffer (64).
     assert (forecast["backend"], forecast["algorithm"]) == ("local", "refined")

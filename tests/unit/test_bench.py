@@ -394,6 +394,8 @@ def test_cluster_packing_packs_the_same_tokens_every_way_and_bridge_is_plain_ffd
     for b in (16, 64, 256):  # without carry-over no packer beats the per-round bound
         refined = c[f"packline_refined@{b}"]
         assert refined["fill"] <= refined["round_bound_fill"] + 1e-12
+    for f in c.values():  # and no packer at all beats the buffer bound
+        assert f["fill"] <= f["buffer_bound_fill"] + 1e-12
     stream = shuffled(lengths, 3)
     bridge = simulate_packing(
         stream, capacity=capacity, buffer_size=16, algorithm="ffd", backend="megatron"
