@@ -75,6 +75,48 @@ class FlopsModel:
     def nominal(self, capacity_tokens: int) -> int:
         return nominal_flops(self.config, capacity_tokens)
 
+    def per_call_flops(self) -> float:
+        """What one forward/backward call costs whatever its tokens (the LoRA fold of MoE
+        experts, ``W + s·B·A``; 0 for a dense model): two segments in one call minus each
+        alone."""
+        return float(2 * self.executed([1024], []) - self.executed([1024, 1024], []))
+
+    def sample_flops(self, rows) -> list[float]:
+        """Executed FLOPs of each sample alone, for ``rows`` of ``(length, image_grids,
+        video_grids)`` (length as laid out, aligned): what the sample adds to any pack it is
+        in, since a pack's FLOPs are the sum over its segments (linear layers per token,
+        attention per segment, the vision tower per image and per video). Fast for many
+        samples: the language model's FLOPs of one segment are a quadratic in its length,
+        fitted exactly on three lengths, and each distinct grid's vision FLOPs are computed
+        once. A pack's FLOPs are the sum of its samples' plus a per-call term, the MoE
+        experts' LoRA fold (``per_call_flops``), which no sample carries."""
+        probes = (1024, 2048, 4096)
+        at = [float(self.executed([n], [])) - self.per_call_flops() for n in probes]
+        # Newton's divided differences through the three probes: f(n) = a + b·n + c·n².
+        (x0, x1, x2), (y0, y1, y2) = probes, at
+        d01, d12 = (y1 - y0) / (x1 - x0), (y2 - y1) / (x2 - x1)
+        c = (d12 - d01) / (x2 - x0)
+        b = d01 - c * (x0 + x1)
+        a = y0 - b * x0 - c * x0 * x0
+        vision: dict[tuple, float] = {}
+
+        def tower(grid, video: bool) -> float:
+            key = (grid, video)
+            if key not in vision:
+                merge = self.config.vision_config.spatial_merge_size
+                n = max(grid[0] * grid[1] * grid[2] // merge**2, 1)
+                images, videos = ((), (grid,)) if video else ((grid,), ())
+                alone = self.executed([n], list(images), video_grids=list(videos))
+                vision[key] = float(alone - self.executed([n], []))  # the fold cancels
+            return vision[key]
+
+        return [
+            a + b * n + c * n * n
+            + sum(tower(tuple(g), False) for g in grids)
+            + sum(tower(tuple(g), True) for g in video_grids)
+            for n, grids, video_grids in rows
+        ]  # fmt: skip
+
 
 def _rows(grid_thw) -> list[tuple[int, int, int]]:
     if grid_thw is None:

@@ -39,7 +39,7 @@ from typing import Any
 from rich.console import Console
 
 from packline.bench import CLUSTER_SEQ_LENGTH, SEQ_LENGTH
-from packline.bench.lengths import vlm_sft_lengths
+from packline.bench.lengths import vlm_sft_lengths, vlm_sft_rows
 from packline.bench.simulation import cluster_packing, fill_summary, time_selection
 from packline.bench.tables import print_loader_report, print_packing_tables
 from packline.bench.targets import loader_targets, packing_targets
@@ -76,8 +76,29 @@ def _default_set(
     run_stage(cfg, "prepare")
     run_stage(cfg, "connect")
     df = pd.read_parquet(stage_dir(cfg, "connect") / "lengths.parquet")
-    lengths = [int(n) for n in df.loc[df["split"] == "train", "total_tokens"]]
-    return dataset_path(cfg), stage_dir(cfg, "connect") / "processor", lengths
+    train = df[df["split"] == "train"]
+    rows = [
+        (int(n), [tuple(g) for g in json.loads(i)], [tuple(g) for g in json.loads(v)])
+        for n, i, v in zip(
+            train["total_tokens"], train["image_grids"], train["video_grids"], strict=True
+        )
+    ]
+    return dataset_path(cfg), stage_dir(cfg, "connect") / "processor", rows
+
+
+def _cluster_costs(rows: list[tuple[int, list, list]]) -> list[float]:
+    """Each sample's FLOPs on the 8B cluster config's model (Qwen3-VL-8B, LoRA rank 32 on
+    the attention and MLP linears), for the straggler figure."""
+    from packline.counters import FlopsModel
+    from packline.qwen.real_configs import real_config
+    from schemas.choices import ATTENTION_PROJECTIONS, MLP_PROJECTIONS
+
+    model = FlopsModel(
+        config=real_config("qwen3-vl-8b"),
+        lora_rank=32,
+        lora_targets=(*ATTENTION_PROJECTIONS, *MLP_PROJECTIONS),
+    )
+    return model.sample_flops(rows)
 
 
 def bench_packing(
@@ -108,10 +129,12 @@ def bench_packing(
     work_dir = Path(work_dir) if work_dir is not None else Path("runs") / "bench"
     with _measuring(as_json):
         console.log(f"bench packing: default set under {work_dir}")
-        dataset_path, processor_dir, default_lengths = _default_set(work_dir, config, overrides)
+        dataset_path, processor_dir, default_rows = _default_set(work_dir, config, overrides)
+        default_lengths = [n for n, _, _ in default_rows]
 
         result: dict[str, Any] = {}
-        vlm = vlm_sft_lengths(num_vlm_samples, seed=seed)
+        vlm_rows = vlm_sft_rows(num_vlm_samples, seed=seed)
+        vlm = [n for n, _, _ in vlm_rows]
         for name, lengths in (("default", default_lengths), ("vlm_sft", vlm)):
             console.log(f"simulating the packer on {name} ({len(lengths):,} samples)")
             result[name] = fill_summary(lengths, capacity=SEQ_LENGTH, seed=seed)
@@ -120,10 +143,13 @@ def bench_packing(
             "select_packs the same exact lengths"
         )
         result["cluster"] = {}
-        for name, lengths in (("default", default_lengths), ("vlm_sft", vlm)):
+        for name, rows in (("default", default_rows), ("vlm_sft", vlm_rows)):
             console.log(f"Bridge's packer against packline's at {CLUSTER_SEQ_LENGTH} on {name}")
             result["cluster"][name] = cluster_packing(
-                lengths, capacity=CLUSTER_SEQ_LENGTH, seed=seed
+                [n for n, _, _ in rows],
+                capacity=CLUSTER_SEQ_LENGTH,
+                seed=seed,
+                costs=_cluster_costs(rows),
             )
         plot = plot_cluster_packing(result["cluster"], work_dir / "cluster_packing.png")
         console.log(f"cluster packing plot: {plot}")

@@ -263,10 +263,17 @@ def merge_parts(
         if forecast["max_carry_rounds"]
         else ""
     )
+    flops = forecast["flops"]
+    straggler = (
+        f"; straggler ratio {flops['straggler_ratio']:.3f} over "
+        f"{int(flops['straggler_ranks'])} data-parallel ranks"
+        if flops["straggler_ranks"] > 1
+        else ""
+    )
     console.log(
         f"connect: forecast fill{carry} "
         + ", ".join(f"B={b}: {v['fill']:.3f}" for b, v in forecast["buffers"].items())
-        + f"; lower bound {forecast['lower_bound']['fill']:.3f}"
+        + f"; lower bound {forecast['lower_bound']['fill']:.3f}{straggler}"
     )
     result = stage_result(
         cfg,

@@ -78,6 +78,22 @@ def vlm_sft_lengths(num_samples: int, *, seed: int, shape: VlmSftShape | None = 
     return [t + sum(v) for t, v in vlm_sft_samples(num_samples, seed=seed, shape=shape)]
 
 
+def vlm_sft_rows(
+    num_samples: int, *, seed: int, shape: VlmSftShape | None = None
+) -> list[tuple[int, list[tuple[int, int, int]], list]]:
+    """:func:`vlm_sft_samples` as ``(length, image grids, video grids)``: an image of n
+    visual tokens is the patch grid ``(1, 2, 2n)`` (merged 2×2 into n tokens; the vision
+    tower's FLOPs depend on the patch count, not the aspect), no videos.
+
+    >>> vlm_sft_rows(2, seed=0)
+    [(853, [(1, 2, 1340)], []), (2302, [(1, 2, 900), (1, 2, 1410), (1, 2, 758)], [])]
+    """
+    return [
+        (text + sum(images), [(1, 2, 2 * n) for n in images], [])
+        for text, images in vlm_sft_samples(num_samples, seed=seed, shape=shape)
+    ]
+
+
 def shuffled(lengths: list[int], seed: int) -> list[int]:
     """The sample stream: ``lengths`` in a seeded shuffled order (``lengths`` untouched).
 

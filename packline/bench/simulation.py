@@ -21,11 +21,12 @@ Fill is real tokens / emitted capacity. The methods of :func:`fill_by_method`:
 from __future__ import annotations
 
 import math
+import random
 import time
 from typing import Any
 
 from packline.bench.lengths import shuffled
-from packline.packing.forecast import simulate_packing
+from packline.packing.forecast import simulate_packing, straggler_ratio
 from packline.packing.selection import ALGORITHMS, select_packs
 
 #: Buffer sizes of the simulated packer.
@@ -179,38 +180,47 @@ CLUSTER_PACKERS = (
     ("packline_refined", "refined", 0, (16, 64, 256)),
     ("packline_carry", "refined", 4, (16, 64, 256)),
 )
+#: The straggler figure's layout: the 8B config's 8 data-parallel ranks, 2 loader workers
+#: each, 4 packed micro-batches per rank per step (global batch 32).
+CLUSTER_RANKS, CLUSTER_WORKERS, CLUSTER_PACKS_PER_STEP = 8, 2, 4
 
 
-def cluster_packing(lengths: list[int], *, capacity: int, seed: int) -> dict[str, dict[str, float]]:
-    """Bridge's packer against packline's on one stream (:func:`~packline.bench.lengths.shuffled`
-    ``lengths``, backend megatron: overlength samples skipped before the buffer), per
-    ``<packer>@<buffer>`` of :data:`CLUSTER_PACKERS`: fill, padding tokens (rows × capacity −
-    tokens), rows, the per-round bound of its rounds (what no packer without carry-over
-    beats), the buffer bound (what no packer at all beats: a row holds samples of one buffer,
-    at most ``buffer`` of them, so there are at least ⌈samples / buffer⌉ rows, and at least
-    ⌈tokens / capacity⌉), and the simulation's seconds per sample (selection and the
-    simulation's own bookkeeping: an upper bound on selection).
+def cluster_packing(
+    lengths: list[int], *, capacity: int, seed: int, costs: list[float] | None = None
+) -> dict[str, dict[str, float]]:
+    """Bridge's packer against packline's on one stream (``lengths`` in a seeded shuffle,
+    backend megatron: overlength samples skipped before the buffer), per ``<packer>@<buffer>``
+    of :data:`CLUSTER_PACKERS`: fill, padding tokens (rows × capacity − tokens), rows, the
+    per-round bound of its rounds (what no packer without carry-over beats), the buffer bound
+    (what no packer at all beats: a row holds samples of one buffer, at most ``buffer`` of
+    them, so there are at least ⌈samples / buffer⌉ rows, and at least ⌈tokens / capacity⌉),
+    and the simulation's milliseconds per sample (selection and the simulation's own
+    bookkeeping: an upper bound on selection). With ``costs`` (each sample's FLOPs), also the
+    straggler ratio of the same packer over :data:`CLUSTER_RANKS` ranks ×
+    :data:`CLUSTER_WORKERS` workers (:func:`~packline.packing.forecast.straggler_ratio`).
 
     >>> c = cluster_packing([6, 5, 4, 3, 12, 2, 7, 1], capacity=10, seed=0)
     >>> c["bridge_ffd@16"]["fill"], c["packline_carry@16"]["padding_tokens"]
     (0.9333333333333333, 2)
     """
-    stream = shuffled(lengths, seed)
+    order = list(range(len(lengths)))
+    random.Random(seed).shuffle(order)
+    stream = [lengths[i] for i in order]
     out: dict[str, dict[str, float]] = {}
     for name, algorithm, carry, buffers in CLUSTER_PACKERS:
         for b in buffers:
-            t0 = time.perf_counter()
-            f = simulate_packing(
-                stream,
+            settings = dict(
                 capacity=capacity,
                 buffer_size=b,
                 algorithm=algorithm,
                 backend="megatron",
                 max_carry_rounds=carry,
             )
+            t0 = time.perf_counter()
+            f = simulate_packing(stream, **settings)
             seconds = time.perf_counter() - t0
             fewest = max(-(-f.samples // b), -(-f.tokens // capacity), 1)
-            out[f"{name}@{b}"] = {
+            out[f"{name}@{b}"] = figures = {
                 "fill": f.fill,
                 "padding_tokens": f.packs * capacity - f.tokens,
                 "rows": f.packs,
@@ -218,4 +228,14 @@ def cluster_packing(lengths: list[int], *, capacity: int, seed: int) -> dict[str
                 "buffer_bound_fill": f.tokens / (fewest * capacity),
                 "select_ms_per_sample": 1e3 * seconds / max(f.samples, 1),
             }
+            if costs is not None:
+                ranks = simulate_packing(
+                    stream, **settings, num_ranks=CLUSTER_RANKS, num_workers=CLUSTER_WORKERS
+                )
+                figures["straggler_ratio"] = straggler_ratio(
+                    ranks,
+                    [costs[i] for i in order],
+                    num_ranks=CLUSTER_RANKS,
+                    packs_per_step=CLUSTER_PACKS_PER_STEP,
+                )
     return out

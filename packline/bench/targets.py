@@ -20,6 +20,9 @@ SELECT_TARGET_S = 1.0
 CARRY_FILL_TARGETS = {16: 0.97, 64: 0.99}
 #: Selection (with the simulation's bookkeeping) per sample, carry-over on, in ms.
 CARRY_SELECT_TARGET_MS = 1.0
+#: Straggler ratio at DP8 of packline's packer at the cluster configs' buffer (16), carry-over
+#: on, and it must be below Bridge's own at the same buffer.
+STRAGGLER_TARGET = 1.05
 
 Target = dict[str, Any]
 
@@ -88,6 +91,17 @@ def carry_targets(result: dict[str, Any]) -> dict[str, Target]:
             "value": value,
             "vs_round_bound": value / cluster[f"packline_refined@{b}"]["round_bound_fill"],
             "rule": f">= {floor} (seq_length 4096)",
+        }
+    ours, bridge = cluster["packline_carry@16"], cluster.get("bridge_ffd@16", {})
+    if "straggler_ratio" in ours and "straggler_ratio" in bridge:
+        value = ours["straggler_ratio"]
+        targets["vlm_sft@4096.straggler_dp8.packline_carry@16"] = {
+            "held": value <= STRAGGLER_TARGET and value < bridge["straggler_ratio"],
+            "value": value,
+            "vs_bridge_ffd@16": (value - 1) / (bridge["straggler_ratio"] - 1)
+            if bridge["straggler_ratio"] > 1
+            else 1.0,
+            "rule": f"<= {STRAGGLER_TARGET} and < bridge_ffd@16's (excess share in vs)",
         }
     slowest = max(
         v["select_ms_per_sample"] for k, v in cluster.items() if k.startswith("packline_carry")

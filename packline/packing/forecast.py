@@ -359,6 +359,61 @@ def simulate_packing(
     )
 
 
+def rank_packs(forecast: Forecast, num_ranks: int) -> list[list[list[int]]]:
+    """Each data-parallel rank's packs in the order its loader yields them: the rank's
+    workers (global workers ``rank × W .. rank × W + W − 1``, as :func:`worker_ranges`
+    numbers them) take turns, one pack each, as Energon's loader takes one batch from each
+    worker in turn; a worker that has run dry is skipped."""
+    if forecast.num_streams % num_ranks:
+        raise ValueError(f"{forecast.num_streams} streams do not split over {num_ranks} ranks")
+    per_rank = forecast.num_streams // num_ranks
+    by_worker: dict[int, list[list[int]]] = {}
+    for r in forecast.rounds:
+        by_worker.setdefault(r.worker, []).extend(r.groups)
+    out = []
+    for rank in range(num_ranks):
+        queues = [by_worker.get(rank * per_rank + w, []) for w in range(per_rank)]
+        packs = [
+            q[k] for k in range(max(map(len, queues), default=0)) for q in queues if k < len(q)
+        ]
+        out.append(packs)
+    return out
+
+
+def straggler_ratio(
+    forecast: Forecast, costs: list[float], *, num_ranks: int, packs_per_step: int
+) -> float:
+    """Mean over optimizer steps of (the slowest rank's FLOPs in the step / the ranks'
+    mean): how long data-parallel ranks wait for the slowest at each step's gradient
+    all-reduce, 1.0 when every rank computes the same. A pack costs the sum of its samples'
+    ``costs`` (by stream position, e.g. :meth:`~packline.counters.FlopsModel.sample_flops`);
+    a step is ``packs_per_step`` consecutive packs of each rank (its micro-batches: the
+    global batch over the ranks); only steps every rank completes count. 1.0 when no step
+    is complete.
+
+        >>> f = simulate_packing([4, 4, 2, 2], capacity=4, buffer_size=2, algorithm="ffd",
+        ...                      num_ranks=2)  # rank 0 packs [4], [4]; rank 1 [2, 2]
+        >>> straggler_ratio(f, [4.0, 4.0, 2.0, 2.0], num_ranks=2, packs_per_step=1)
+        1.0
+        >>> straggler_ratio(f, [6.0, 4.0, 1.0, 1.0], num_ranks=2, packs_per_step=1)  # 6 vs 2
+        1.5
+    """
+    if packs_per_step < 1:
+        raise ValueError(f"packs_per_step must be >= 1, got {packs_per_step}")
+    ranks = [
+        [sum(costs[i] for i in pack) for pack in packs] for packs in rank_packs(forecast, num_ranks)
+    ]
+    steps = min(len(r) for r in ranks) // packs_per_step
+    if not steps:
+        return 1.0
+    ratios = []
+    for step in range(steps):
+        per_rank = [sum(r[step * packs_per_step : (step + 1) * packs_per_step]) for r in ranks]
+        mean = sum(per_rank) / len(per_rank)
+        ratios.append(max(per_rank) / mean if mean else 1.0)
+    return sum(ratios) / len(ratios)
+
+
 # --- the forecast of a config's run ----------------------------------------------------------
 
 
@@ -470,7 +525,8 @@ def forecast_flops(
     """FLOPs and tokens of one training epoch with packing on (the packs
     :func:`forecast_fill` forecasts at the configured buffer, same stream) and off
     (``train.unpacked_micro_batch_size`` conversations padded to the longest), before any
-    training. Useful FLOPs are the same both ways; what packing saves is the padding."""
+    training. Useful FLOPs are the same both ways; what packing saves is the padding. And
+    the packed epoch's :func:`straggler_ratio` over the config's data-parallel ranks."""
     from packline.counters import flops_model_for  # the model's config: torch, lazily
     from packline.qwen.processor import load_processor
 
@@ -523,8 +579,21 @@ def forecast_flops(
         unpacked_rows += len(chunk)
         unpacked_capacity += longest * len(chunk)
 
+    # how evenly the data-parallel ranks' steps cost: one optimizer step is the global batch
+    # of packed rows, split over the ranks
+    ranks = data_parallel_ranks(cfg)
+    costs = model.sample_flops([(align_up(n, p.alignment), g, vg) for n, g, _, vg in ordered])
+    straggler = straggler_ratio(
+        simulated,
+        costs,
+        num_ranks=ranks,
+        packs_per_step=max(cfg.train.global_batch_size // ranks, 1),
+    )
+
     packed_capacity = packed_rows * p.seq_length
     return {
+        "straggler_ratio": straggler,
+        "straggler_ranks": float(ranks),
         "epoch_useful": float(useful),
         "epoch_executed_packed": float(packed_exec),
         "epoch_executed_unpacked": float(unpacked_exec),

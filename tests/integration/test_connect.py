@@ -68,6 +68,9 @@ def test_connect_forecast_is_monotone_and_bounded(default_set):
     assert (forecast["backend"], forecast["algorithm"]) == ("local", "refined")
     assert (forecast["num_ranks"], forecast["num_workers"]) == (1, 0)
     assert result.metrics["flops/rows_packed"] == forecast["buffers"]["64"]["packs"]
+    # one data-parallel rank: nobody waits (the figure itself: tests/unit/test_forecast.py)
+    assert result.metrics["flops/straggler_ratio"] == 1.0
+    assert result.metrics["flops/straggler_ranks"] == 1.0
 
 
 def test_connect_catches_a_wrong_cheap_rule(tmp_path: Path):

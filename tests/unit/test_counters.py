@@ -177,3 +177,20 @@ def test_running_counters_restore_checkpoints_written_before_the_video_counters(
         0,
     )
     assert counters.state_dict()["video_frames"] == 0
+
+
+@pytest.mark.parametrize("name", ["qwen3-vl-8b", "qwen3-vl-30b-a3b"])
+def test_sample_flops_are_each_samples_executed_flops_and_add_up_to_a_packs(name):
+    from packline.counters import FlopsModel
+    from packline.qwen.real_configs import real_config
+
+    model = FlopsModel(config=real_config(name), lora_rank=32)
+    rows = [(3001, [(1, 32, 32)], []), (777, [], [(2, 16, 16)]), (50, [], []), (9000, [], [])]
+    fast, fold = model.sample_flops(rows), model.per_call_flops()
+    assert (fold > 0) == ("a3b" in name)  # the MoE experts' LoRA fold, once per call
+    for (n, grids, videos), value in zip(rows, fast, strict=True):
+        alone = model.executed([n], grids, video_grids=videos)
+        assert value + fold == pytest.approx(alone, rel=1e-12)
+    # a pack's FLOPs are its samples' plus the fold, once
+    pack = model.executed([n for n, _, _ in rows], [(1, 32, 32)], video_grids=[(2, 16, 16)])
+    assert sum(fast) + fold == pytest.approx(pack, rel=1e-12)

@@ -334,3 +334,21 @@ def test_carry_over_emits_every_sample_once_and_no_sample_waits_longer_than_allo
         assert not carried_next & {i for g in r.groups for i in g}
     assert max(rounds_in.values()) <= max_rounds + 1
     # (how much fuller the rows are is a benchmark figure: packline bench packing)
+
+
+def test_rank_packs_take_each_ranks_workers_in_turn_and_the_straggler_ratio_reads_steps():
+    from packline.packing.forecast import rank_packs, straggler_ratio
+
+    # 8 samples of 5 over 2 ranks × 2 workers, capacity 10, buffers of 1: one pack per sample,
+    # worker w of rank r holds positions 2·(2r + w), +1
+    f = simulate_packing([5] * 8, capacity=10, buffer_size=1, algorithm="ffd", num_ranks=2,
+                         num_workers=2)  # fmt: skip
+    assert rank_packs(f, 2) == [[[0], [2], [1], [3]], [[4], [6], [5], [7]]]
+    costs = [1.0, 1.0, 1.0, 1.0, 3.0, 1.0, 1.0, 1.0]
+    # steps of 2 packs: rank 1's first step costs 4 against rank 0's 2 → 4 / 3; then 2 / 2
+    assert straggler_ratio(f, costs, num_ranks=2, packs_per_step=2) == pytest.approx(
+        (4 / 3 + 1) / 2
+    )
+    assert straggler_ratio(f, costs, num_ranks=2, packs_per_step=5) == 1.0  # no whole step
+    with pytest.raises(ValueError, match="do not split over 3 ranks"):
+        rank_packs(f, 3)
