@@ -33,8 +33,10 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q $(XDIST) -m "not slow" $(ARGS)
 
+# WHAT=cluster-memory runs Megatron-Bridge's data path: Bridge main's module files from the
+# vendored archive (../shared/vendor), unchanged, the way the tests load them.
 bench: $(STAMP)
-	$(VENV)/bin/packline bench $(WHAT) $(ARGS)
+	$(VENV)/bin/packline bench $(WHAT) $(ARGS) $(if $(filter cluster-memory,$(WHAT)),--bridge-path $$($(PY) -c "from tests.bridge_data import bridge_main_tree; print(bridge_main_tree())"))
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

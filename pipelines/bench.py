@@ -213,3 +213,32 @@ def bench_loader(
     else:
         print_loader_report(Console(), result, loader_runs, throughput)
     return result
+
+
+def bench_cluster_memory(
+    *,
+    as_json: bool = False,
+    work_dir: str | Path | None = None,
+    config: str | Path | None = None,
+    overrides: list[str] | None = None,
+    bridge_path: str | Path | None = None,
+    rounds: int = 2,
+) -> dict[str, Any]:
+    """Worker memory on the cluster path (:func:`packline.bench.cluster_memory.run_all`) on
+    the default set, prepared and measured for ``train.backend=megatron`` under ``work_dir``
+    (default ``runs/bench-cluster``); ``bridge_path`` holds Megatron-Bridge's data path (none:
+    the installed Bridge)."""
+    from packline.bench.cluster_memory import MEGATRON, run_all
+    from packline.bench.tables import print_cluster_memory
+
+    work_dir = Path(work_dir) if work_dir is not None else Path("runs") / "bench-cluster"
+    with _measuring(as_json):
+        console.log(f"bench cluster-memory: the default set for Bridge under {work_dir}")
+        _default_set(work_dir, config, [*(overrides or []), *MEGATRON])
+        settings = [*(overrides or []), *MEGATRON, f"work_dir={work_dir}", "mlflow.enabled=false"]
+        result = run_all(config, settings, bridge_path=bridge_path, rounds=rounds)
+    if as_json:
+        print(json.dumps(result, indent=2))
+    else:
+        print_cluster_memory(Console(), result, rounds)
+    return result

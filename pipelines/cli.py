@@ -3,8 +3,8 @@
     packline run [CONFIG] [key=value ...] [--executor local|slurm] [--from STAGE] [--dryrun]
                  [--wait]
     packline stage NAME [CONFIG] [key=value ...] [--force] [--wait]
-    packline bench {packing,loader,train,data} [key=value ...] [--json] [--config PATH]
-                   [--work-dir DIR] [--samples N]
+    packline bench {packing,loader,train,data,cluster-memory} [key=value ...] [--json]
+                   [--config PATH] [--work-dir DIR] [--samples N] [--bridge-path DIR]
     packline compare [CONFIG] [key=value ...] [--experiment NAME] [--run RUN_ID]
     packline ui [CONFIG] [key=value ...] [--port N]
 
@@ -82,6 +82,10 @@ def cmd_bench(ns: argparse.Namespace) -> int:
         from pipelines.bench import bench_loader
 
         bench_loader(**common)
+    elif ns.what == "cluster-memory":
+        from pipelines.bench import bench_cluster_memory
+
+        bench_cluster_memory(**common, bridge_path=ns.bridge_path)
     elif ns.what == "data":
         from pipelines.bench_data import bench_data
 
@@ -135,10 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmarks, measured side by side in one run")
     b.add_argument(
         "what",
-        choices=["packing", "loader", "train", "data"],
+        choices=["packing", "loader", "train", "data", "cluster-memory"],
         help="packing: fill, loader, selection; loader: the real loader's memory, throughput "
         "and overhead alone; train: training packing on vs off; data: prepare and connect "
-        "samples/s with 1 and 2 workers, their memory at two dataset sizes",
+        "samples/s with 1 and 2 workers, their memory at two dataset sizes; cluster-memory: "
+        "a loader worker's memory with Bridge's own encoder and with packline's in Bridge "
+        "(needs Bridge's data path: make bench WHAT=cluster-memory)",
     )
     b.add_argument(
         "overrides",
@@ -154,6 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="bench data: conversations of the large set (default 20,000; the small one is a "
         "quarter of it)",
+    )
+    b.add_argument(
+        "--bridge-path",
+        help="bench cluster-memory: a dir holding Megatron-Bridge's data path, put first on "
+        "the measured processes' PYTHONPATH (default: the installed Bridge)",
     )
     b.set_defaults(fn=cmd_bench)
 

@@ -159,3 +159,20 @@ def print_targets(out: Console, targets: dict[str, Target]) -> None:
             )
         table.add_row(name, value, t["rule"], "[green]yes[/]" if t["held"] else "[red]no[/]")
     out.print(table)
+
+
+def print_cluster_memory(out: Console, result: dict[str, Any], rounds: int) -> None:
+    """``bench cluster-memory``: the mean per packer and buffer, and the target."""
+    table = Table(title=f"loader worker peak RSS, one epoch, mean of {rounds} runs each")
+    for col in ("packer@buffer", "peak MiB", "start MiB", "rows", "samples"):
+        table.add_column(col, justify="right" if col != "packer@buffer" else "left")
+    for name, m in result["mean"].items():
+        table.add_row(
+            name,
+            f"{m['peak_mb']:.0f}",
+            f"{m['start_mb']:.0f}",
+            f"{m['rows']:.0f}",
+            f"{m['samples']:.0f}",
+        )
+    out.print(table)
+    print_targets(out, result["targets"])

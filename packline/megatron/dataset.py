@@ -201,3 +201,25 @@ def bridge_dataset(cfg: PipelineConfig) -> PacklineEnergonDataset:
 def task_encoder(cfg: PipelineConfig) -> PacklineQwenVLTaskEncoder:
     """The task encoder packline's dataset builds for ``cfg``."""
     return bridge_dataset(cfg).build_task_encoder()
+
+
+def bridge_stock_encoder(dataset: PacklineEnergonDataset) -> Any:
+    """Bridge's own ``QwenVLTaskEncoder`` on the same settings, made by Bridge's own builder
+    (``build_energon_task_encoder`` of an ``EnergonDatasetConfig``): what ``packing.packer:
+    bridge`` trains with, for comparisons."""
+    from megatron.bridge.data.builders.energon import (
+        EnergonDatasetConfig,
+        build_energon_task_encoder,
+    )
+
+    return build_energon_task_encoder(
+        EnergonDatasetConfig(
+            path=dataset.path,
+            seq_length=dataset.seq_length,
+            micro_batch_size=1,
+            task_encoder=dataset.task_encoder,
+            packing_buffer_size=dataset.packing_buffer_size,
+            pad_to_max_length=dataset.pad_to_max_length,
+            in_batch_packing_pad_to_multiple_of=dataset.in_batch_packing_pad_to_multiple_of,
+        )
+    )

@@ -1,25 +1,39 @@
 """Connect's exact lengths, looked up by sample key inside a loader worker.
 
-:class:`KeyLengths` holds ``lengths.parquet``'s keys as 64-bit hashes (sorted) beside their
-``total_tokens``: 12 bytes a sample, so a worker's copy of a million samples' lengths is about
-12 MB (a dict of the keys would be about ten times that, in every loader worker of every
-rank). The table is read on first use, in the worker, not pickled into it. Two keys with the
-same hash are refused when the table is read (never silently merged).
+:class:`KeyLengths` holds ``lengths.parquet``'s keys as 64-bit hashes (sorted) beside each
+sample's ``total_tokens``, visual tokens (images' and videos') and image count: 20 bytes a
+sample, so a worker's copy of a million samples' figures is about 20 MB (a dict of the keys
+would be several times that, in every loader worker of every rank). The table is read once,
+where the encoder is made, and its arrays travel to the workers with it: a worker imports
+no pandas (about 50 MB of its RSS). Two keys with the same hash are refused when the table
+is read (never silently merged).
 
     >>> import pandas as pd, tempfile, pathlib
     >>> path = pathlib.Path(tempfile.mkdtemp()) / "lengths.parquet"
-    >>> pd.DataFrame({"key": ["a", "b"], "total_tokens": [7, 9]}).to_parquet(path)
+    >>> pd.DataFrame({"key": ["a", "b"], "total_tokens": [7, 9], "image_tokens": [0, 4],
+    ...               "video_tokens": [0, 2], "num_images": [0, 1]}).to_parquet(path)
     >>> table = KeyLengths(path)
     >>> table.get("b"), table.get("c")
-    (9, None)
+    (Measured(length=9, visual_tokens=6, num_images=1), None)
 """
 
 from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
+
+COLUMNS = ["key", "total_tokens", "image_tokens", "video_tokens", "num_images"]
+
+
+class Measured(NamedTuple):
+    """What connect measured of one sample, as Bridge's encoder renders it."""
+
+    length: int
+    visual_tokens: int
+    num_images: int
 
 
 def key_hash(key: str) -> int:
@@ -29,23 +43,16 @@ def key_hash(key: str) -> int:
 
 
 class KeyLengths:
-    """``total_tokens`` by sample key, from connect's ``lengths.parquet`` (read lazily)."""
+    """:class:`Measured` by sample key, from connect's ``lengths.parquet`` (read lazily)."""
 
     def __init__(self, path: str | Path):
         self.path = str(path)
-        self._hashes: np.ndarray | None = None
-        self._lengths: np.ndarray | None = None
-
-    def __getstate__(self) -> dict:
-        return {"path": self.path}  # each worker reads the table itself
-
-    def __setstate__(self, state: dict) -> None:
-        self.__init__(state["path"])
+        self._load()
 
     def _load(self) -> None:
         import pandas as pd
 
-        df = pd.read_parquet(self.path, columns=["key", "total_tokens"])
+        df = pd.read_parquet(self.path, columns=COLUMNS)
         hashes = np.fromiter((key_hash(k) for k in df["key"]), dtype=np.int64, count=len(df))
         order = np.argsort(hashes, kind="stable")
         hashes = hashes[order]
@@ -55,14 +62,14 @@ class KeyLengths:
             pairs = ", ".join(f"{keys[i]!r} and {keys[i + 1]!r}" for i in same[:3])
             raise ValueError(f"{self.path}: keys {pairs} share a 64-bit hash or repeat")
         self._hashes = hashes
-        self._lengths = df["total_tokens"].to_numpy(dtype=np.int32)[order]
+        visual = df["image_tokens"] + df["video_tokens"]
+        columns = (df["total_tokens"], visual, df["num_images"])
+        self._figures = np.stack([c.to_numpy(dtype=np.int32) for c in columns], axis=1)[order]
 
-    def get(self, key: str) -> int | None:
-        """The sample's exact length, or None when connect did not measure it."""
-        if self._hashes is None:
-            self._load()
+    def get(self, key: str) -> Measured | None:
+        """The sample's figures, or None when connect did not measure it."""
         h = key_hash(key)
         i = int(np.searchsorted(self._hashes, h))
         if i < len(self._hashes) and self._hashes[i] == h:
-            return int(self._lengths[i])
+            return Measured(*(int(v) for v in self._figures[i]))
         return None

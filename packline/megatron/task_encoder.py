@@ -8,13 +8,17 @@ so Bridge's forward step, THD metadata and mRoPE see exactly the tensors Bridge'
 makes of the same samples (the tests compare them bitwise). What changes is when and what is
 selected:
 
-- **Lazy exact lengths.** ``preencode_sample`` looks the sample's exact length up in connect's
+- **Lazy exact lengths.** ``preencode_sample`` looks the sample up in connect's
   ``lengths.parquet`` (measured as Bridge renders it: images before each turn's text,
-  qwen-vl-utils' resize, the task encoder's geometry) and touches no pixel; a key connect
-  never measured stops the run with the key and the fix (never a guess). An aligned length
-  over ``seq_length`` is skipped as Bridge's ``encode_sample`` skips it (a ``ValueError``
-  under Energon's failure tolerance). ``postencode_sample`` runs Bridge's ``encode_sample``
-  on the samples of a chosen pack only, and checks the length it made is connect's.
+  qwen-vl-utils' resize, the task encoder's geometry) and keeps only its key, restore key and
+  length: no pixel waits in the buffer. A key connect never measured stops the run with the
+  key and the fix (never a guess). What Bridge's ``encode_sample`` skips it skips the same
+  way, from connect's figures: more images than ``max_num_images`` or more visual tokens than
+  ``max_visual_tokens`` (``SkipSample``), an aligned length over ``seq_length`` (a
+  ``ValueError`` under Energon's failure tolerance). ``postencode_sample`` reads the chosen
+  sample again through Energon's restore key (the reader below the pre-encode step, so the
+  same decoded sample Bridge's encoder would get), runs Bridge's ``encode_sample`` on it and
+  checks the length it made is connect's.
 - **packline's selection.** ``select_samples_to_pack`` runs
   :func:`~packline.packing.selection.select_packs` with ``packing.algorithm`` (``refined``
   by default) over the aligned lengths, where Bridge runs plain first-fit decreasing.
@@ -22,9 +26,9 @@ selected:
   :class:`~packline.energon.carry.CarryOverPackingDataset` (``max_carry_rounds`` > 0), the
   same wrapper the local backend's encoder uses.
 
-What still sits in the buffer: the Energon sample as the dataset decoded it (Bridge's
-``ChatMLWebdataset`` decodes images when it reads a sample), but no processor output —
-``pixel_values`` and the prepared sequence are made after selection, for the chosen packs.
+The price of an empty buffer: Bridge's ``ChatMLWebdataset`` decodes a sample's images when it
+reads it, so a packed sample's images are decoded twice (when it is read, then when it is read
+again after selection); the processor still runs once.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from typing import Any
 
 from megatron.bridge.data.energon.task_encoder_utils import ChatMLSample
 from megatron.bridge.models.qwen_vl.data.energon import QwenVLTaskEncoder, QwenVLTaskSample
-from megatron.energon import Sample, edataclass, stateless
+from megatron.energon import Sample, SkipSample, edataclass, stateless
 from megatron.energon.errors import FatalSampleError
 from megatron.energon.task_encoder.base import get_failure_tolerance
 from megatron.energon.wrappers import MapDataset
@@ -47,10 +51,9 @@ from packline.packing.selection import align_up, select_packs
 
 @edataclass
 class MeasuredSample(Sample):
-    """A sample in a packing buffer: its exact length (connect's) and the Energon sample."""
+    """A sample in a packing buffer: its key, restore key and exact length (connect's)."""
 
     length: int
-    sample: ChatMLSample
 
 
 class PacklineQwenVLTaskEncoder(CarryOverBuild, QwenVLTaskEncoder):
@@ -77,8 +80,9 @@ class PacklineQwenVLTaskEncoder(CarryOverBuild, QwenVLTaskEncoder):
     def build_encode_sample(self, dataset, *, worker_config):
         """``preencode_sample`` before the buffer. (Energon refuses a pre-encode hook beside
         an ``encode_sample`` it did not define, and Bridge's class defines one: here it runs
-        after selection, from ``postencode_sample``.)"""
-        return MapDataset(
+        after selection, from ``postencode_sample``.) The stage is kept: its source reads a
+        chosen sample again."""
+        self._measured = MapDataset(
             dataset,
             self.preencode_sample,
             worker_config=worker_config,
@@ -87,6 +91,15 @@ class PacklineQwenVLTaskEncoder(CarryOverBuild, QwenVLTaskEncoder):
                 self.preencode_sample, self.__default_failure_tolerance__
             ),
         )
+        return self._measured
+
+    def _read_again(self, sample: MeasuredSample) -> ChatMLSample:
+        """The Energon sample behind a buffered one, read again by its restore key (the
+        pre-encode stage's key minus its own two entries)."""
+        key = sample.__restore_key__
+        if not key or key[0] != type(self._measured).__name__:
+            raise RuntimeError(f"sample {sample.__key__!r}: unexpected restore key {key!r}")
+        return self._measured.dataset.restore_sample(key[2:])
 
     def packing_length(self, sample: MeasuredSample) -> int:
         """The length a sample takes in a row: its exact length aligned to the CP/SP multiple."""
@@ -94,25 +107,36 @@ class PacklineQwenVLTaskEncoder(CarryOverBuild, QwenVLTaskEncoder):
 
     @stateless(failure_tolerance=100)
     def preencode_sample(self, sample: ChatMLSample) -> MeasuredSample:
-        length = self.lengths.get(sample.__key__)
-        if length is None:
+        measured = self.lengths.get(sample.__key__)
+        if measured is None:
             raise FatalSampleError.from_sample(
                 sample,
                 f"sample {sample.__key__!r} has no length in connect's table "
                 f"{self.lengths.path}: the dataset is not the one connect measured. Rerun "
                 "connect on it (packline stage connect <config>), or set packing.packer=bridge",
             )
-        aligned = align_up(length, self.in_batch_packing_pad_to_multiple_of)
-        if aligned > self.seq_length:  # as Bridge's encode_sample: a tolerated skip
+        # Bridge's encode_sample skips these (its own checks, on connect's figures)
+        if self.max_num_images is not None and measured.num_images > self.max_num_images:
+            raise SkipSample()
+        if self.max_visual_tokens is not None and measured.visual_tokens > self.max_visual_tokens:
+            raise SkipSample()
+        aligned = align_up(measured.length, self.in_batch_packing_pad_to_multiple_of)
+        if aligned > self.seq_length:
             raise ValueError(
                 f"Sample {sample.__key__} aligned sequence length {aligned} "
                 f"exceeds seq_length={self.seq_length}."
             )
-        return MeasuredSample.derive_from(sample, length=length, sample=sample)
+        return MeasuredSample(
+            __key__=sample.__key__,
+            __restore_key__=sample.__restore_key__,
+            __subflavors__=sample.__subflavors__,
+            __sources__=sample.__sources__,
+            length=measured.length,
+        )
 
     @stateless(failure_tolerance=100)
     def postencode_sample(self, sample: MeasuredSample) -> QwenVLTaskSample:
-        encoded = self.encode_sample(sample.sample)  # Bridge's own
+        encoded = self.encode_sample(self._read_again(sample))  # Bridge's own
         made = encoded.prepared_sequence.sequence_length
         if made != sample.length:
             raise FatalSampleError.from_sample(

@@ -69,14 +69,14 @@ def _carried(state) -> list[int]:
 
 def main(overrides_file: str, out_file: str, num_packs: int) -> None:
     from megatron.bridge.data.base import DataloaderConfig, DatasetBuildContext, DatasetProvider
-    from megatron.bridge.data.builders.energon import (
-        EnergonDatasetConfig,
-        build_energon_task_encoder,
-    )
     from megatron.bridge.data.utils import get_dataset_provider
     from megatron.energon import DefaultTaskEncoder, WorkerConfig, get_loader, get_train_dataset
 
-    from packline.megatron.dataset import PacklineEnergonDataset, bridge_dataset
+    from packline.megatron.dataset import (
+        PacklineEnergonDataset,
+        bridge_dataset,
+        bridge_stock_encoder,
+    )
     from schemas.config import load_config
 
     cfg = load_config(None, json.loads(open(overrides_file).read()))
@@ -92,17 +92,7 @@ def main(overrides_file: str, out_file: str, num_packs: int) -> None:
     }
 
     # Bridge's own stock encoder, from Bridge's own builder, on the same settings.
-    stock = build_energon_task_encoder(
-        EnergonDatasetConfig(
-            path=ds.path,
-            seq_length=ds.seq_length,
-            micro_batch_size=1,
-            task_encoder=ds.task_encoder,
-            packing_buffer_size=ds.packing_buffer_size,
-            pad_to_max_length=ds.pad_to_max_length,
-            in_batch_packing_pad_to_multiple_of=ds.in_batch_packing_pad_to_multiple_of,
-        )
-    )
+    stock = bridge_stock_encoder(ds)
 
     # Every train sample as the dataset hands it to an encoder (Bridge's ChatMLWebdataset).
     class Raw(DefaultTaskEncoder):
