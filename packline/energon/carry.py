@@ -22,6 +22,7 @@ encoder's own ``select_samples_to_pack``: nothing is left behind.
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -122,6 +123,32 @@ class CarryOverPackingDataset(PackingDataset):
 
     def config(self) -> dict[str, Any]:
         return {**super().config(), "max_carry_rounds": self.max_carry_rounds}
+
+
+def carried_in(state: Any) -> list[int]:
+    """The rounds each sample carried over has waited, read from a saved loader state (every
+    :class:`CarryOverPackingDataset` in it, every worker): empty when none waits.
+
+        >>> carried_in({"worker_states": [{"_carry_waited": [2, 1]}, {"_carry_waited": []}]})
+        [2, 1]
+    """
+    found: list[int] = []
+
+    def walk(x: Any) -> None:
+        if isinstance(x, dict):
+            for k, v in x.items():
+                if k == "_carry_waited":
+                    found.extend(v)
+                else:
+                    walk(v)
+        elif isinstance(x, list | tuple):
+            for v in x:
+                walk(v)
+        elif dataclasses.is_dataclass(x):
+            walk({f.name: getattr(x, f.name) for f in dataclasses.fields(x)})
+
+    walk(state)
+    return found
 
 
 class CarryOverBuild(DefaultTaskEncoder):

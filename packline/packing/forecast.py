@@ -216,30 +216,6 @@ def _worker_streams(
     return streams, skipped
 
 
-def buffer_rounds(
-    lengths: list[int],
-    *,
-    capacity: int,
-    buffer_size: int,
-    backend: str = "local",
-    num_ranks: int = 1,
-    num_workers: int = 0,
-) -> tuple[list[Round], list[int]]:
-    """The rounds (without groups) each worker's buffer holds without carry-over, and the
-    positions skipped before any buffer (backend megatron's overlength samples)."""
-    if buffer_size < 1:
-        raise ValueError(f"buffer_size must be >= 1, got {buffer_size}")
-    streams, skipped = _worker_streams(
-        lengths, capacity=capacity, backend=backend, num_ranks=num_ranks, num_workers=num_workers
-    )
-    rounds = [
-        Round(worker=worker, items=stream[at : at + buffer_size])
-        for worker, stream in enumerate(streams)
-        for at in range(0, len(stream), buffer_size)
-    ]
-    return rounds, skipped
-
-
 def _select(lengths: list[int], items: list[int], capacity: int, algorithm: str) -> list[list[int]]:
     fits = [i for i in items if lengths[i] <= capacity]
     sizes = [lengths[i] for i in fits]
@@ -309,20 +285,15 @@ def simulate_packing(
         raise ValueError(f"unknown packing algorithm {algorithm!r}: use one of {ALGORITHMS}")
     if max_carry_rounds < 0:
         raise ValueError(f"max_carry_rounds must be >= 0, got {max_carry_rounds}")
-    if max_carry_rounds:
-        if buffer_size < 1:
-            raise ValueError(f"buffer_size must be >= 1, got {buffer_size}")
-        streams, skipped = _worker_streams(
-            lengths,
-            capacity=capacity,
-            backend=backend,
-            num_ranks=num_ranks,
-            num_workers=num_workers,
-        )
-        rounds = [
-            r
-            for worker, stream in enumerate(streams)
-            for r in _carry_rounds(
+    if buffer_size < 1:
+        raise ValueError(f"buffer_size must be >= 1, got {buffer_size}")
+    streams, skipped = _worker_streams(
+        lengths, capacity=capacity, backend=backend, num_ranks=num_ranks, num_workers=num_workers
+    )
+    rounds: list[Round] = []
+    for worker, stream in enumerate(streams):
+        if max_carry_rounds:
+            rounds += _carry_rounds(
                 lengths,
                 stream,
                 worker,
@@ -331,18 +302,11 @@ def simulate_packing(
                 algorithm=algorithm,
                 max_carry_rounds=max_carry_rounds,
             )
-        ]
-    else:
-        rounds, skipped = buffer_rounds(
-            lengths,
-            capacity=capacity,
-            buffer_size=buffer_size,
-            backend=backend,
-            num_ranks=num_ranks,
-            num_workers=num_workers,
-        )
-        for r in rounds:
+            continue
+        for at in range(0, len(stream), buffer_size):  # Energon's own rounds
+            r = Round(worker=worker, items=stream[at : at + buffer_size])
             r.groups = _select(lengths, r.items, capacity, algorithm)
+            rounds.append(r)
     # an overlength sample is in one round only: selection never carries it
     dropped = [i for r in rounds for i in r.items if lengths[i] > capacity]
     return Forecast(

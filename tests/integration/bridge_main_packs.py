@@ -49,29 +49,12 @@ def _differences(ours: dict, stock: dict) -> list[str]:
     return bad
 
 
-def _carried(state) -> list[int]:
-    """Every ``_carry_waited`` entry of a saved loader state (each waiting sample's rounds)."""
-    found: list[int] = []
-
-    def walk(x):
-        if isinstance(x, dict):
-            for k, v in x.items():
-                found.extend(v) if k == "_carry_waited" else walk(v)
-        elif isinstance(x, list | tuple):
-            for v in x:
-                walk(v)
-        elif dataclasses.is_dataclass(x):
-            walk({f.name: getattr(x, f.name) for f in dataclasses.fields(x)})
-
-    walk(state)
-    return found
-
-
 def main(overrides_file: str, out_file: str, num_packs: int) -> None:
     from megatron.bridge.data.base import DataloaderConfig, DatasetBuildContext, DatasetProvider
     from megatron.bridge.data.utils import get_dataset_provider
     from megatron.energon import DefaultTaskEncoder, WorkerConfig, get_loader, get_train_dataset
 
+    from packline.energon.carry import carried_in
     from packline.megatron.dataset import (
         PacklineEnergonDataset,
         bridge_dataset,
@@ -143,7 +126,7 @@ def main(overrides_file: str, out_file: str, num_packs: int) -> None:
     for _ in range(6):
         next(first)
     state = first.save_state()
-    report["carried_at_save"] = _carried(state)
+    report["carried_at_save"] = carried_in(state)
     expected = [list(next(first)["__keys__"]) for _ in range(20)]
     second, _, _ = ds.build_datasets(DatasetBuildContext(1, 0, 0))
     second.restore_state(state)

@@ -4,14 +4,13 @@ samples carried over restores to the identical next packs."""
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
-from packline.energon.carry import CarryOverPackingDataset
+from packline.energon.carry import CarryOverPackingDataset, carried_in
 from packline.energon.loader import train_loader
 from packline.energon.packing import PackingSettings, make_encoder
 from packline.packing.ledger import Ledger
@@ -54,27 +53,6 @@ def _packing_stage(loader) -> CarryOverPackingDataset | None:
     return None
 
 
-def _carried(state) -> list[int]:
-    """Every ``_carry_waited`` list in a saved loader state (one per worker)."""
-    found = []
-
-    def walk(x):
-        if isinstance(x, dict):
-            for k, v in x.items():
-                if k == "_carry_waited":
-                    found.extend(v)
-                else:
-                    walk(v)
-        elif isinstance(x, list | tuple):
-            for v in x:
-                walk(v)
-        elif dataclasses.is_dataclass(x):
-            walk({f.name: getattr(x, f.name) for f in dataclasses.fields(x)})
-
-    walk(state)
-    return found
-
-
 @pytest.mark.parametrize("workers", [0, 2])
 def test_an_epoch_with_carry_over_packs_every_key_once_and_the_ledger_balances(
     dataset, processor_dir, workers
@@ -104,7 +82,7 @@ def test_a_loader_saved_with_samples_carried_over_restores_the_identical_next_pa
     for _ in range(6):
         next(it)
     state = first.save_state_rank()
-    assert _carried(state), "no sample was carried over at the save: the test would prove nothing"
+    assert carried_in(state), "no sample was carried over at the save: the test would prove nothing"
     expected = [next(it) for _ in range(20)]
 
     second = _loader(dataset, processor_dir, carry=4, workers=workers)
