@@ -96,6 +96,11 @@ def processor_dir(cfg: PipelineConfig) -> Path:
     return stage_dir(cfg, "connect") / PROCESSOR
 
 
+def lengths_path(cfg: PipelineConfig) -> Path:
+    """connect's ``lengths.parquet``: every sample's exact length and FLOPs, by key."""
+    return stage_dir(cfg, "connect") / "lengths.parquet"
+
+
 def read_record(cfg: PipelineConfig, stage: str) -> dict[str, Any] | None:
     """The completion record of ``stage``, or None when it has not completed."""
     path = stage_dir(cfg, stage) / RECORD_NAME

@@ -26,6 +26,7 @@ import shlex
 import sys
 import traceback
 
+import packline
 from packline.workdir import hold
 from schemas.config import STAGES, load_config
 from schemas.errors import InputCrash, UserError
@@ -119,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="packline",
         description="Qwen3-VL LoRA with Energon-native online sequence packing.",
     )
+    p.add_argument("--version", action="version", version=f"packline {packline.__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     r = sub.add_parser("run", help="run the pipeline as NeMo-Run tasks (skips up-to-date stages)")

@@ -5,10 +5,17 @@ finished train stage of the experiment (or of the pipeline / train-stage run pas
 ``run_id``). Prints the table, writes the plots and ``compare.json`` to
 ``<work>/compare/`` and logs them to the pipeline's parent run
 (:mod:`packline.report.compare`).
+
+For a cluster config (``train.backend: megatron``) the runs compared are the newest cluster
+train run of each packer setting, Bridge's own packer against packline's
+(:mod:`packline.report.cluster`): the table, and ``<work>/compare/cluster.json``.
 """
 
 from __future__ import annotations
 
+import json
+
+from packline.report.cluster import ClusterRun, cluster_table, find_cluster_runs
 from packline.report.compare import (
     COMPARE_DIR,
     PLOTS,
@@ -18,16 +25,30 @@ from packline.report.compare import (
 )
 from packline.report.mlflow_store import find_training_pair, open_store
 from packline.tracking import experiment_name, tracking_uri
-from schemas.config import PipelineConfig
+from schemas.config import PipelineConfig, TrainBackend
+
+CLUSTER_FILE = "cluster.json"
 
 
 def compare_runs(
     cfg: PipelineConfig, *, experiment: str | None = None, run_id: str | None = None
-) -> Comparison:
-    """Read the newest packed/unpacked pair, print the table, write and log the plots."""
+) -> Comparison | list[ClusterRun]:
+    """Read the newest packed/unpacked pair, print the table, write and log the plots (for a
+    cluster config: the cluster runs per packer, their table and ``cluster.json``)."""
     from rich.console import Console
 
     client = open_store(cfg)
+    if cfg.train.backend is TrainBackend.megatron:
+        name = experiment or experiment_name(cfg)
+        runs = find_cluster_runs(client, name, run_id)
+        out = cfg.work_path / COMPARE_DIR
+        out.mkdir(parents=True, exist_ok=True)
+        (out / CLUSTER_FILE).write_text(json.dumps([r.to_dict() for r in runs], indent=2))
+        console = Console()
+        title = f"cluster runs by packer · experiment {name} · from {tracking_uri(cfg)}"
+        console.print(cluster_table(runs, title=title))
+        console.print(f"written: {out / CLUSTER_FILE}")
+        return runs
     pair = find_training_pair(client, experiment or experiment_name(cfg), run_id)
     out = cfg.work_path / COMPARE_DIR
     result = compare_pair(client, pair, out, tracking_uri=tracking_uri(cfg))

@@ -20,6 +20,17 @@ MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 EXPERT_PARAMETERS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
 
+class Balance(Enum):
+    """What else selection balances (``packline/packing/balance.py``)."""
+
+    none = "none"
+    """Fill only."""
+    flops = "flops"
+    """Packs of even compute as well: each pack's FLOPs (attention per conversation, the
+    vision tower per image) close to a full row's at the stream's FLOPs per token, so
+    data-parallel ranks finish each step together. Fill may drop by up to about 1%."""
+
+
 class Algorithm(Enum):
     """Packing selection algorithm, run on each buffer round (``packline/packing/selection.py``)."""
 

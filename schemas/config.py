@@ -29,6 +29,7 @@ from schemas.choices import (
     STAGES,  # noqa: F401 - re-exported: schemas.config.STAGES
     Algorithm,
     Attention,
+    Balance,
     CudaGraphImpl,
     EncoderMode,
     ExecutorKind,
@@ -378,6 +379,11 @@ class PackingConfig(_Section):
     of being emitted, each sample at most this many rounds (then it is emitted in the
     fullest pack that holds it); flushed at the end of an epoch. ``0``: off, Energon's own
     rounds (fill bounded per round). Not with ``packing.packer: bridge``."""
+    balance: Balance = Balance.none
+    """``flops``: each round's packs are also balanced by compute (connect's per-sample
+    FLOPs), so data-parallel ranks finish each step together (the forecast's straggler
+    ratio); fill may drop by up to about 1%. ``none``: fill only. Not with
+    ``packing.packer: bridge``."""
     packer: Packer = Packer.packline
     """Who packs with ``train.backend: megatron``: ``packline`` (packline's dataset for
     Bridge: lazy exact lengths from connect, ``packing.algorithm``, carry-over) or

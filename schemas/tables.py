@@ -113,6 +113,9 @@ class LengthsModel(pa.DataFrameModel):
     """JSON list of each video's (t, h, w) patch grid (t: temporal groups), in order."""
     video_frame_counts: Series[str] = pa.Field(str_startswith="[")
     """JSON list of each video's sampled frames, in order."""
+    flops: Series[float] = pa.Field(gt=0)
+    """Executed training FLOPs of the sample alone at its aligned length
+    (``FlopsModel.sample_flops``): what it adds to any pack, what FLOPs balance weighs."""
 
     class Config:
         strict = True

@@ -4,7 +4,7 @@ Outputs in ``<work>/connect/``::
 
     processor/              the processor dir every later stage loads (tiny one built here,
                             or a copy of ``processor.path``)
-    lengths.parquet         key, split, text/image/total/loss tokens, images (exact)
+    lengths.parquet         key, split, text/image/total/loss tokens, images (exact), FLOPs alone
     forecast.json           packing fill per buffer size and the lower bound
     length_histogram.png    distribution of conversation lengths vs seq_length
     bridge_videos.json      train.backend megatron with videos: what Bridge's encoder makes of
@@ -52,8 +52,7 @@ from packline.energon.parts import (
     current_task,
 )
 from packline.fingerprints import stage_fingerprint
-from packline.packing.forecast import forecast_fill, forecast_flops, forecast_settings
-from packline.packing.selection import align_up
+from packline.packing.forecast import FORECAST_FILE, config_forecast, sample_costs
 from packline.progress import console
 from packline.qwen.processor import materialize_processor
 from packline.report.plots import plot_length_histogram
@@ -184,25 +183,13 @@ def merge_parts(
     with building(cfg, STAGE) as out:
         processor = out / PROCESSOR
         shutil.copytree(parts.processor, processor)
+        df["flops"] = sample_costs(cfg, processor, df)
         validate_table(LengthsModel, df, "lengths.parquet").to_parquet(
             out / "lengths.parquet", index=False
         )
-        m = cfg.packing.alignment
         train = df[df["split"] == "train"]
-        aligned = [align_up(int(n), m) for n in train["total_tokens"]]
-        settings = forecast_settings(cfg)
-        forecast = forecast_fill(
-            aligned,
-            cfg.packing.seq_length,
-            list(cfg.packing.forecast_buffer_sizes),
-            settings.pop("algorithm"),
-            cfg.train.seed,
-            **settings,
-        )
-        forecast["overlength"] = len(aligned) - forecast["samples"]
-        forecast["alignment"] = m
-        forecast["flops"] = forecast_flops(cfg, processor, train)
-        (out / "forecast.json").write_text(json.dumps(forecast, indent=2))
+        forecast = config_forecast(cfg, processor, train)
+        (out / FORECAST_FILE).write_text(json.dumps(forecast, indent=2))
         plot_length_histogram(df, cfg.packing.seq_length, out / "length_histogram.png")
         bridge_videos = None
         if renders_for_bridge(cfg) and int(df["num_videos"].sum()):
@@ -285,7 +272,7 @@ def merge_parts(
             "verify": verify,
             "tasks": infos,
             "artifacts": [
-                str(out_dir / "forecast.json"),
+                str(out_dir / FORECAST_FILE),
                 str(out_dir / "length_histogram.png"),
                 *([str(out_dir / BRIDGE_VIDEOS)] if bridge_videos is not None else []),
             ],

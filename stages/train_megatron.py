@@ -12,8 +12,10 @@ Bridge run happens only in the container. What it runs:
 3. ``finetune`` with the ``megatron.step_func`` forward step.
 
 Bridge logs to packline's MLflow store on its last rank; afterwards rank 0 nests that run under
-the train stage's run and writes the completion record. Outputs in ``<work>/train/megatron/``:
-``checkpoints/`` (Bridge's, resumed on a rerun) and ``overrides.json``.
+the train stage's run and writes the completion record, whose metrics (logged on the stage's
+run) also carry the packs' figures from connect's forecast for this packer
+(``packing/forecast_fill``, ``_padding_share``, ``_straggler_ratio``, ``_rows``). Outputs in
+``<work>/train/megatron/``: ``checkpoints/`` (Bridge's, resumed on a rerun) and ``overrides.json``.
 
 Which Bridge: no release packs natively. ``nvcr.io/nvidia/nemo:26.06`` carries 0.5.0, which
 has no ``megatron.bridge.data.builders.energon``; 0.6.x has no
@@ -42,6 +44,7 @@ from packline.megatron.overrides import (
     packs_with_packline,
     section_classes,
 )
+from packline.packing.forecast import packing_metrics, read_forecast
 from packline.rules.megatron import megatron_problems
 from schemas.config import PipelineConfig
 from schemas.errors import UserError
@@ -163,7 +166,11 @@ def train_megatron(
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "overrides.json").write_text(json.dumps(overrides, indent=2, default=str))
-        result.metrics = _nest_bridge_run(cfg, launch_id, parent_run_id)
+        # the packs the run trained on, as connect forecast them for this config's packer
+        result.metrics = {
+            **packing_metrics(read_forecast(cfg)),
+            **_nest_bridge_run(cfg, launch_id, parent_run_id),
+        }
         result.summary["artifacts"] = [str(out / "overrides.json")]
         write_record(cfg, result)
     return result

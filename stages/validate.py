@@ -51,6 +51,7 @@ from omegaconf import OmegaConf
 
 import packline
 from packline.fingerprints import stage_fingerprint
+from packline.packing.forecast import read_forecast
 from packline.progress import console
 from packline.rules import collect, findings_table
 from schemas.config import PipelineConfig
@@ -70,11 +71,7 @@ def validate_config(cfg: PipelineConfig, fp: str | None = None) -> StageResult:
     warnings = [f for f in findings if f.severity == "warning"]
     # connect's FLOPs forecast of one epoch, packing on vs off: shown again here, the last
     # look before training, as the `flops/*` metrics connect logged.
-    forecast_path = stage_dir(cfg, "connect") / "forecast.json"
-    flops = (
-        json.loads(forecast_path.read_text()).get("flops", {}) if forecast_path.is_file() else {}
-    )
-    inputs.facts["flops_forecast"] = flops
+    flops = inputs.facts["flops_forecast"] = read_forecast(cfg).get("flops", {})
     report = {
         "ok": not errors,
         "errors": [f.to_dict() for f in errors],

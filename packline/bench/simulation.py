@@ -172,13 +172,16 @@ def time_selection(lengths: list[int], *, capacity: int, repeats: int = 3) -> di
     return out
 
 
-#: The cluster comparison's packers: (name, algorithm, max_carry_rounds, buffer sizes).
-#: ``bridge_ffd`` is Bridge's own encoder (``packing.packer: bridge``); ``packline_refined``
-#: packline's packer in Bridge without carry-over and ``packline_carry`` with it.
+#: The cluster comparison's packers: (name, algorithm, max_carry_rounds, FLOPs balance,
+#: buffer sizes). ``bridge_ffd`` is Bridge's own encoder (``packing.packer: bridge``);
+#: ``packline_refined`` packline's packer in Bridge without carry-over, ``packline_carry``
+#: with it, ``_balanced`` with ``packing.balance: flops`` (only when costs are given).
 CLUSTER_PACKERS = (
-    ("bridge_ffd", "ffd", 0, (16, 32)),
-    ("packline_refined", "refined", 0, (16, 64, 256)),
-    ("packline_carry", "refined", 4, (16, 64, 256)),
+    ("bridge_ffd", "ffd", 0, False, (16, 32)),
+    ("packline_refined", "refined", 0, False, (16, 64, 256)),
+    ("packline_refined_balanced", "refined", 0, True, (16, 64, 256)),
+    ("packline_carry", "refined", 4, False, (16, 64, 256)),
+    ("packline_carry_balanced", "refined", 4, True, (16, 64, 256)),
 )
 #: The straggler figure's layout: the 8B config's 8 data-parallel ranks, 2 loader workers
 #: each, 4 packed micro-batches per rank per step (global batch 32).
@@ -197,7 +200,9 @@ def cluster_packing(
     and the simulation's milliseconds per sample (selection and the simulation's own
     bookkeeping: an upper bound on selection). With ``costs`` (each sample's FLOPs), also the
     straggler ratio of the same packer over :data:`CLUSTER_RANKS` ranks ×
-    :data:`CLUSTER_WORKERS` workers (:func:`~packline.packing.forecast.straggler_ratio`).
+    :data:`CLUSTER_WORKERS` workers (:func:`~packline.packing.forecast.straggler_ratio`), the
+    same ratio were each sample's FLOPs proportional to its tokens (the floor of a balance
+    that keeps the rows as full), and the FLOPs-balanced packers.
 
     >>> c = cluster_packing([6, 5, 4, 3, 12, 2, 7, 1], capacity=10, seed=0)
     >>> c["bridge_ffd@16"]["fill"], c["packline_carry@16"]["padding_tokens"]
@@ -207,7 +212,10 @@ def cluster_packing(
     random.Random(seed).shuffle(order)
     stream = [lengths[i] for i in order]
     out: dict[str, dict[str, float]] = {}
-    for name, algorithm, carry, buffers in CLUSTER_PACKERS:
+    ordered = None if costs is None else [costs[i] for i in order]
+    for name, algorithm, carry, balance, buffers in CLUSTER_PACKERS:
+        if balance and ordered is None:
+            continue
         for b in buffers:
             settings = dict(
                 capacity=capacity,
@@ -215,6 +223,7 @@ def cluster_packing(
                 algorithm=algorithm,
                 backend="megatron",
                 max_carry_rounds=carry,
+                costs=ordered if balance else None,
             )
             t0 = time.perf_counter()
             f = simulate_packing(stream, **settings)
@@ -234,7 +243,16 @@ def cluster_packing(
                 )
                 figures["straggler_ratio"] = straggler_ratio(
                     ranks,
-                    [costs[i] for i in order],
+                    ordered,
+                    num_ranks=CLUSTER_RANKS,
+                    packs_per_step=CLUSTER_PACKS_PER_STEP,
+                )
+                # the same packs, were every sample's FLOPs proportional to its tokens: what
+                # the rows' token counts alone leave, the floor of any FLOPs balance that
+                # keeps them as full
+                figures["straggler_ratio_tokens"] = straggler_ratio(
+                    ranks,
+                    [float(n) for n in stream],
                     num_ranks=CLUSTER_RANKS,
                     packs_per_step=CLUSTER_PACKS_PER_STEP,
                 )

@@ -23,15 +23,18 @@ def print_cluster_tables(out: Console, cluster: dict[str, dict[str, dict[str, fl
             title=f"cluster packing at seq_length {CLUSTER_SEQ_LENGTH}: {label}",
             caption=(
                 "bridge_ffd: Bridge's own encoder (plain FFD, no carry-over); packline_refined: "
-                "packline's packer in Bridge, carry-over off; packline_carry: on (4 rounds). "
+                "packline's packer in Bridge, carry-over off; packline_carry: on (4 rounds); "
+                "_balanced: with packing.balance=flops. "
                 "round bound: the best fill of any packer emitting every round whole; buffer "
                 "bound: of any packer at all (a row holds at most a buffer of samples); "
                 "straggler: the slowest of 8 data-parallel ranks' step FLOPs over their mean "
-                "(Qwen3-VL-8B, 2 loader workers and 4 packs per rank per step)"
+                "(Qwen3-VL-8B, 2 loader workers and 4 packs per rank per step); ∝ tokens: "
+                "the same packs were FLOPs proportional to tokens (what balance cannot beat "
+                "without emptier rows)"
             ),
         )
         cols = ("packer@buffer", "fill", "padding tokens", "rows", "round bound", "buffer bound")
-        for col in (*cols, "straggler DP8", "ms/sample"):
+        for col in (*cols, "straggler DP8", "∝ tokens", "ms/sample"):
             table.add_column(col, justify="right" if col != "packer@buffer" else "left")
         for name, f in cluster[dist].items():
             table.add_row(
@@ -42,6 +45,7 @@ def print_cluster_tables(out: Console, cluster: dict[str, dict[str, dict[str, fl
                 f"{f['round_bound_fill']:.4f}" if "carry" not in name else "-",
                 f"{f['buffer_bound_fill']:.4f}",
                 f"{f['straggler_ratio']:.4f}" if "straggler_ratio" in f else "-",
+                f"{f['straggler_ratio_tokens']:.4f}" if "straggler_ratio_tokens" in f else "-",
                 f"{f['select_ms_per_sample']:.3f}",
             )
         out.print(table)

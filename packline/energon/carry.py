@@ -18,6 +18,10 @@ restored loader decides its next round exactly as the saved one would have.
 
 When the source is exhausted (``repeat=False``), the last round packs everything with the
 encoder's own ``select_samples_to_pack``: nothing is left behind.
+
+FLOPs balance (``packing.balance: flops``, :mod:`packline.packing.balance`) weighs each
+sample by connect's FLOPs for its key (``CarryOverBuild.balance``), in the carry-over rounds
+and in the encoder's own selection alike; it keeps no state of its own.
 """
 
 from __future__ import annotations
@@ -28,9 +32,13 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from megatron.energon import DefaultTaskEncoder
+from megatron.energon.errors import FatalSampleError
 from megatron.energon.wrappers.packing_dataset import PackingDataset
 
+from packline.packing.balance import balance_round
 from packline.packing.carry import carry_round
+from packline.packing.lengths import KeyLengths
+from packline.packing.selection import select_packs
 
 
 class CarryOverPackingDataset(PackingDataset):
@@ -45,6 +53,8 @@ class CarryOverPackingDataset(PackingDataset):
         capacity: int,
         max_carry_rounds: int,
         seed: int = 0,
+        packing_cost: Callable[[Any], float] | None = None,
+        balance_target: float = 0.0,
         **kwargs: Any,
     ):
         if max_carry_rounds < 1:
@@ -53,6 +63,8 @@ class CarryOverPackingDataset(PackingDataset):
         self.capacity = capacity
         self.max_carry_rounds = max_carry_rounds
         self.seed = seed
+        self.packing_cost = packing_cost
+        self.balance_target = balance_target
         super().__init__(*args, **kwargs)
         self._select_all = self.pre_packer
         self.pre_packer = self._carry_select
@@ -107,6 +119,10 @@ class CarryOverPackingDataset(PackingDataset):
             capacity=self.capacity,
             max_rounds=self.max_carry_rounds,
             seed=zlib.crc32(keys.encode()) ^ self.seed,
+            costs=None
+            if self.packing_cost is None
+            else [self.packing_cost(samples[i]) for i in packed],
+            target=self.balance_target,
         )
         emit = [[samples[packed[j]] for j in g] for g in decided.emit]
         riding = [samples[i] for i, n in enumerate(lengths) if n is None]
@@ -122,7 +138,11 @@ class CarryOverPackingDataset(PackingDataset):
         return emit
 
     def config(self) -> dict[str, Any]:
-        return {**super().config(), "max_carry_rounds": self.max_carry_rounds}
+        return {
+            **super().config(),
+            "max_carry_rounds": self.max_carry_rounds,
+            "balance": self.packing_cost is not None,
+        }
 
 
 def carried_in(state: Any) -> list[int]:
@@ -152,19 +172,60 @@ def carried_in(state: Any) -> list[int]:
 
 
 class CarryOverBuild(DefaultTaskEncoder):
-    """Task-encoder mixin: ``build_batch`` builds Energon's stages as usual, then swaps its
-    ``PackingDataset`` for a :class:`CarryOverPackingDataset` when ``max_carry_rounds`` > 0.
+    """Task-encoder mixin: packline's selection of a round (:meth:`select_round`: the
+    encoder's ``select_samples_to_pack``), and ``build_batch`` that builds Energon's stages
+    as usual, then swaps its ``PackingDataset`` for a :class:`CarryOverPackingDataset` when
+    ``max_carry_rounds`` > 0.
 
     The encoder provides ``max_carry_rounds``, ``carry_capacity`` (the row capacity),
-    ``carry_seed`` and ``packing_length(sample)`` (the aligned length selection packs, or
-    None for a sample that only rides along)."""
+    ``carry_seed``, ``packing_length(sample)`` (the aligned length selection packs, or None
+    for a sample that only rides along) and, for FLOPs balance, ``balance``: connect's
+    figures by key (:class:`~packline.packing.lengths.KeyLengths`), None for none."""
 
     max_carry_rounds: int = 0
     carry_capacity: int = 0
     carry_seed: int = 0
+    balance: KeyLengths | None = None
+    balance_target: float = 0.0
 
     def packing_length(self, sample: Any) -> int | None:
         raise NotImplementedError
+
+    def packing_cost(self, sample: Any) -> float:
+        """The sample's FLOPs alone, from connect's table (FLOPs balance)."""
+        measured = self.balance.get(sample.__key__) if self.balance is not None else None
+        if measured is None:
+            raise FatalSampleError.from_sample(
+                sample,
+                f"sample {sample.__key__!r} has no FLOPs in connect's table "
+                f"{getattr(self.balance, 'path', None)}: the dataset is not the one connect "
+                "measured. Rerun connect on it, or set packing.balance=none",
+            )
+        return measured.flops
+
+    def select_round(
+        self, samples: list[Any], algorithm: str, round_of: list[Any] | None = None
+    ) -> list[list[int]]:
+        """One Energon round (``samples`` all packed: none rides along), as positions:
+        :func:`~packline.packing.selection.select_packs` with ``algorithm`` over the
+        aligned lengths, seeded by the keys of the round (``round_of``, default
+        ``samples``: deterministic, no state to save), then FLOPs-balanced when
+        ``balance`` is set."""
+        lengths = [self.packing_length(s) for s in samples]
+        keys = "|".join(s.__key__ for s in (samples if round_of is None else round_of))
+        groups = select_packs(
+            lengths,
+            capacity=self.carry_capacity,
+            algorithm=algorithm,
+            seed=zlib.crc32(keys.encode()) ^ self.carry_seed,
+        )
+        if self.balance is None:
+            return groups
+        costs = [self.packing_cost(s) for s in samples]
+        balanced, _ = balance_round(
+            groups, lengths, costs, capacity=self.carry_capacity, target=self.balance_target
+        )
+        return balanced
 
     def build_batch(self, dataset, **kwargs: Any):
         built = super().build_batch(dataset, **kwargs)
@@ -179,6 +240,8 @@ class CarryOverBuild(DefaultTaskEncoder):
             capacity=self.carry_capacity,
             max_carry_rounds=self.max_carry_rounds,
             seed=self.carry_seed,
+            packing_cost=None if self.balance is None else self.packing_cost,
+            balance_target=self.balance_target,
         )
         if parent is None:
             return carrying

@@ -26,7 +26,6 @@ policy); a malformed one is a counted skip under Energon's bounded failure toler
 
 from __future__ import annotations
 
-import zlib
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 
@@ -36,7 +35,8 @@ from megatron.energon.errors import FatalSampleError
 from packline.energon.carry import CarryOverBuild
 from packline.energon.sample import CHATML_COOKER, ConversationSample, cook_conversation
 from packline.packing.ledger import SKIPPED_ON_RESUME
-from packline.packing.selection import align_up, select_packs
+from packline.packing.lengths import KeyLengths
+from packline.packing.selection import align_up
 from packline.packing.thd import EncodedConversation, PackedBatch, build_packed_batch
 from packline.qwen.encode import ConversationEncoder, Tokenized
 
@@ -52,9 +52,16 @@ class PackingSettings:
     overlength: str = "drop"
     max_carry_rounds: int = 0
     seed: int = 0
+    lengths_path: str | None = None
+    """FLOPs balance (``packing.balance: flops``): connect's ``lengths.parquet``, whose
+    per-sample FLOPs selection weighs; None: balance off."""
 
     @classmethod
-    def from_config(cls, packing, seed: int = 0) -> PackingSettings:
+    def from_config(cls, packing, seed: int = 0, lengths_path=None) -> PackingSettings:
+        """``lengths_path``: connect's table, needed when ``packing.balance`` is ``flops``."""
+        balance = packing.balance.value == "flops"
+        if balance and lengths_path is None:
+            raise ValueError("packing.balance flops weighs connect's FLOPs: pass lengths_path")
         return cls(
             seq_length=packing.seq_length,
             alignment=packing.alignment,
@@ -63,6 +70,7 @@ class PackingSettings:
             overlength=packing.overlength.value,
             max_carry_rounds=packing.max_carry_rounds,
             seed=seed,
+            lengths_path=str(lengths_path) if balance else None,
         )
 
 
@@ -100,6 +108,11 @@ class _QwenPackingEncoder(
         self.max_carry_rounds = settings.max_carry_rounds
         self.carry_capacity = settings.seq_length
         self.carry_seed = settings.seed
+        if settings.lengths_path is not None:
+            self.balance = KeyLengths(settings.lengths_path)
+            self.balance_target = self.balance.balance_target(
+                capacity=settings.seq_length, alignment=settings.alignment
+            )
         self._encoder: ConversationEncoder | None = None
         # Ledger entries of this worker not yet attached to a row.
         self._pending_seen = 0
@@ -159,15 +172,7 @@ class _QwenPackingEncoder(
         """Every sample given is returned in exactly one group."""
         real = [s for s in samples if s.drop_reason is None]
         dropped = [s for s in samples if s.drop_reason is not None]
-        # Seeded by the round's keys: deterministic, no state to save.
-        round_seed = zlib.crc32("|".join(s.__key__ for s in samples).encode()) ^ self.settings.seed
-        groups = select_packs(
-            [s.length for s in real],
-            capacity=self.settings.seq_length,
-            alignment=self.settings.alignment,
-            algorithm=self.settings.algorithm,
-            seed=round_seed,
-        )
+        groups = self.select_round(real, self.settings.algorithm, round_of=samples)
         out = [[real[i] for i in g] for g in groups]
         if dropped:  # ride along with a row so the ledger sees them
             if out:

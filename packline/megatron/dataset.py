@@ -14,7 +14,7 @@ Its fields carry ``EnergonDatasetConfig``'s names where they mean the same (``pa
 ``seq_length``, ``packing_buffer_size``, ``task_encoder`` — Bridge's
 ``QwenVLEnergonTaskEncoderConfig``, ...), so every ``dataset.*`` override packline or a user
 sends means the same with either packer; packline's own are ``lengths_path`` (connect's
-table), ``algorithm``, ``max_carry_rounds`` and ``seed``.
+table), ``algorithm``, ``max_carry_rounds``, ``seed`` and ``balance``.
 :data:`~packline.megatron.overrides.PACKLINE_DATASET_FIELDS` lists them for the checks that
 run without Bridge. Entry points: :func:`bridge_dataset` (the object for a loaded packline
 config, what the megatron train stage sets as ``dataset``) and :func:`task_encoder` (the encoder
@@ -46,9 +46,9 @@ from megatron.bridge.data.base import DatasetBuildContext, DatasetProvider
 from megatron.bridge.data.builders.energon import QwenVLEnergonTaskEncoderConfig
 from megatron.bridge.models.hf_pretrained.utils import is_safe_repo
 
-from packline.megatron.lengths import KeyLengths
 from packline.megatron.overrides import bridge_overrides
 from packline.megatron.task_encoder import PacklineQwenVLTaskEncoder
+from packline.packing.lengths import KeyLengths
 from packline.packing.selection import ALGORITHMS
 from schemas.config import PipelineConfig
 
@@ -91,6 +91,8 @@ class PacklineEnergonDataset(DatasetProvider):
     """``packing.max_carry_rounds``: 0 turns carry-over off."""
     seed: int = 0
     """``train.seed``: seeds the order of each round's packs."""
+    balance: str = "none"
+    """``packing.balance``: ``flops`` balances each round's packs by connect's FLOPs."""
 
     def validate(self) -> None:
         if not self.path or not self.lengths_path:
@@ -103,6 +105,8 @@ class PacklineEnergonDataset(DatasetProvider):
             raise ValueError(f"algorithm {self.algorithm!r} is not one of {ALGORITHMS}")
         if self.max_carry_rounds < 0:
             raise ValueError("max_carry_rounds must be >= 0")
+        if self.balance not in ("none", "flops"):
+            raise ValueError(f"balance {self.balance!r} is not 'none' or 'flops'")
         reserved = _RESERVED_KWARGS & set(self.dataset_kwargs)
         if reserved:
             raise ValueError(f"dataset_kwargs cannot set {', '.join(sorted(reserved))}")
@@ -130,6 +134,7 @@ class PacklineEnergonDataset(DatasetProvider):
             algorithm=self.algorithm,
             max_carry_rounds=self.max_carry_rounds,
             seed=self.seed,
+            balance=self.balance == "flops",
             tokenizer=AutoTokenizer.from_pretrained(t.hf_processor_path, **load),
             image_processor=Qwen3VLProcessor.from_pretrained(t.hf_processor_path, **load),
             temporal_patch_size=t.temporal_patch_size,

@@ -619,7 +619,7 @@ CLASSES: dict[str, tuple[tuple[str, ...], str, dict[str, str]]] = {
             "path lengths_path seq_length task_encoder micro_batch_size dataloader_type"
             " do_validation num_val_workers shuffle_buffer_size max_samples_per_sequence"
             " packing_buffer_size dataset_kwargs pad_to_max_length"
-            " in_batch_packing_pad_to_multiple_of algorithm max_carry_rounds seed"
+            " in_batch_packing_pad_to_multiple_of algorithm max_carry_rounds seed balance"
         ),
         {},
     ),

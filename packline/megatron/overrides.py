@@ -43,7 +43,7 @@ from typing import Any
 from packline.energon.files import BRIDGE_METADATASET
 from packline.qwen.processor import image_geometry
 from packline.tracking import experiment_name, tracking_uri
-from packline.workdir import dataset_dir, processor_dir, stage_dir
+from packline.workdir import dataset_dir, lengths_path, processor_dir, stage_dir
 from schemas.choices import ATTENTION_PROJECTIONS, EXPERT_PARAMETERS, MLP_PROJECTIONS, Packer
 from schemas.config import PipelineConfig
 from schemas.errors import UserError
@@ -280,9 +280,10 @@ def _packline_packing(cfg: PipelineConfig) -> dict[str, Any]:
     it only for its own ``EnergonDatasetConfig``)."""
     p = cfg.packing
     return {
-        "dataset.lengths_path": str(stage_dir(cfg, "connect") / "lengths.parquet"),
+        "dataset.lengths_path": str(lengths_path(cfg)),
         "dataset.algorithm": p.algorithm.value,
         "dataset.max_carry_rounds": p.max_carry_rounds,
+        "dataset.balance": p.balance.value,
         "dataset.seed": cfg.train.seed,
         "dataset.in_batch_packing_pad_to_multiple_of": p.alignment,
     }

@@ -21,7 +21,9 @@ selected:
   checks the length it made is connect's.
 - **packline's selection.** ``select_samples_to_pack`` runs
   :func:`~packline.packing.selection.select_packs` with ``packing.algorithm`` (``refined``
-  by default) over the aligned lengths, where Bridge runs plain first-fit decreasing.
+  by default) over the aligned lengths, where Bridge runs plain first-fit decreasing; with
+  ``packing.balance: flops`` the packs are then balanced by connect's per-sample FLOPs
+  (:mod:`packline.packing.balance`).
 - **Carry-over.** ``build_batch`` installs
   :class:`~packline.energon.carry.CarryOverPackingDataset` (``max_carry_rounds`` > 0), the
   same wrapper the local backend's encoder uses.
@@ -34,7 +36,6 @@ again after selection); the processor still runs once.
 from __future__ import annotations
 
 import dataclasses
-import zlib
 from typing import Any
 
 from megatron.bridge.data.energon.task_encoder_utils import ChatMLSample
@@ -45,8 +46,8 @@ from megatron.energon.task_encoder.base import get_failure_tolerance
 from megatron.energon.wrappers import MapDataset
 
 from packline.energon.carry import CarryOverBuild
-from packline.megatron.lengths import KeyLengths
-from packline.packing.selection import align_up, select_packs
+from packline.packing.lengths import KeyLengths
+from packline.packing.selection import align_up
 
 
 @edataclass
@@ -68,6 +69,7 @@ class PacklineQwenVLTaskEncoder(CarryOverBuild, QwenVLTaskEncoder):
         algorithm: str = "refined",
         max_carry_rounds: int = 4,
         seed: int = 0,
+        balance: bool = False,
         **bridge: Any,
     ):
         super().__init__(enable_energon_packing=True, **bridge)
@@ -76,6 +78,11 @@ class PacklineQwenVLTaskEncoder(CarryOverBuild, QwenVLTaskEncoder):
         self.max_carry_rounds = max_carry_rounds
         self.carry_capacity = self.seq_length
         self.carry_seed = seed
+        if balance:  # FLOPs balance: connect's figures again, by key
+            self.balance = lengths
+            self.balance_target = lengths.balance_target(
+                capacity=self.seq_length, alignment=self.in_batch_packing_pad_to_multiple_of
+            )
 
     def build_encode_sample(self, dataset, *, worker_config):
         """``preencode_sample`` before the buffer. (Energon refuses a pre-encode hook beside
@@ -149,12 +156,6 @@ class PacklineQwenVLTaskEncoder(CarryOverBuild, QwenVLTaskEncoder):
         return dataclasses.replace(encoded, __restore_key__=sample.__restore_key__)
 
     def select_samples_to_pack(self, samples: list[MeasuredSample]) -> list[list[MeasuredSample]]:
-        """Every sample in exactly one group, chosen by ``packing.algorithm``."""
-        keys = "|".join(s.__key__ for s in samples)
-        groups = select_packs(
-            [self.packing_length(s) for s in samples],
-            capacity=self.seq_length,
-            algorithm=self.algorithm,
-            seed=zlib.crc32(keys.encode()) ^ self.carry_seed,
-        )
-        return [[samples[i] for i in g] for g in groups]
+        """Every sample in exactly one group, chosen by ``packing.algorithm`` (and FLOPs
+        balance)."""
+        return [[samples[i] for i in g] for g in self.select_round(samples, self.algorithm)]

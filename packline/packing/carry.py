@@ -8,12 +8,14 @@ per-round bound Σ_rounds ⌈Σlen/C⌉ (``Forecast.round_bound_fill``). With ca
 
 1. takes the fullest pack the buffer allows — an exact subset sum over the buffer's lengths
    (:func:`~packline.packing.selection.fullest_subset`) — and emits it; then the next
-   fullest, and so on while a pack is *full*: its free room at most
-   :data:`CARRY_ROOM` of the capacity or :data:`CARRY_ROOM_OF_MEDIAN` of the round's median
-   length, whichever is more (long samples leave coarser room: a pack of them rarely gets
-   within 1% of the row). When the refined packing of the whole buffer
-   (:func:`~packline.packing.selection.select_packs`) holds more tokens in full packs, its
-   full packs are emitted instead;
+   fullest, and so on while a pack is *full*
+   (:func:`~packline.packing.selection.full_load`: its free room at most 1% of the capacity
+   or 5% of the round's median length, whichever is more). When the refined packing of the
+   whole buffer (:func:`~packline.packing.selection.select_packs`) holds more tokens in full
+   packs, its full packs are emitted instead. With FLOPs balance (``costs``,
+   :mod:`packline.packing.balance`) each pack is, of the fullest, one close to the target
+   cost (:func:`~packline.packing.selection.balanced_subset`), and the packs chosen are then
+   balanced against each other and the samples left;
 2. emits, for each sample that has already waited ``max_carry_rounds`` rounds (longest
    first), the fullest pack that holds it and the other samples left;
 3. puts every other sample back into the reading buffer, ahead of the new samples the next
@@ -38,20 +40,10 @@ fullest pack that holds it::
 from __future__ import annotations
 
 import random
-import statistics
 from dataclasses import dataclass
 
-from packline.packing.selection import fullest_subset, select_packs
-
-#: A pack is full (emitted) when its free room is at most this share of the capacity ...
-CARRY_ROOM = 0.01
-#: ... or this share of the round's median length, whichever is more. The fullest pack of a
-#: round is emitted whatever its fill, and a due sample's pack too. Measured (simulated,
-#: buffers 16 and 64): on the default set at C=2048 and the VLM-SFT-like set at C=4096 the
-#: median term changes nothing (0.971/0.9985 and 0.9956/0.9978); on the VLM-SFT-like set at
-#: C=2048 (samples of 0.4·C) it lifts 0.933/0.973 to 0.947/0.990, above Energon's per-round
-#: bound (0.927/0.980), where a fixed 1% kept carrying packs it could not complete.
-CARRY_ROOM_OF_MEDIAN = 0.05
+from packline.packing.balance import balance_round
+from packline.packing.selection import balanced_subset, full_load, fullest_subset, select_packs
 
 
 @dataclass(frozen=True)
@@ -71,22 +63,38 @@ def carry_round(
     capacity: int,
     max_rounds: int,
     seed: int,
+    costs: list[float] | None = None,
+    target: float = 0.0,
 ) -> CarryRound:
     """Which packs a round emits and which samples it carries (see the module docstring).
     ``lengths`` are aligned and each ≤ ``capacity``; ``waited[i]`` is how many rounds sample
-    ``i`` has been carried already; ``seed`` picks among equally full packs."""
+    ``i`` has been carried already; ``seed`` picks among equally full packs. With ``costs``
+    (FLOPs balance, :mod:`packline.packing.balance`) the packs chosen are balanced towards
+    ``target`` against each other and the carried samples, before the due samples go out."""
     if len(lengths) != len(waited):
         raise ValueError(f"{len(lengths)} lengths but {len(waited)} waited counts")
     if any(n > capacity for n in lengths):
         raise ValueError(f"carry_round needs every length <= capacity {capacity}")
     rng = random.Random(seed)
-    median = statistics.median(lengths) if lengths else 0
-    full = capacity - max(CARRY_ROOM * capacity, CARRY_ROOM_OF_MEDIAN * median)
+    full = full_load(lengths, capacity)
+
+    def fullest(items: list[int], within: list[int] = ()) -> list[int]:
+        """The fullest pack of ``items`` beside the samples ``within``; with FLOPs balance,
+        of the fullest the one the walk finds closest to the target cost (balance never
+        costs fill here: measured, letting it take packs up to half a full pack's room
+        emptier cost 0.027 of fill on the default set at B=64 for a worse straggler)."""
+        sizes = [lengths[i] for i in items]
+        room = capacity - sum(lengths[i] for i in within)
+        if costs is None:
+            return [items[j] for j in fullest_subset(sizes, room, rng)]
+        aim = target - sum(costs[i] for i in within)
+        cost = [costs[i] for i in items]
+        return [items[j] for j in balanced_subset(sizes, cost, room, rng, target=aim)]
 
     def fullest_first() -> list[list[int]]:
         left, packs = list(range(len(lengths))), []
         while left:
-            group = [left[j] for j in fullest_subset([lengths[i] for i in left], capacity, rng)]
+            group = fullest(left)
             if packs and sum(lengths[i] for i in group) < full:
                 break
             packs.append(group)
@@ -108,13 +116,15 @@ def carry_round(
     emit = [sorted(g) for g in emit]  # members in arrival order
     chosen = {i for g in emit for i in g}
     left = [i for i in range(len(lengths)) if i not in chosen]
+    if costs is not None:
+        emit, left = balance_round(
+            emit, lengths, costs, capacity=capacity, target=target, pool=left
+        )
     for due in sorted((i for i in left if waited[i] >= max_rounds), key=lambda i: -lengths[i]):
         if due not in left:
             continue  # emitted already, in the pack of a longer due sample
         others = [i for i in left if i != due]
-        room = capacity - lengths[due]
-        fill_up = fullest_subset([lengths[i] for i in others], room, rng)
-        group = sorted([due, *(others[j] for j in fill_up)])
+        group = sorted([due, *fullest(others, [due])])
         emit.append(group)
         taken = set(group)
         left = [i for i in left if i not in taken]

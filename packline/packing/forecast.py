@@ -70,9 +70,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from packline.packing.balance import balance_round, balance_target
 from packline.packing.carry import carry_round
 from packline.packing.selection import ALGORITHMS, align_up, select_packs
-from schemas.choices import Algorithm, Packer, TrainBackend
+from schemas.choices import Algorithm, Balance, Packer, TrainBackend
 from schemas.guardrails import train_nproc_per_node, train_world
 
 if TYPE_CHECKING:
@@ -107,6 +108,8 @@ class Forecast:
     backend: str
     algorithm: str
     max_carry_rounds: int
+    balance: bool
+    """FLOPs balance on (``costs`` given)."""
     num_streams: int
     """Loader streams with a buffer each: ranks × max(workers, 1)."""
     lengths: list[int]
@@ -216,10 +219,28 @@ def _worker_streams(
     return streams, skipped
 
 
-def _select(lengths: list[int], items: list[int], capacity: int, algorithm: str) -> list[list[int]]:
+@dataclass(frozen=True)
+class _Balance:
+    """FLOPs balance in a simulation: every stream position's cost, and the target."""
+
+    costs: list[float]
+    target: float
+
+
+def _select(
+    lengths: list[int], items: list[int], capacity: int, algorithm: str, balance: _Balance | None
+) -> list[list[int]]:
     fits = [i for i in items if lengths[i] <= capacity]
     sizes = [lengths[i] for i in fits]
     groups = select_packs(sizes, capacity=capacity, algorithm=algorithm, seed=None)
+    if balance is not None:
+        groups, _ = balance_round(
+            groups,
+            sizes,
+            [balance.costs[i] for i in fits],
+            capacity=capacity,
+            target=balance.target,
+        )
     return [[fits[j] for j in g] for g in groups]
 
 
@@ -232,6 +253,7 @@ def _carry_rounds(
     buffer_size: int,
     algorithm: str,
     max_carry_rounds: int,
+    balance: _Balance | None,
 ) -> list[Round]:
     """One worker's rounds with carry-over, as ``CarryOverPackingDataset`` runs them: the
     buffer is topped up to ``buffer_size`` from the stream before each round; the round that
@@ -252,7 +274,7 @@ def _carry_rounds(
         r = Round(worker=worker, items=[i for i, _ in waiting])
         rounds.append(r)
         if exhausted:
-            r.groups = _select(lengths, r.items, capacity, algorithm)
+            r.groups = _select(lengths, r.items, capacity, algorithm, balance)
             return rounds
         fits = [(i, w) for i, w in waiting if lengths[i] <= capacity]
         decided = carry_round(
@@ -261,6 +283,8 @@ def _carry_rounds(
             capacity=capacity,
             max_rounds=max_carry_rounds,
             seed=r.items[0],
+            costs=None if balance is None else [balance.costs[i] for i, _ in fits],
+            target=0.0 if balance is None else balance.target,
         )
         r.groups = [[fits[j][0] for j in g] for g in decided.emit]
         r.carried = [fits[j][0] for j in decided.carry]
@@ -277,10 +301,13 @@ def simulate_packing(
     num_ranks: int = 1,
     num_workers: int = 0,
     max_carry_rounds: int = 0,
+    costs: list[float] | None = None,
 ) -> Forecast:
     """Simulate one epoch of the ``backend``'s packer over ``lengths`` (aligned, in stream
     order) — see the module docstring. ``num_workers`` is per rank, 0 meaning one stream;
-    ``max_carry_rounds`` 0 is Energon's own round (no carry-over)."""
+    ``max_carry_rounds`` 0 is Energon's own round (no carry-over); ``costs`` (each sample's
+    FLOPs, by stream position) turns FLOPs balance on (:mod:`packline.packing.balance`),
+    towards the full-row cost of the samples that fit."""
     if algorithm not in ALGORITHMS:
         raise ValueError(f"unknown packing algorithm {algorithm!r}: use one of {ALGORITHMS}")
     if max_carry_rounds < 0:
@@ -290,6 +317,13 @@ def simulate_packing(
     streams, skipped = _worker_streams(
         lengths, capacity=capacity, backend=backend, num_ranks=num_ranks, num_workers=num_workers
     )
+    balance = None
+    if costs is not None:
+        if len(costs) != len(lengths):
+            raise ValueError(f"{len(costs)} costs for {len(lengths)} lengths")
+        fits = [i for i, n in enumerate(lengths) if n <= capacity]
+        target = balance_target([lengths[i] for i in fits], [costs[i] for i in fits], capacity)
+        balance = _Balance(costs=list(costs), target=target)
     rounds: list[Round] = []
     for worker, stream in enumerate(streams):
         if max_carry_rounds:
@@ -301,11 +335,12 @@ def simulate_packing(
                 buffer_size=buffer_size,
                 algorithm=algorithm,
                 max_carry_rounds=max_carry_rounds,
+                balance=balance,
             )
             continue
         for at in range(0, len(stream), buffer_size):  # Energon's own rounds
             r = Round(worker=worker, items=stream[at : at + buffer_size])
-            r.groups = _select(lengths, r.items, capacity, algorithm)
+            r.groups = _select(lengths, r.items, capacity, algorithm, balance)
             rounds.append(r)
     # an overlength sample is in one round only: selection never carries it
     dropped = [i for r in rounds for i in r.items if lengths[i] > capacity]
@@ -315,6 +350,7 @@ def simulate_packing(
         backend=backend,
         algorithm=algorithm,
         max_carry_rounds=max_carry_rounds,
+        balance=balance is not None,
         num_streams=num_ranks * max(num_workers, 1),
         lengths=list(lengths),
         rounds=rounds,
@@ -400,18 +436,21 @@ def data_parallel_ranks(cfg: PipelineConfig) -> int:
     return max(train_world(cfg) // pp, 1)
 
 
-def forecast_settings(cfg: PipelineConfig) -> dict[str, Any]:
+def forecast_settings(cfg: PipelineConfig, costs: list[float] | None = None) -> dict[str, Any]:
     """How the forecast simulates ``cfg``'s packer (``simulate_packing``'s keywords): the
-    train backend, its selection and carry-over — Bridge's own packer
-    (``packing.packer: bridge`` with backend megatron) runs plain ``ffd`` without carry-over
+    train backend, its selection, carry-over and FLOPs balance — Bridge's own packer
+    (``packing.packer: bridge`` with backend megatron) runs plain ``ffd`` without either
     whatever the config says (validate refuses any other setting there), packline's packer
-    ``packing.algorithm`` and ``packing.max_carry_rounds`` — and its loader streams, ranks ×
-    ``train.num_workers``."""
+    ``packing.algorithm``, ``packing.max_carry_rounds`` and, with ``packing.balance: flops``,
+    the samples' ``costs`` (in the order the lengths are given) — and its loader streams,
+    ranks × ``train.num_workers``."""
     bridge = cfg.train.backend is TrainBackend.megatron and cfg.packing.packer is Packer.bridge
+    balance = not bridge and cfg.packing.balance is Balance.flops
     return {
         "backend": cfg.train.backend.value,
         "algorithm": "ffd" if bridge else cfg.packing.algorithm.value,
         "max_carry_rounds": 0 if bridge else cfg.packing.max_carry_rounds,
+        "costs": costs if balance else None,
         "num_ranks": data_parallel_ranks(cfg),
         "num_workers": cfg.train.num_workers,
     }
@@ -436,14 +475,18 @@ def forecast_fill(
     num_ranks: int = 1,
     num_workers: int = 0,
     max_carry_rounds: int = 0,
+    costs: list[float] | None = None,
 ) -> dict[str, Any]:
     """Fill of packing ``lengths`` (already aligned; any over ``capacity`` are handled as
     ``backend`` does: see ``packline.packing.forecast``) in a seeded stream order, one
     buffer of B samples per loader stream at a time, for each B (with carry-over when
-    ``max_carry_rounds`` > 0, and then also the fill without it); and the lower bound
+    ``max_carry_rounds`` > 0, and then also the fill without it; with FLOPs balance when
+    ``costs`` are given, in the order of ``lengths``); and the lower bound
     Σlen/(⌈Σlen/C⌉·C) over the samples that fit."""
     algorithm = algorithm.value if isinstance(algorithm, Algorithm) else algorithm
-    stream = [lengths[i] for i in stream_order(len(lengths), seed)]
+    order = stream_order(len(lengths), seed)
+    stream = [lengths[i] for i in order]
+    ordered_costs = None if costs is None else [costs[i] for i in order]
     fits = [n for n in stream if n <= capacity]
     total = sum(fits)
     out: dict[str, Any] = {
@@ -455,6 +498,7 @@ def forecast_fill(
         "num_ranks": num_ranks,
         "num_workers": num_workers,
         "max_carry_rounds": max_carry_rounds,
+        "balance": costs is not None,
     }
     per_buffer = {}
     for b in buffer_sizes:
@@ -465,6 +509,7 @@ def forecast_fill(
             backend=backend,
             num_ranks=num_ranks,
             num_workers=num_workers,
+            costs=ordered_costs,
         )
         simulated = simulate_packing(stream, **settings, max_carry_rounds=max_carry_rounds)
         per_buffer[str(b)] = {"packs": simulated.packs, "fill": simulated.fill}
@@ -483,6 +528,28 @@ def forecast_fill(
     return out
 
 
+def sample_costs(cfg: PipelineConfig, processor_dir: Path, lengths: pd.DataFrame) -> list[float]:
+    """Each sample's executed FLOPs alone at its aligned length, for connect's lengths table
+    (its ``flops`` column): ``FlopsModel.sample_flops`` of ``cfg``'s model."""
+    from packline.counters import flops_model_for  # the model's config: torch, lazily
+    from packline.qwen.processor import load_processor
+
+    model = flops_model_for(cfg, load_processor(processor_dir))
+    m = cfg.packing.alignment
+    return model.sample_flops(
+        [
+            (
+                align_up(int(n), m),
+                [tuple(g) for g in json.loads(ig)],
+                [tuple(g) for g in json.loads(vg)],
+            )
+            for n, ig, vg in zip(
+                lengths["total_tokens"], lengths["image_grids"], lengths["video_grids"], strict=True
+            )
+        ]
+    )
+
+
 def forecast_flops(
     cfg: PipelineConfig, processor_dir: Path, train: pd.DataFrame
 ) -> dict[str, float]:
@@ -490,12 +557,14 @@ def forecast_flops(
     :func:`forecast_fill` forecasts at the configured buffer, same stream) and off
     (``train.unpacked_micro_batch_size`` conversations padded to the longest), before any
     training. Useful FLOPs are the same both ways; what packing saves is the padding. And
-    the packed epoch's :func:`straggler_ratio` over the config's data-parallel ranks."""
+    the packed epoch's :func:`straggler_ratio` over the config's data-parallel ranks.
+    ``train``: connect's lengths table, train rows (its ``flops`` column: :func:`sample_costs`)."""
     from packline.counters import flops_model_for  # the model's config: torch, lazily
     from packline.qwen.processor import load_processor
 
     model = flops_model_for(cfg, load_processor(processor_dir))
     p = cfg.packing
+    costs = train["flops"].tolist()
     rows = [
         (
             int(n),
@@ -511,12 +580,14 @@ def forecast_flops(
             strict=True,
         )
     ]
-    ordered = [rows[i] for i in stream_order(len(rows), cfg.train.seed)]
+    order = stream_order(len(rows), cfg.train.seed)
+    ordered = [rows[i] for i in order]
+    costs = [costs[i] for i in order]
     simulated = simulate_packing(
         [align_up(n, p.alignment) for n, *_ in ordered],
         capacity=p.seq_length,
         buffer_size=p.packing_buffer_size,
-        **forecast_settings(cfg),
+        **forecast_settings(cfg, costs),
     )
     stream = [row for row in ordered if align_up(row[0], p.alignment) <= p.seq_length]
     useful = sum(model.useful([n], grids, n, loss, video_grids=vg) for n, grids, loss, vg in stream)
@@ -546,7 +617,6 @@ def forecast_flops(
     # how evenly the data-parallel ranks' steps cost: one optimizer step is the global batch
     # of packed rows, split over the ranks
     ranks = data_parallel_ranks(cfg)
-    costs = model.sample_flops([(align_up(n, p.alignment), g, vg) for n, g, _, vg in ordered])
     straggler = straggler_ratio(
         simulated,
         costs,
@@ -571,4 +641,65 @@ def forecast_flops(
         "tokens_real": float(packed_real),
         "tokens_capacity_packed": float(packed_capacity),
         "tokens_capacity_unpacked": float(unpacked_capacity),
+    }
+
+
+def config_forecast(
+    cfg: PipelineConfig, processor_dir: Path, train: pd.DataFrame
+) -> dict[str, Any]:
+    """connect's ``forecast.json`` for ``cfg``: :func:`forecast_fill` of its packer
+    (:func:`forecast_settings`) over connect's lengths table's ``train`` rows at
+    ``packing.forecast_buffer_sizes``, the overlength count, the alignment and
+    :func:`forecast_flops`."""
+    m = cfg.packing.alignment
+    aligned = [align_up(int(n), m) for n in train["total_tokens"]]
+    settings = forecast_settings(cfg, train["flops"].tolist())
+    forecast = forecast_fill(
+        aligned,
+        cfg.packing.seq_length,
+        list(cfg.packing.forecast_buffer_sizes),
+        settings.pop("algorithm"),
+        cfg.train.seed,
+        **settings,
+    )
+    forecast["overlength"] = len(aligned) - forecast["samples"]
+    forecast["alignment"] = m
+    forecast["flops"] = forecast_flops(cfg, processor_dir, train)
+    return forecast
+
+
+#: connect's forecast, in its stage dir.
+FORECAST_FILE = "forecast.json"
+
+
+def read_forecast(cfg: PipelineConfig) -> dict[str, Any]:
+    """connect's ``forecast.json`` (:func:`config_forecast`), or ``{}`` before connect."""
+    from packline.workdir import stage_dir
+
+    path = stage_dir(cfg, "connect") / FORECAST_FILE
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def packing_metrics(forecast: dict[str, Any]) -> dict[str, float]:
+    """What a train run logs of the packs its packer makes, from connect's forecast at the
+    config's buffer (the one :func:`forecast_flops` simulated): ``packing/forecast_fill``
+    (real tokens over row capacity), ``packing/forecast_padding_share`` (of executed FLOPs),
+    ``packing/forecast_straggler_ratio`` over the config's data-parallel ranks and
+    ``packing/forecast_rows``. ``{}`` without a FLOPs forecast.
+
+        >>> packing_metrics({"flops": {"tokens_real": 900.0, "tokens_capacity_packed": 1000.0,
+        ...     "padding_share_packed": 0.12, "straggler_ratio": 1.02, "rows_packed": 2.0}})
+        ... # doctest: +NORMALIZE_WHITESPACE
+        {'packing/forecast_fill': 0.9, 'packing/forecast_padding_share': 0.12,
+         'packing/forecast_straggler_ratio': 1.02, 'packing/forecast_rows': 2.0}
+    """
+    f = forecast.get("flops")
+    if not f:
+        return {}
+    capacity = f["tokens_capacity_packed"]
+    return {
+        "packing/forecast_fill": f["tokens_real"] / capacity if capacity else 0.0,
+        "packing/forecast_padding_share": f["padding_share_packed"],
+        "packing/forecast_straggler_ratio": f["straggler_ratio"],
+        "packing/forecast_rows": f["rows_packed"],
     }

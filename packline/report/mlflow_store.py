@@ -110,13 +110,7 @@ def _search(client, experiment_id: str, filter_string: str) -> list:
             return runs
 
 
-def find_training_pair(client, experiment: str, run_id: str | None = None) -> TrainingPair:
-    """The newest finished ``train-packed``/``train-unpacked`` pair of one train stage run.
-
-    ``run_id`` narrows it to one pipeline run or one train stage run. A pipeline run whose
-    train stage was skipped (up to date) has no training runs of its own: the newest pair
-    is then the one that stage's record came from.
-    """
+def _experiment(client, experiment: str):
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
         raise UserError(
@@ -126,6 +120,23 @@ def find_training_pair(client, experiment: str, run_id: str | None = None) -> Tr
             ],
             "nothing to compare",
         )
+    return exp
+
+
+def experiment_runs(client, experiment: str, filter_string: str) -> list:
+    """Every run of ``experiment`` matching ``filter_string``, newest first; a UserError when
+    the store has no such experiment."""
+    return _search(client, _experiment(client, experiment).experiment_id, filter_string)
+
+
+def find_training_pair(client, experiment: str, run_id: str | None = None) -> TrainingPair:
+    """The newest finished ``train-packed``/``train-unpacked`` pair of one train stage run.
+
+    ``run_id`` narrows it to one pipeline run or one train stage run. A pipeline run whose
+    train stage was skipped (up to date) has no training runs of its own: the newest pair
+    is then the one that stage's record came from.
+    """
+    exp = _experiment(client, experiment)
     runs = _search(
         client,
         exp.experiment_id,

@@ -18,6 +18,7 @@ from packline.megatron.overrides import (
     unknown_field,
 )
 from schemas.config import (
+    Balance,
     ExecutorKind,
     Packer,
     PipelineConfig,
@@ -113,8 +114,9 @@ def _micro_batch_setting(run: BridgeRun) -> list[Issue] | None:
 @MEGATRON_RULES.rule(
     "megatron.algorithm",
     "megatron",
-    "packing.packer bridge: packing.algorithm is ffd and packing.max_carry_rounds 0, as "
-    "Megatron-Bridge's own encoder packs (plain first-fit decreasing, no carry-over)",
+    "packing.packer bridge: packing.algorithm is ffd, packing.max_carry_rounds 0 and "
+    "packing.balance none, as Megatron-Bridge's own encoder packs (plain first-fit "
+    "decreasing, no carry-over, no FLOPs balance)",
 )
 def _algorithm(run: BridgeRun) -> list[Issue] | None:
     cfg = run.cfg
@@ -139,6 +141,15 @@ def _algorithm(run: BridgeRun) -> list[Issue] | None:
                 f"packing.max_carry_rounds is {cfg.packing.max_carry_rounds}, but with "
                 "packing.packer bridge Energon emits every pack a round selects (no carry-over)",
                 "set packing.max_carry_rounds=0, or packing.packer=packline",
+            )
+        )
+    if cfg.packing.balance is not Balance.none:
+        out.append(
+            error(
+                "packing.balance",
+                f"packing.balance is '{cfg.packing.balance.value}', but with packing.packer "
+                "bridge Megatron-Bridge's encoder selects by length only",
+                "set packing.balance=none, or packing.packer=packline",
             )
         )
     return out

@@ -64,6 +64,7 @@ from packline.train.engine import DataParallelEngine, Engine, router_metrics
 from packline.train.evaluate import EvalResult, Evaluator
 from packline.train.layout import count_once
 from packline.train.records import append_record, drop_torn_tail
+from packline.workdir import lengths_path
 from schemas.layout import ParallelLayout
 
 METRICS_LOG = "metrics.jsonl"
@@ -124,7 +125,9 @@ class TrainerSettings:
             eval_samples=t.eval_samples,
             moe_aux_loss_coef=t.moe_aux_loss_coef,
             stream=StreamSettings(
-                packing=PackingSettings.from_config(cfg.packing, seed=t.seed),
+                packing=PackingSettings.from_config(
+                    cfg.packing, seed=t.seed, lengths_path=lengths_path(cfg)
+                ),
                 encoder_mode=cfg.packing.encoder.value,
                 packing_buffer_size=cfg.packing.packing_buffer_size,
                 shuffle_buffer_size=t.shuffle_buffer_size,

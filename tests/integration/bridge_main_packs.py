@@ -72,6 +72,7 @@ def main(overrides_file: str, out_file: str, num_packs: int) -> None:
         "is_dataset_provider": isinstance(ds, DatasetProvider),
         "provider": provider.__name__,
         "fields": sorted(own),
+        "balance_target": ds.build_task_encoder().balance_target,
     }
 
     # Bridge's own stock encoder, from Bridge's own builder, on the same settings.

@@ -10,6 +10,8 @@ in a subprocess (``tests/integration/bridge_main_packs.py``).
   image, multi-image and video samples;
 - Bridge's train loader saved with samples carried over and restored yields the same next 20
   packs.
+
+All with FLOPs balance on (``packing.balance: flops``).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ MEGATRON = (
     "packing.packing_buffer_size=16",
     # CP 2: every conversation aligned to 4 tokens, so the padded THD boundaries are compared
     "packing.context_parallel=2",
+    "packing.balance=flops",  # FLOPs balance too, through Bridge's data path
     "data.num_train=160",
     "data.num_val=8",
 )
@@ -66,6 +69,7 @@ def test_bridge_trains_on_packlines_packs_bitwise_as_its_own_encoder_makes_them(
     report = json.loads(out.read_text())
 
     assert report["is_dataset_provider"] and report["provider"] == "protocol_adapter"
+    assert report["balance_target"] > 0  # packline's encoder balances by connect's FLOPs
     # the field table validate checks overrides against (no Bridge import) has them all
     _, plain, nested = CLASSES[PACKLINE_DATASET_CLASS]
     shipped = {*plain.split(), *nested} - {"dataloader_type"}  # DataloaderConfig's, redeclared

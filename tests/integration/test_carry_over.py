@@ -1,6 +1,7 @@
 """Carry-over through Energon's real loader (``CarryOverPackingDataset`` under packline's
 local encoder): every sample once per epoch, the ledger balanced, and a loader saved with
-samples carried over restores to the identical next packs."""
+samples carried over restores to the identical next packs; the same with FLOPs balance,
+weighed by connect's per-sample FLOPs."""
 
 from __future__ import annotations
 
@@ -94,3 +95,32 @@ def test_a_loader_saved_with_samples_carried_over_restores_the_identical_next_pa
             assert torch.equal(getattr(a.batch, name), getattr(b.batch, name)), name
         if b.batch.pixel_values is not None:
             assert torch.equal(a.batch.pixel_values, b.batch.pixel_values)
+
+
+def test_flops_balance_through_the_loader_packs_every_key_once_and_resumes_identically(work):
+    from packline.workdir import dataset_path, lengths_path
+    from packline.workdir import processor_dir as connected_processor
+    from tests.integration.train_helpers import SMALL
+
+    def loader(balance: str, repeat: bool):
+        cfg = make_config(work, *SMALL, f"packing.balance={balance}", f"packing.seq_length={SEQ}")
+        settings = PackingSettings.from_config(cfg.packing, lengths_path=lengths_path(cfg))
+        encoder = make_encoder("lazy", connected_processor(cfg), settings)
+        assert (encoder.balance is not None) == (balance == "flops")
+        return train_loader(dataset_path(cfg), encoder, packing_buffer_size=16, repeat=repeat)
+
+    epoch = [p.batch.keys for p in loader("flops", repeat=False)]
+    keys = [k for pack in epoch for k in pack]
+    assert len(keys) == len(set(keys)) == 120  # SMALL's train rows: each once
+    assert epoch != [p.batch.keys for p in loader("none", repeat=False)]  # balance chose
+
+    first = loader("flops", repeat=True)
+    it = iter(first)
+    for _ in range(6):
+        next(it)
+    state = first.save_state_rank()
+    assert carried_in(state)
+    expected = [next(it).batch.keys for _ in range(10)]
+    second = loader("flops", repeat=True)
+    second.restore_state_rank(state)
+    assert [p.batch.keys for p, _ in zip(second, range(10), strict=False)] == expected

@@ -243,3 +243,65 @@ def test_compare_url_is_the_mlflow_compare_runs_route():
     assert url == (
         "http://127.0.0.1:5000/#/compare-runs?runs=%5B%22a1%22%2C%22b2%22%5D&experiments=%5B%223%22%5D"
     )
+
+
+def _log_cluster_run(work: Path, packer: list[str], forecast: dict, bridge: dict) -> str:
+    """A megatron train stage run as the runner logs it: the config as params, the packs'
+    figures of connect's forecast (``packing_metrics``, what ``train_megatron`` returns) and
+    Bridge's nested metrics."""
+    from packline.packing.forecast import packing_metrics
+
+    cfg = make_config(work, "train.backend=megatron", *packer)
+    time.sleep(0.01)  # distinct start times
+    stage = Tracker.start(cfg, "train", tags={M.TAG_STAGE: "train"})
+    stage.log_metrics({**packing_metrics({"flops": forecast}), **bridge})
+    stage.end()
+    return stage.run_id
+
+
+def _forecast(real: float, rows: float, straggler: float) -> dict:
+    return {
+        "tokens_real": real,
+        "tokens_capacity_packed": rows * 4096,
+        "padding_share_packed": 1 - real / (rows * 4096),
+        "straggler_ratio": straggler,
+        "rows_packed": rows,
+    }
+
+
+def test_compare_of_cluster_runs_sets_bridges_packer_against_packlines(tmp_path: Path):
+    work = tmp_path / "work"
+    bridge_packer = ["packing.packer=bridge", "packing.algorithm=ffd", "packing.max_carry_rounds=0"]
+    _log_cluster_run(work, [], _forecast(3.0e6, 900, 1.03), {"megatron/lm loss": 2.5})
+    bridge = _log_cluster_run(
+        work, bridge_packer, _forecast(3.0e6, 840, 1.145), {"megatron/lm loss": 2.0}
+    )
+    ours = _log_cluster_run(work, [], _forecast(3.0e6, 735, 1.02), {"megatron/lm loss": 1.9})
+    cfg = make_config(work, "train.backend=megatron")
+    runs = compare_runs(cfg)
+    assert [r.run_id for r in runs] == [bridge, ours]  # the newest of each packer setting
+    assert [r.settings["packing.packer"] for r in runs] == ["bridge", "packline"]
+    assert runs[1].metrics["packing/forecast_fill"] == pytest.approx(3.0e6 / (735 * 4096))
+    saved = json.loads((work / "compare" / "cluster.json").read_text())
+    assert [r["run_id"] for r in saved] == [bridge, ours]
+
+    result = subprocess.run(
+        [sys.executable, "-m", "pipelines.cli", "compare", f"work_dir={work}",
+         "train.backend=megatron"],
+        capture_output=True, text=True, env={**os.environ, "COLUMNS": "160"}, cwd=REPO,
+        timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {
+        line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]]
+        for line in result.stdout.splitlines()
+        if line.count("│") >= 3
+    }
+    assert rows["fill (real / rows × seq_length)"] == [f"{3.0e6 / (840 * 4096):.3f}",
+                                                       f"{3.0e6 / (735 * 4096):.3f}"]  # fmt: skip
+    assert rows["straggler ratio (slowest DP rank / mean)"] == ["1.145", "1.020"]
+    assert rows["packing.max_carry_rounds"] == ["0", "4"]
+    assert rows["megatron/lm loss"] == ["2", "1.9"]
+
+    with pytest.raises(UserError, match="no finished train.backend=megatron train runs under"):
+        compare_runs(cfg, run_id="nope")

@@ -48,7 +48,9 @@ def test_connect_cheap_length_equals_processor_for_every_default_sample(default_
 
 
 def test_connect_forecast_is_monotone_and_bounded(default_set):
-    out, result, _ = default_set
+    from packline.packing.forecast import packing_metrics, read_forecast
+
+    out, result, cfg = default_set
     forecast = json.loads((out / "forecast.json").read_text())
     buffers = [forecast["buffers"][str(b)] for b in (1, 16, 64, 256, 1024)]
     fills = [v["fill"] for v in buffers]  # with carry-over (the default, 4 rounds)
@@ -71,6 +73,14 @@ def test_connect_forecast_is_monotone_and_bounded(default_set):
     # one data-parallel rank: nobody waits (the figure itself: tests/unit/test_forecast.py)
     assert result.metrics["flops/straggler_ratio"] == 1.0
     assert result.metrics["flops/straggler_ranks"] == 1.0
+    # what a train run logs of its packs: the configured buffer's fill, from the same forecast
+    figures = packing_metrics(read_forecast(cfg))
+    assert figures["packing/forecast_fill"] == pytest.approx(forecast["buffers"]["64"]["fill"])
+    assert figures["packing/forecast_rows"] == forecast["buffers"]["64"]["packs"]
+    # every sample's FLOPs alone, positive and growing with its length at a given image count
+    lengths = pd.read_parquet(out / "lengths.parquet")
+    text = lengths[lengths["num_images"] + lengths["num_videos"] == 0].sort_values("total_tokens")
+    assert (lengths["flops"] > 0).all() and text["flops"].is_monotonic_increasing
 
 
 def test_connect_catches_a_wrong_cheap_rule(tmp_path: Path):

@@ -229,6 +229,10 @@ def test_bridge_packs_per_buffer_equal_the_megatron_forecast(
     assert [[[aligned[i] for i in g] for g in r.groups] for r in f.rounds] == bridge
 
 
+#: Per-sample FLOPs handed to forecast_settings: they reach the simulation only with balance.
+COSTS = [1.0, 2.0]
+
+
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [
@@ -238,6 +242,7 @@ def test_bridge_packs_per_buffer_equal_the_megatron_forecast(
                 "backend": "local",
                 "algorithm": "refined",
                 "max_carry_rounds": 4,
+                "costs": None,
                 "num_ranks": 1,
                 "num_workers": 0,
             },
@@ -253,6 +258,7 @@ def test_bridge_packs_per_buffer_equal_the_megatron_forecast(
                 "backend": "local",
                 "algorithm": "bfd",
                 "max_carry_rounds": 0,
+                "costs": None,
                 "num_ranks": 2,
                 "num_workers": 3,
             },
@@ -263,13 +269,15 @@ def test_bridge_packs_per_buffer_equal_the_megatron_forecast(
                 "backend": "local",
                 "algorithm": "refined",
                 "max_carry_rounds": 4,
+                "costs": None,
                 "num_ranks": 4,
                 "num_workers": 0,
             },
         ),
-        (  # Bridge with packline's packer: 2 nodes × 8 GPUs over TP 2 × CP 2
+        (  # Bridge with packline's packer, FLOPs-balanced: 2 nodes × 8 GPUs over TP 2 × CP 2
             [
                 "train.backend=megatron",
+                "packing.balance=flops",
                 "executor.slurm.nodes=2",
                 "packing.tensor_parallel=2",
                 "packing.context_parallel=2",
@@ -279,16 +287,18 @@ def test_bridge_packs_per_buffer_equal_the_megatron_forecast(
                 "backend": "megatron",
                 "algorithm": "refined",
                 "max_carry_rounds": 4,
+                "costs": COSTS,
                 "num_ranks": 4,
                 "num_workers": 2,
             },
         ),
-        (  # Bridge's own packer: plain FFD without carry-over whatever the config says
-            ["train.backend=megatron", "packing.packer=bridge"],
+        (  # Bridge's own packer: plain FFD without carry-over or balance whatever the config says
+            ["train.backend=megatron", "packing.packer=bridge", "packing.balance=flops"],
             {
                 "backend": "megatron",
                 "algorithm": "ffd",
                 "max_carry_rounds": 0,
+                "costs": None,
                 "num_ranks": 8,
                 "num_workers": 0,
             },
@@ -299,7 +309,7 @@ def test_forecast_settings_follow_the_train_backend(overrides, expected):
     from packline.packing.forecast import forecast_settings
     from schemas.config import load_config
 
-    assert forecast_settings(load_config(None, overrides)) == expected
+    assert forecast_settings(load_config(None, overrides), COSTS) == expected
 
 
 @pytest.mark.parametrize("backend", ["local", "megatron"])
