@@ -99,6 +99,38 @@ def cmd_bench(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_config(ns: argparse.Namespace) -> int:
+    """The resolved config as YAML, then the values not left at their defaults and where
+    each came from (the config file or an override)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from schemas.config import value_sources
+
+    config, overrides = _split_config(ns.args)
+    cfg = load_config(config, overrides)
+    print(cfg.to_yaml(), end="")
+    sources = value_sources(config, overrides)
+    values = dict(_leaves(cfg.to_dict()))
+    table = Table(title="set by the config file or an override (every other value: its default)")
+    for col in ("key", "value", "from"):
+        table.add_column(col, overflow="fold")
+    for key, source in sources.items():
+        if source != "default":
+            table.add_row(key, str(values.get(key, "(deleted)")), source)
+    Console(width=max(Console().width, 100)).print(table)
+    return 0
+
+
+def _leaves(d, prefix: str = ""):
+    for k, v in d.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if isinstance(v, dict) and v:
+            yield from _leaves(v, key)
+        else:
+            yield key, v
+
+
 def cmd_compare(ns: argparse.Namespace) -> int:
     from pipelines.compare import compare_runs
 
@@ -169,6 +201,10 @@ def build_parser() -> argparse.ArgumentParser:
         "the measured processes' PYTHONPATH (default: the installed Bridge)",
     )
     b.set_defaults(fn=cmd_bench)
+
+    g = sub.add_parser("config", help="the resolved config (YAML) and where each value came from")
+    g.add_argument("args", nargs="*", metavar="[CONFIG] [key=value]", help="config + overrides")
+    g.set_defaults(fn=cmd_config)
 
     c = sub.add_parser("compare", help="packing on vs off from MLflow: table + plots")
     c.add_argument("args", nargs="*", metavar="[CONFIG] [key=value]")

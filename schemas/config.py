@@ -875,6 +875,53 @@ def _expected_type(key: str) -> str | None:
     return None
 
 
+#: The free-form maps: the only places a key can be added (``+key=value``) or deleted
+#: (``~key``); every other key is a setting of the schema, always there.
+OPEN_MAPS = ("executor.slurm.env",)
+
+
+_ABSENT = object()
+
+
+def _open_map(key: str) -> bool:
+    return key.rpartition(".")[0] in OPEN_MAPS
+
+
+def _add_or_delete(cfg: DictConfig, item: str, problems: list[str]) -> bool:
+    """Hydra's ``+key=value`` (add) and ``~key`` (delete): applied inside a free-form map
+    (:data:`OPEN_MAPS`), else a problem saying what to write instead. False when ``item``
+    is a plain ``key=value``."""
+    if not item.startswith(("+", "~")):
+        return False
+    sign, key = item[0], item[1:].partition("=")[0].strip()
+    parent, _, leaf = key.rpartition(".")
+    known = OmegaConf.select(cfg, key, default=_ABSENT) is not _ABSENT
+    if sign == "~":
+        if _open_map(key) and known:
+            del OmegaConf.select(cfg, parent)[leaf]
+        elif _open_map(key):
+            problems.append(f"override '{item}': {parent} has no key '{leaf}' to delete")
+        else:
+            problems.append(
+                f"override '{item}': '~' deletes a key of a free-form map "
+                f"({', '.join(OPEN_MAPS)}); '{key}' is a setting, which always has a value: "
+                f"set it ({key}=VALUE), or leave it out of the config for its default"
+            )
+        return True
+    if "=" not in item:
+        problems.append(f"override '{item}' is not of the form +key=value")
+    elif known:
+        problems.append(
+            f"override '{item}': '+' adds a key that is not there, and '{key}' is: write {item[1:]}"
+        )
+    elif _open_map(key):
+        _set_key(cfg, key, _parse_override(item[1:])[1], "override", problems)
+    else:
+        _set_key(cfg, key, None, "override", problems)  # the unknown key's own problem
+        problems[-1] += f"; keys can be added only to {', '.join(OPEN_MAPS)}"
+    return True
+
+
 def _parse_override(item: str) -> tuple[str, Any]:
     if "=" not in item:
         raise ValueError(f"override '{item}' is not of the form key=value")
@@ -885,14 +932,7 @@ def _parse_override(item: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
-def load_config(
-    path: str | Path | None = None, overrides: list[str] | None = None
-) -> PipelineConfig:
-    """YAML at ``path`` (default ``configs/tiny_cpu.yaml``) merged onto the schema, then
-    ``key=value`` overrides. Raises :class:`UserError` listing every problem."""
-    path = Path(path) if path is not None else DEFAULT_CONFIG
-    problems: list[str] = []
-    cfg = OmegaConf.structured(PipelineConfig)
+def _read_yaml(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise UserError([f"config file {str(path)!r} does not exist"])
     try:
@@ -901,9 +941,46 @@ def load_config(
         raise UserError([f"{path}: not valid YAML: {exc}"]) from None
     if not isinstance(raw, dict):
         raise UserError([f"{path}: the top level must be a mapping"])
+    return raw
+
+
+def value_sources(
+    path: str | Path | None = None, overrides: list[str] | None = None
+) -> dict[str, str]:
+    """Where each setting :func:`load_config` resolves came from, by dotted key: the config
+    file's name, ``override`` (the last one wins, as in ``load_config``) or ``default``.
+
+        >>> value_sources(None, ["train.lr=1e-3"])["train.lr"]
+        'override'
+        >>> where = value_sources(None, [])
+        >>> where["packing.seq_length"], where["train.grad_clip"]
+        ('tiny_cpu.yaml', 'default')
+    """
+    path = Path(path) if path is not None else DEFAULT_CONFIG
+    cfg = load_config(path, overrides)
+    sources = {key: "default" for key, _ in _flatten(cfg.to_dict())}
+    for key, _ in _flatten(_read_yaml(path)):
+        sources[key] = path.name
+    for item in overrides or []:
+        key = item.lstrip("+~").partition("=")[0].strip()
+        sources[key] = "override"
+    return sources
+
+
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | None = None
+) -> PipelineConfig:
+    """YAML at ``path`` (default ``configs/tiny_cpu.yaml``) merged onto the schema, then
+    ``key=value`` overrides. Raises :class:`UserError` listing every problem."""
+    path = Path(path) if path is not None else DEFAULT_CONFIG
+    problems: list[str] = []
+    cfg = OmegaConf.structured(PipelineConfig)
+    raw = _read_yaml(path)
     for key, value in _flatten(raw):
         _set_key(cfg, key, value, str(path.name), problems)
     for item in overrides or []:
+        if _add_or_delete(cfg, item, problems):
+            continue
         try:
             key, value = _parse_override(item)
         except (ValueError, OmegaConfBaseException) as exc:

@@ -124,9 +124,11 @@ def main(overrides_file: str, out_file: str, num_packs: int) -> None:
 
     # Save mid-stream (carried samples waiting), restore in a new data module: same packs.
     first, _, _ = ds.build_datasets(DatasetBuildContext(1, 0, 0))
-    for _ in range(6):
+    for _ in range(30):  # the first save with a sample waiting
         next(first)
-    state = first.save_state()
+        state = first.save_state()
+        if carried_in(state):
+            break
     report["carried_at_save"] = carried_in(state)
     expected = [list(next(first)["__keys__"]) for _ in range(20)]
     second, _, _ = ds.build_datasets(DatasetBuildContext(1, 0, 0))

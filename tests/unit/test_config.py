@@ -162,3 +162,37 @@ def test_alignment_is_lcm_of_cp_and_sp_terms(tp, cp, sp, expected):
         tensor_parallel=tp, context_parallel=cp, sequence_parallel=sp, seq_length=2400
     )
     assert cfg.alignment == expected
+
+
+def test_add_and_delete_work_in_free_form_maps_and_say_what_to_write_elsewhere():
+    cfg = load_config(None, ["+executor.slurm.env.HF_HOME=/data/hf"])
+    assert cfg.executor.slurm.env == {"HF_HOME": "/data/hf"}
+    both = ["+executor.slurm.env.A=1", "+executor.slurm.env.B=2", "~executor.slurm.env.A"]
+    assert load_config(None, both).executor.slurm.env == {"B": "2"}
+    with pytest.raises(UserError) as info:
+        load_config(None, ["+packing.seq_lenght=1", "+packing.seq_length=1", "~train.lr"])
+    assert info.value.problems == [
+        "override: unknown key 'packing.seq_lenght': 'seq_lenght' is not a setting of packing "
+        "(did you mean 'seq_length'?); keys can be added only to executor.slurm.env",
+        "override '+packing.seq_length=1': '+' adds a key that is not there, and "
+        "'packing.seq_length' is: write packing.seq_length=1",
+        "override '~train.lr': '~' deletes a key of a free-form map (executor.slurm.env); "
+        "'train.lr' is a setting, which always has a value: set it (train.lr=VALUE), or leave "
+        "it out of the config for its default",
+    ]
+
+
+def test_config_command_prints_the_resolved_yaml_and_where_values_came_from(capsys):
+    assert main(["config", "packing.seq_length=1024", "+executor.slurm.env.A=b"]) == 0
+    out = capsys.readouterr().out
+    yaml_part = out.split("set by the config file")[0]
+    assert load_config(None, ["packing.seq_length=1024"]).to_yaml().splitlines()[0] in yaml_part
+    rows = {
+        line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]]
+        for line in out.splitlines()
+        if line.count("│") == 4
+    }
+    assert rows["packing.seq_length"] == ["1024", "override"]
+    assert rows["executor.slurm.env.A"] == ["b", "override"]
+    assert rows["packing.algorithm"] == ["refined", "tiny_cpu.yaml"]
+    assert "train.grad_clip" not in rows  # left at its default
