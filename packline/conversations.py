@@ -13,7 +13,14 @@ record of a LLaVA-style JSON list, or an Energon sample's conversation; all go t
 
 LLaVA/ShareGPT turns (``{"from": "human"|"gpt"|"system", "value": ...}``) are accepted too,
 and so are HF content part lists (``{"type": "text"|"image"|"video"}``, read back as marker
-text). ``<image>`` and ``<video>`` markers place the images and videos where they stand, each
+text). So is the HF/OpenAI chat layout, ``messages`` instead of ``conversations``, whose
+parts name their own media (:func:`messages_record`)::
+
+    {"id": "m1", "messages": [
+        {"role": "user", "content": [{"type": "image", "image": "imgs/cat.png"},
+                                     {"type": "text", "text": "What is this?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "A cat."}]}]}
+ ``<image>`` and ``<video>`` markers place the images and videos where they stand, each
 kind in its own order; a kind without markers goes before the first user text (images first,
 then videos). Media paths are relative to the folder (absolute or escaping paths are
 refused). An optional ``"split": "train"|"val"`` pins the split and an optional ``"meta"``
@@ -580,6 +587,80 @@ def llava_record(record: Any) -> Any:
     return out
 
 
+#: The keys a ``messages`` part names its file under, per media kind (HF's ``image`` /
+#: ``video``, ``path``, ``url``; OpenAI's ``image_url.url``).
+_PART_MEDIA = {"image": ("image", "path", "url"), "video": ("video", "path", "url")}
+
+
+def _part_media(part: dict[str, Any], sid: str) -> tuple[str, Any] | None:
+    """(kind, the path it names) of a ``messages`` content part, or None for a text part."""
+    kind = part.get("type")
+    if kind == "image_url":  # OpenAI: {"type": "image_url", "image_url": {"url": ...}}
+        inner = part.get("image_url")
+        url = inner.get("url") if isinstance(inner, dict) else inner
+        kind, named = "image", [url]
+    elif kind in _PART_MEDIA:
+        named = [part[k] for k in _PART_MEDIA[kind] if k in part]
+    else:
+        return None
+    if len(named) != 1 or not isinstance(named[0], str):
+        raise Rejected("malformed", f"a {kind} part must name one file: {part!r}", sid)
+    if re.match(r"^[a-z][a-z0-9+.-]*:", named[0]):  # http:, data:, file: ...
+        raise Rejected(
+            "malformed",
+            f"{kind} {named[0][:60]!r}: only files in the data folder are read, no URLs",
+            sid,
+        )
+    return kind, named[0]
+
+
+def messages_record(row: Any) -> Any:
+    """A record in the HF/OpenAI chat layout (``messages``, content parts that name their
+    own media: ``{"type": "image", "image": PATH}``, ``"path"``/``"url"`` keys, OpenAI's
+    ``{"type": "image_url", "image_url": {"url": PATH}}``, videos likewise) in the row form
+    :func:`parse_record` reads: the media named, in order, become ``images`` / ``videos`` and
+    each part a bare ``{"type": ...}`` that places it. Paths are relative to the data folder
+    (no URL is fetched). Anything else is passed on unchanged.
+
+    >>> r = messages_record({"id": 1, "messages": [
+    ...     {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "a.png"}},
+    ...                                  {"type": "text", "text": "What?"}]},
+    ...     {"role": "assistant", "content": "A cat."}]})
+    >>> r["images"], r["conversations"][0]["content"][0]
+    (['a.png'], {'type': 'image'})
+    """
+    if not isinstance(row, dict) or "messages" not in row:
+        return row
+    sid = printable_id(row.get("id"))
+    if "conversations" in row or "images" in row or "videos" in row:
+        raise Rejected(
+            "malformed",
+            "a 'messages' row names its media in its parts: no 'conversations', 'images' "
+            "or 'videos' beside it",
+            sid,
+        )
+    messages = row["messages"]
+    if not isinstance(messages, list):
+        raise Rejected("malformed", "'messages' must be a list", sid)
+    media: dict[str, list[str]] = {"image": [], "video": []}
+    turns = []
+    for turn in messages:
+        if isinstance(turn, dict) and isinstance(turn.get("content"), list):
+            parts = []
+            for part in turn["content"]:
+                found = _part_media(part, sid) if isinstance(part, dict) else None
+                if found is None:
+                    parts.append(part)
+                    continue
+                kind, path = found
+                media[kind].append(path)
+                parts.append({"type": kind})
+            turn = {**turn, "content": parts}
+        turns.append(turn)
+    out = {k: v for k, v in row.items() if k != "messages"}
+    return {**out, "conversations": turns, "images": media["image"], "videos": media["video"]}
+
+
 def text_problem(row: dict[str, Any], max_chars: int) -> tuple[str, str] | None:
     """``(reason, detail)`` when a record's text is not UTF-8 — a lone surrogate in any of its
     strings, which is what an undecodable byte (read with ``surrogateescape``) or a
@@ -656,6 +737,8 @@ def parse_record(
     The conversation's structure is :func:`structure_conversation`'s."""
     if not isinstance(row, dict):
         raise Rejected("malformed_json", f"a row must be a JSON object, got {type(row).__name__}")
+    if media.markers == "packline":
+        row = messages_record(row)
     raw_id = row.get("id")
     if isinstance(raw_id, bool) or not isinstance(raw_id, (str, int)) or str(raw_id) == "":
         raise Rejected("malformed", f"'id' must be a non-empty string or integer, got {raw_id!r}")

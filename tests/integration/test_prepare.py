@@ -9,7 +9,7 @@ import pytest
 from megatron.energon import WorkerConfig, get_loader, get_train_dataset
 from PIL import Image
 
-from packline.conversations import parse_row
+from packline.conversations import Rejected, parse_row
 from packline.energon.sample import ConversationReader
 from packline.qwen.processor import copy_tiny_processor, image_geometry, video_geometry
 from packline.qwen.vision import VideoGeometry
@@ -365,3 +365,54 @@ def test_prepare_video_limits_out_of_range_are_config_errors(tmp_path: Path):
         "prepare.max_frames_per_video must be >= 1, got 0",
         "prepare.max_video_seconds must be > 0, got 0.0",
     ]
+
+
+def test_a_messages_row_reads_as_its_conversations_form(tmp_path: Path):
+    """The HF/OpenAI chat layout: media named in the parts, placed where they stand, the
+    same row as the ``conversations`` form with ``images`` / ``videos`` beside it."""
+    folder = tmp_path / "data"
+    (folder / "img").mkdir(parents=True)
+    Image.new("RGB", (64, 64), "red").save(folder / "img" / "red.png")
+    write_video(folder / "a.mp4", moving_square(10), 4.0)
+    cfg = make_config(tmp_path / "work")
+
+    def parse(row: dict):
+        return parse_row(
+            json.dumps(row), folder, geometry=image_geometry(cfg), max_images=8,
+            val_fraction=0.0, videos=video_limits(cfg), max_text_chars=1000,
+        )  # fmt: skip
+
+    messages = {
+        "id": "m",
+        "messages": [
+            {"role": "user", "content": [
+                {"type": "text", "text": "Is"},
+                {"type": "image_url", "image_url": {"url": "img/red.png"}},
+                {"type": "text", "text": "in"},
+                {"type": "video", "video": "a.mp4"},
+                {"type": "text", "text": "?"},
+            ]},
+            {"role": "assistant", "content": [{"type": "text", "text": "yes"}]},
+        ],
+    }  # fmt: skip
+    conversations = {
+        "id": "m",
+        "images": ["img/red.png"],
+        "videos": ["a.mp4"],
+        "conversations": [
+            {"role": "user", "content": "Is<image>in<video>?"},
+            {"role": "assistant", "content": "yes"},
+        ],
+    }
+    got, same = parse(messages), parse(conversations)
+    assert got.conversation == same.conversation
+    assert got.sample_json() == same.sample_json()
+    assert [p["type"] for p in got.conversation[0]["content"]] == [
+        "text", "image", "text", "video", "text"
+    ]  # fmt: skip
+    remote = {**messages, "id": "r"}
+    remote["messages"][0]["content"][1] = {"type": "image", "url": "https://x.org/a.png"}
+    with pytest.raises(Rejected, match="no URLs"):
+        parse(remote)
+    with pytest.raises(Rejected, match="no .conversations., .images. or .videos. beside it"):
+        parse({**messages, "images": ["img/red.png"]})
