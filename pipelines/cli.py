@@ -73,7 +73,18 @@ def cmd_stage(ns: argparse.Namespace) -> int:
     return 0
 
 
+#: The bench options that only one benchmark reads.
+BENCH_ONLY = {"samples": "data", "bridge_path": "cluster-memory"}
+
+
 def cmd_bench(ns: argparse.Namespace) -> int:
+    misplaced = [
+        f"--{opt.replace('_', '-')} applies to bench {what} only, not bench {ns.what}"
+        for opt, what in BENCH_ONLY.items()
+        if getattr(ns, opt) is not None and ns.what != what
+    ]
+    if misplaced:
+        raise UserError(misplaced, "bench: an option this benchmark does not read")
     common = dict(as_json=ns.json, config=ns.config, work_dir=ns.work_dir, overrides=ns.overrides)
     if ns.what == "packing":
         from pipelines.bench import bench_packing

@@ -35,3 +35,13 @@ def test_unknown_option_is_refused(capsys):
         parse_args(["run", "a=1", "--frobnicate", "b=2"])
     assert exc.value.code == 2
     assert "unrecognized arguments: --frobnicate b=2" in capsys.readouterr().err
+
+
+def test_a_bench_option_another_benchmark_reads_is_refused(capsys):
+    from pipelines.cli import main
+
+    assert main(["bench", "packing", "--samples", "100"]) == 2
+    err = capsys.readouterr().err
+    assert "--samples applies to bench data only, not bench packing" in err
+    assert main(["bench", "train", "--bridge-path", "/x"]) == 2
+    assert "--bridge-path applies to bench cluster-memory only" in capsys.readouterr().err
