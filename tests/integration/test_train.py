@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from packline.energon.carry import carried_in
+from packline.train.checkpoint import Checkpointer
 from packline.train.records import read_records
 from tests.conftest import make_config
 from tests.integration.train_helpers import SMALL, trainer_for
@@ -157,6 +159,11 @@ def test_resume_after_sigkill_replays_nothing_and_skips_nothing(work, tmp_path, 
 
     straight = _steps(straight_work / "train" / "packed" / "metrics.jsonl")
     resumed = _steps(log)
+    # carry-over is on (the default config): samples were waiting in the loader at step 10,
+    # so the resume restored them, not just a position in the stream
+    checkpoints = Checkpointer(straight_work / "train" / "packed" / "checkpoints", keep_last=10)
+    at_10 = checkpoints.read(checkpoints.root / "step_000010", "stream/d000of001")
+    assert carried_in(at_10["stream/d000of001"]["loader"])
     assert sorted(resumed) == list(range(1, 21))
     for step in range(11, 21):
         assert resumed[step]["train/loss"] == straight[step]["train/loss"], step  # bitwise
