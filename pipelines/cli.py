@@ -119,27 +119,15 @@ def cmd_config(ns: argparse.Namespace) -> int:
     from schemas.config import value_sources
 
     config, overrides = _split_config(ns.args)
-    cfg = load_config(config, overrides)
-    print(cfg.to_yaml(), end="")
-    sources = value_sources(config, overrides)
-    values = dict(_leaves(cfg.to_dict()))
+    print(load_config(config, overrides).to_yaml(), end="")
     table = Table(title="set by the config file or an override (every other value: its default)")
     for col in ("key", "value", "from"):
         table.add_column(col, overflow="fold")
-    for key, source in sources.items():
+    for key, (value, source) in value_sources(config, overrides).items():
         if source != "default":
-            table.add_row(key, str(values.get(key, "(deleted)")), source)
+            table.add_row(key, str(value), source)
     Console(width=max(Console().width, 100)).print(table)
     return 0
-
-
-def _leaves(d, prefix: str = ""):
-    for k, v in d.items():
-        key = f"{prefix}.{k}" if prefix else str(k)
-        if isinstance(v, dict) and v:
-            yield from _leaves(v, key)
-        else:
-            yield key, v
 
 
 def cmd_compare(ns: argparse.Namespace) -> int:

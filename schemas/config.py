@@ -946,25 +946,25 @@ def _read_yaml(path: Path) -> dict[str, Any]:
 
 def value_sources(
     path: str | Path | None = None, overrides: list[str] | None = None
-) -> dict[str, str]:
-    """Where each setting :func:`load_config` resolves came from, by dotted key: the config
-    file's name, ``override`` (the last one wins, as in ``load_config``) or ``default``.
+) -> dict[str, tuple[Any, str]]:
+    """Each setting :func:`load_config` resolves, by dotted key: its value and where it came
+    from, the config file's name, ``override`` (the last one wins, as in ``load_config``) or
+    ``default``; a key an override deleted (``~key``) has the value None.
 
         >>> value_sources(None, ["train.lr=1e-3"])["train.lr"]
-        'override'
+        (0.001, 'override')
         >>> where = value_sources(None, [])
-        >>> where["packing.seq_length"], where["train.grad_clip"]
+        >>> where["packing.seq_length"][1], where["train.grad_clip"][1]
         ('tiny_cpu.yaml', 'default')
     """
     path = Path(path) if path is not None else DEFAULT_CONFIG
-    cfg = load_config(path, overrides)
-    sources = {key: "default" for key, _ in _flatten(cfg.to_dict())}
+    values = dict(_flatten(load_config(path, overrides).to_dict()))
+    sources = dict.fromkeys(values, "default")
     for key, _ in _flatten(_read_yaml(path)):
         sources[key] = path.name
     for item in overrides or []:
-        key = item.lstrip("+~").partition("=")[0].strip()
-        sources[key] = "override"
-    return sources
+        sources[item.lstrip("+~").partition("=")[0].strip()] = "override"
+    return {key: (values.get(key), source) for key, source in sources.items()}
 
 
 def load_config(

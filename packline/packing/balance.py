@@ -131,18 +131,14 @@ def balance_round(
     pool: list[int] | None = None,
 ) -> tuple[list[list[int]], list[int]]:
     """:func:`balance_packs` of one round (``groups`` and ``pool`` cover the round's
-    ``lengths``), its floor the round's :func:`~packline.packing.selection.full_load`.
-    Groups holding an item over ``capacity`` (the caller's overlength drops) stay as they
-    are."""
-    fits = [g for g in groups if all(lengths[i] <= capacity for i in g)]
-    over = [g for g in groups if not all(lengths[i] <= capacity for i in g)]
-    packs, left = balance_packs(
-        fits,
+    ``lengths``, each ≤ ``capacity``: callers leave overlength samples out), its floor the
+    round's :func:`~packline.packing.selection.full_load`."""
+    return balance_packs(
+        groups,
         pool or [],
         lengths,
         costs,
         capacity=capacity,
         target=target,
-        floor=full_load([n for n in lengths if n <= capacity], capacity),
+        floor=full_load(lengths, capacity),
     )
-    return packs + over, left

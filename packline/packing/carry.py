@@ -80,9 +80,9 @@ def carry_round(
 
     def fullest(items: list[int], within: list[int] = ()) -> list[int]:
         """The fullest pack of ``items`` beside the samples ``within``; with FLOPs balance,
-        of the fullest the one the walk finds closest to the target cost (balance never
-        costs fill here: measured, letting it take packs up to half a full pack's room
-        emptier cost 0.027 of fill on the default set at B=64 for a worse straggler)."""
+        of the fullest drawn the one closest to the target cost (balance never costs fill
+        here: measured, letting it take any pack down to the full threshold cost 0.027 of
+        fill on the default set at C=4096, B=64, for a worse straggler ratio)."""
         sizes = [lengths[i] for i in items]
         room = capacity - sum(lengths[i] for i in within)
         if costs is None:

@@ -17,6 +17,8 @@ from typing import Any
 from rich.table import Table
 
 from packline import metrics as M
+from packline.report.mlflow_store import experiment_runs
+from packline.tracking import PARENT_TAG
 from schemas.errors import UserError
 
 #: The packer settings that tell cluster runs apart (config params of the stage run).
@@ -53,9 +55,6 @@ def find_cluster_runs(client, experiment: str, run_id: str | None = None) -> lis
     """The newest finished megatron train stage run per packer setting (:data:`SETTINGS`),
     oldest first; ``run_id`` keeps the runs of that pipeline run or stage run. A UserError
     when there is none."""
-    from packline.report.mlflow_store import experiment_runs
-    from packline.tracking import PARENT_TAG
-
     runs = experiment_runs(
         client, experiment, f"tags.`{M.TAG_STAGE}` = 'train' and attributes.status = 'FINISHED'"
     )

@@ -285,6 +285,19 @@ def test_prepare_keeps_good_video_rows_and_rejects_each_bad_video_kind(tmp_path:
     assert [p["type"] for p in user["v_parts"]] == ["video", "text", "video", "text"]
 
 
+def _parse(row: dict, folder: Path, cfg):
+    """``parse_row`` of one row under ``cfg``'s geometry and limits, up to 8 images."""
+    return parse_row(
+        json.dumps(row),
+        folder,
+        geometry=image_geometry(cfg),
+        max_images=8,
+        val_fraction=0.0,
+        videos=video_limits(cfg),
+        max_text_chars=cfg.prepare.max_text_chars,
+    )
+
+
 def test_video_rows_without_markers_go_after_the_images_before_the_user_text(tmp_path: Path):
     folder = tmp_path / "data"
     (folder / "img").mkdir(parents=True)
@@ -301,16 +314,7 @@ def test_video_rows_without_markers_go_after_the_images_before_the_user_text(tmp
         ],
     }
     cfg = make_config(tmp_path / "work")
-    limits = video_limits(cfg)
-    parsed = parse_row(
-        json.dumps(row),
-        folder,
-        geometry=image_geometry(cfg),
-        max_images=8,
-        val_fraction=0.0,
-        videos=limits,
-        max_text_chars=cfg.prepare.max_text_chars,
-    )
+    parsed = _parse(row, folder, cfg)
     assert parsed.conversation[1]["content"] == [
         {"type": "image"},
         {"type": "video"},
@@ -321,15 +325,7 @@ def test_video_rows_without_markers_go_after_the_images_before_the_user_text(tmp
     assert doc["videos"] == [parsed.videos[0].header.to_dict()]
     # A text-only row's document still says it has no videos.
     row = {"id": "t", "conversations": row["conversations"]}
-    text_only = parse_row(
-        json.dumps(row),
-        folder,
-        geometry=image_geometry(cfg),
-        max_images=8,
-        val_fraction=0.0,
-        videos=limits,
-        max_text_chars=cfg.prepare.max_text_chars,
-    )
+    text_only = _parse(row, folder, cfg)
     assert json.loads(text_only.sample_json())["videos"] == []
 
 
@@ -377,10 +373,7 @@ def test_a_messages_row_reads_as_its_conversations_form(tmp_path: Path):
     cfg = make_config(tmp_path / "work")
 
     def parse(row: dict):
-        return parse_row(
-            json.dumps(row), folder, geometry=image_geometry(cfg), max_images=8,
-            val_fraction=0.0, videos=video_limits(cfg), max_text_chars=1000,
-        )  # fmt: skip
+        return _parse(row, folder, cfg)
 
     messages = {
         "id": "m",

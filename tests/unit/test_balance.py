@@ -8,7 +8,7 @@ import random
 import statistics
 
 from packline.bench.lengths import vlm_sft_rows
-from packline.packing.balance import balance_packs, balance_round, balance_target
+from packline.packing.balance import balance_packs, balance_target
 from packline.packing.forecast import simulate_packing
 from packline.packing.selection import (
     BALANCE_DRAWS,
@@ -42,12 +42,6 @@ def test_balance_moves_keep_every_sample_once_and_packs_within_bounds():
             load = sum(lengths[i] for i in after)
             assert min(sum(lengths[i] for i in before), floor) <= load <= 100
         assert _imbalance(packs, costs, target) <= _imbalance(groups, costs, target) + 1e-9
-
-
-def test_balance_round_leaves_overlength_groups_alone():
-    groups, left = balance_round([[0], [1, 2]], [12, 5, 5], [9.0, 1.0, 9.0], capacity=10,
-                                 target=10.0)  # fmt: skip
-    assert groups[-1] == [0] and left == []
 
 
 def test_balanced_subset_is_one_of_the_fullest_and_the_closest_drawn():
