@@ -101,6 +101,19 @@ def lengths_path(cfg: PipelineConfig) -> Path:
     return stage_dir(cfg, "connect") / "lengths.parquet"
 
 
+def train_run_dir(cfg: PipelineConfig, packed: bool = True) -> Path:
+    """``<work>/train/packed`` or ``<work>/train/unpacked``: one local training run's dir
+    (checkpoints, ``adapter/``, its resolved ``config.yaml``, ``result.json``)."""
+    return stage_dir(cfg, "train") / ("packed" if packed else "unpacked")
+
+
+def adapter_dir(cfg: PipelineConfig, packed: bool | None = None) -> Path:
+    """The PEFT adapter a local training run saved (``adapter_config.json`` and the
+    ``adapter_model.safetensors``): what ``packline chat`` and ``packline export`` load.
+    By default the run of the config's own packing setting (``packing.enabled``)."""
+    return train_run_dir(cfg, cfg.packing.enabled if packed is None else packed) / "adapter"
+
+
 def read_record(cfg: PipelineConfig, stage: str) -> dict[str, Any] | None:
     """The completion record of ``stage``, or None when it has not completed."""
     path = stage_dir(cfg, stage) / RECORD_NAME

@@ -45,7 +45,7 @@ from packline.train.distributed import (
 from packline.train.records import read_records
 from packline.train.setup import build_trainer
 from packline.train.trainer import EVAL_LOG, METRICS_LOG
-from packline.workdir import claim_dir, mark_owned
+from packline.workdir import claim_dir, mark_owned, train_run_dir
 from schemas.config import PipelineConfig, load_config
 from stages.base import (
     StageResult,
@@ -227,7 +227,7 @@ def train_lora(
     if launched():
         init_from_env()
     for packed in modes:
-        run_dir = out / RUN_NAMES[not packed]
+        run_dir = train_run_dir(cfg, packed)
         kwargs = {"packed": packed, "run_dir": run_dir, "fp": fp, "parent_run_id": parent_run_id}
         if cfg.train.nproc_per_node > 1 and not launched():
             runs.append(_launch_ranks(cfg, **kwargs))
@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(ns.config, [])
     init_from_env()
     try:
-        run_dir = stage_dir(cfg, STAGE) / ns.mode
+        run_dir = train_run_dir(cfg, ns.mode == "packed")
         packed = ns.mode == "packed"
         tracked_run_summary(
             cfg, packed=packed, run_dir=run_dir, fp=ns.fp, parent_run_id=ns.parent_run_id
