@@ -7,6 +7,8 @@
                    [--config PATH] [--work-dir DIR] [--samples N] [--bridge-path DIR]
     packline compare [CONFIG] [key=value ...] [--experiment NAME] [--run RUN_ID]
     packline ui [CONFIG] [key=value ...] [--port N]
+    packline chat [CONFIG] [key=value ...] [--image PATH | --video PATH] ["prompt" | --sample KEY]
+    packline export [CONFIG] [key=value ...] --to DIR [--merge]
 
 One packline writes a work dir at a time: ``run`` and ``stage`` hold its lock
 (:mod:`packline.workdir`); a second one stops with exit 2 naming the first, or waits for it
@@ -143,6 +145,23 @@ def cmd_ui(ns: argparse.Namespace) -> int:
     return serve_ui(_load(ns.args), port=ns.port, experiment=ns.experiment)
 
 
+def cmd_chat(ns: argparse.Namespace) -> int:
+    from packline.serve import chat, split_prompt
+
+    prompt, args = split_prompt(ns.args)
+    chat(_load(args), prompt, image=ns.image, video=ns.video, sample=ns.sample,
+         max_new_tokens=ns.max_new_tokens)  # fmt: skip
+    return 0
+
+
+def cmd_export(ns: argparse.Namespace) -> int:
+    from packline.export import export_run
+
+    done = export_run(_load(ns.args), ns.to, merge=ns.merge)
+    print(f"exported to {done}" if not isinstance(done, str) else f"run in the container:\n{done}")
+    return 0
+
+
 WAIT_HELP = "when another packline writes the work dir, wait for it instead of exiting 2"
 
 
@@ -216,6 +235,19 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--port", type=int, default=5000, help="port (0: any free one)")
     u.add_argument("--experiment", help="MLflow experiment (default: the config's)")
     u.set_defaults(fn=cmd_ui)
+    h = sub.add_parser("chat", help="the trained adapter answers a prompt, or replays a sample")
+    h.add_argument("args", nargs="*", metavar='[CONFIG] [key=value] ["prompt"]')
+    h.add_argument("--image", help="an image file the prompt is about")
+    h.add_argument("--video", help="a video file the prompt is about")
+    h.add_argument("--sample", help="replay this prepared sample's question (default: 1st val)")
+    h.add_argument("--max-new-tokens", type=int, default=64, help="answer length limit")
+    h.set_defaults(fn=cmd_chat)
+
+    e = sub.add_parser("export", help="the trained adapter (PEFT), or merged into the base (HF)")
+    e.add_argument("args", nargs="*", metavar="[CONFIG] [key=value]")
+    e.add_argument("--to", required=True, help="output dir (new, empty, or an earlier export)")
+    e.add_argument("--merge", action="store_true", help="one HF checkpoint: base + adapter")
+    e.set_defaults(fn=cmd_export)
     return p
 
 
