@@ -102,6 +102,25 @@ def summary_table(title: str, rows: dict[str, object]) -> Table:
     return table
 
 
+_PREFIXES = ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"))
+_SYMBOLS = {"FLOP", "FLOP/s", "B", "B/s"}
+"""Units written with the prefix joined to them (``47.8 GFLOP``); others take it on the number
+(``12.3k tokens/s``)."""
+
+
+def si(value: float, unit: str = "", digits: int = 3) -> str:
+    """``value`` with an SI prefix and its unit.
+
+    >>> si(4.7768e10, "FLOP"), si(12345, "tokens/s"), si(0.5, "s"), si(7.3e6, "B")
+    ('47.8 GFLOP', '12.3k tokens/s', '0.5 s', '7.3 MB')
+    """
+    scale, prefix = next(((f, p) for f, p in _PREFIXES if abs(value) >= f), (1.0, ""))
+    number = f"{value / scale:.{digits}g}"
+    if unit in _SYMBOLS:
+        return f"{number} {prefix}{unit}"
+    return f"{number}{prefix} {unit}".rstrip()
+
+
 def _fmt(v: object) -> str:
     if isinstance(v, float) and v.is_integer() and abs(v) < 1e15:
         v = int(v)

@@ -8,7 +8,9 @@ params are the whole resolved config, flattened to dotted keys.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sqlite3
 import time
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,63 @@ def tracking_uri(cfg: PipelineConfig) -> str:
     if cfg.mlflow.tracking_uri:
         return cfg.mlflow.tracking_uri
     return f"sqlite:///{cfg.work_path / 'mlflow.db'}"
+
+
+def sqlite_path(uri: str) -> Path | None:
+    """The file of a ``sqlite:///`` URI, else None.
+
+    >>> sqlite_path("sqlite:///runs/x/mlflow.db"), sqlite_path("http://host:5000")
+    (PosixPath('runs/x/mlflow.db'), None)
+    """
+    prefix = "sqlite:///"
+    return Path(uri[len(prefix) :]) if uri.startswith(prefix) else None
+
+
+ARTIFACTS = "mlartifacts"
+"""The default store's artifact root, inside the work dir."""
+
+
+def artifact_root(cfg: PipelineConfig) -> str:
+    """``<work_dir>/mlartifacts`` as the file URI MLflow records for the default store."""
+    return (cfg.work_path / ARTIFACTS).as_uri()
+
+
+def relocate_artifacts(cfg: PipelineConfig) -> int:
+    """Point the default store's recorded artifact locations at this work dir; returns how
+    many experiments moved (0 when they already point here, or the store is not packline's
+    default sqlite one).
+
+    MLflow records every artifact location as an absolute URI (local paths are resolved when
+    an experiment is created), so a work dir copied or moved elsewhere would still name the
+    old place: runs, the UI and ``packline compare`` would read the old artifacts, or none.
+    MLflow has no call to change a recorded location, so this rewrites the two columns that
+    hold them (``experiments.artifact_location``, ``runs.artifact_uri``) in one transaction,
+    for experiments whose location is some work dir's ``mlartifacts``.
+    """
+    db = None if cfg.mlflow.tracking_uri else sqlite_path(tracking_uri(cfg))
+    if db is None or not db.is_file():
+        return 0
+    new = artifact_root(cfg)
+    with contextlib.closing(sqlite3.connect(db, timeout=60)) as con, con:
+        tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        if not {"experiments", "runs"} <= tables:
+            return 0  # a store MLflow has not set up yet
+        old_roots = {
+            loc
+            for (loc,) in con.execute("SELECT DISTINCT artifact_location FROM experiments")
+            if loc and loc != new and loc.rstrip("/").endswith(f"/{ARTIFACTS}")
+        }
+        for old in old_roots:
+            con.execute(
+                "UPDATE experiments SET artifact_location = ? WHERE artifact_location = ?",
+                (new, old),
+            )
+            con.execute(
+                "UPDATE runs SET artifact_uri = ? || substr(artifact_uri, ?) "
+                "WHERE substr(artifact_uri, 1, ?) = ?",
+                (new, len(old) + 1, len(old) + 1, old + "/"),
+            )
+    return len(old_roots)
 
 
 def experiment_name(cfg: PipelineConfig) -> str:
@@ -52,6 +111,7 @@ def _client(cfg: PipelineConfig):
     logging.getLogger("alembic").setLevel(logging.WARNING)
 
     cfg.work_path.mkdir(parents=True, exist_ok=True)
+    relocate_artifacts(cfg)  # a work dir copied or moved: log where it is now
     return MlflowClient(tracking_uri=tracking_uri(cfg))
 
 
@@ -63,9 +123,7 @@ def _experiment_id(client, cfg: PipelineConfig) -> str:
     if exp is not None:
         return exp.experiment_id
     try:
-        return client.create_experiment(
-            name, artifact_location=(cfg.work_path / "mlartifacts").as_uri()
-        )
+        return client.create_experiment(name, artifact_location=artifact_root(cfg))
     except MlflowException:  # created concurrently by another stage process
         return client.get_experiment_by_name(name).experiment_id
 

@@ -18,8 +18,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from packline.report.mlflow_store import compare_url, find_training_pair, open_store, sqlite_path
-from packline.tracking import experiment_name, tracking_uri
+from packline.report.mlflow_store import compare_url, find_training_pair, open_store
+from packline.tracking import experiment_name, sqlite_path, tracking_uri
 from schemas.config import PipelineConfig
 from schemas.errors import UserError
 

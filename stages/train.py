@@ -26,12 +26,14 @@ from pathlib import Path
 
 from packline import metrics as names
 from packline.fingerprints import stage_fingerprint
+from packline.packing.forecast import read_forecast
 from packline.progress import console
 from packline.qwen.processor import load_processor
 from packline.report.plots import plot_row_fill
 from packline.report.summary import RunSummary, compare_metrics, comparison_record, summarize_run
 from packline.report.table import summary_table
 from packline.tracking import Tracker
+from packline.train.adapter import save_adapter
 from packline.train.distributed import (
     barrier,
     init_from_env,
@@ -116,10 +118,6 @@ def train_run(
     if not trainer.lead:
         return None
     name = "packed" if packed else "unpacked"
-    # The LM head, when adapted, stays frozen: save the adapters alone, not its base weights.
-    # Under EP or PP too the adapter is the one-process PEFT adapter of the whole model.
-    whole.save_pretrained(run_dir / "adapter", save_embedding_layers=False)
-    tracker.log_artifact(run_dir / "adapter")
     (run_dir / "config.yaml").write_text(cfg.to_yaml())  # the resolved config of this run
     tracker.log_artifact(run_dir / "config.yaml")
     steps = read_records(run_dir / METRICS_LOG)  # a resumed run re-logs replayed steps
@@ -127,7 +125,7 @@ def train_run(
     tracker.log_artifact(
         plot_row_fill(rows, cfg.packing.seq_length, run_dir / "pack_fill.png", name)
     )
-    return summarize_run(
+    summary = summarize_run(
         steps,
         read_records(run_dir / EVAL_LOG),
         run=name,
@@ -137,6 +135,10 @@ def train_run(
         chance=outcome.chance,
         chance_by_kind=outcome.chance_by_kind,
     )
+    # Under EP or PP too the adapter is the one-process PEFT adapter of the whole model.
+    adapter = save_adapter(whole, run_dir / "adapter", cfg, summary, read_forecast(cfg), fp)
+    tracker.log_artifact(adapter)
+    return summary
 
 
 def tracked_run_summary(

@@ -18,13 +18,12 @@ import json
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
 from packline import metrics as M
 from packline.report.summary import EVAL_INPUTS, STEP_INPUTS, RunSummary, summarize_run
-from packline.tracking import PARENT_TAG, tracking_uri
+from packline.tracking import PARENT_TAG, relocate_artifacts, sqlite_path, tracking_uri
 from schemas.config import PipelineConfig
 from schemas.errors import UserError
 
@@ -62,16 +61,6 @@ class TrainingPair:
         return self.pipeline_run.info.run_id if self.pipeline_run else self.stage_run_id
 
 
-def sqlite_path(uri: str) -> Path | None:
-    """The file of a ``sqlite:///`` URI, else None.
-
-    >>> sqlite_path("sqlite:///runs/x/mlflow.db"), sqlite_path("http://host:5000")
-    (PosixPath('runs/x/mlflow.db'), None)
-    """
-    prefix = "sqlite:///"
-    return Path(uri[len(prefix) :]) if uri.startswith(prefix) else None
-
-
 def open_store(cfg: PipelineConfig, header: str = "nothing to compare"):
     """An ``MlflowClient`` on the config's store; ``UserError`` (under ``header``) when
     MLflow is off or the sqlite store does not exist yet (opening it would create one)."""
@@ -91,6 +80,7 @@ def open_store(cfg: PipelineConfig, header: str = "nothing to compare"):
     if db is not None and not db.is_file():
         problem = f"no MLflow store at {db}: run `packline run` (same config) first"
         raise UserError([problem], header)
+    relocate_artifacts(cfg)  # a work dir copied or moved: its artifacts are where it is now
     return MlflowClient(tracking_uri=uri)
 
 
