@@ -173,3 +173,18 @@ def test_chat_prompt_with_an_image_answers(work, tmp_path, capsys):
 def test_chat_unknown_sample_key_exits_2(work, capsys):
     assert main(["chat", *_args(work), "--sample", "no-such-key"]) == 2
     assert "no such key" in capsys.readouterr().err
+
+
+def test_chat_prompt_with_a_video_answers(work, tmp_path, capsys):
+    import numpy as np
+
+    from packline.video import write_video
+
+    frames = np.zeros((8, 64, 96, 3), np.uint8)
+    frames[:, 10:30, 20:50] = (255, 0, 0)
+    video = write_video(tmp_path / "clip.mp4", frames, 4.0)
+    args = [*_args(work), "--video", str(video), "What happens in the clip?"]
+    assert main(["chat", *args, "--max-new-tokens", "8"]) == 0
+    out, err = capsys.readouterr()
+    assert len(out.splitlines()) == 1, out
+    assert "Traceback" not in err
