@@ -1,13 +1,18 @@
 """`packline compare` and `packline ui` on the store of a real (quick) training run; the UI's
-compare page rendered by headless Chromium (Debian's package: scripts/install-chromium.sh)."""
+compare page rendered by headless Chromium (Debian's package: scripts/install-chromium.sh),
+and the tutorial's picture of its chart view taken from that run."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import html
+import io
 import json
 import os
 import queue
 import re
+import select
 import shutil
 import signal
 import subprocess
@@ -17,9 +22,11 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import mlflow
 import pytest
 from mlflow.tracking import MlflowClient
-from PIL import Image
+from PIL import Image, ImageStat
+from PIL.PngImagePlugin import PngInfo
 
 from packline import metrics as M
 from packline.report.mlflow_store import READS, read_training_run
@@ -55,10 +62,30 @@ CHROMIUM_FLAGS = (
     "--disable-component-update",
     "--disable-sync",
     "--disable-dev-shm-usage",
+)
+DUMP_FLAGS = (
     "--window-size=1400,2400",
     # Let the single-page app fetch the runs and render before the DOM is dumped.
     "--virtual-time-budget=20000",
 )
+
+# The tutorial's picture (tutorial/06-compare.md): the experiment page's chart view of this
+# module's run, the three figures of packing on vs off as bars of each run's latest value.
+PICTURE = REPO / "tutorial" / "img" / "compare-page.png"
+PICTURE_METRICS = (M.THROUGHPUT_REAL_TOKENS_PER_S, M.PACK_FILL, M.EVAL_LOSS)
+PICTURE_SIZE = (1400, 700)
+# What the picture is made from, hashed (with the MLflow version, whose UI draws it) into
+# its PICTURE_KEY text chunk: the run's training and the page's state (this file), the UI
+# server, the metric names shown, the config trained.
+PICTURE_SOURCES = (
+    "tests/e2e/test_compare_ui.py",
+    "pipelines/ui.py",
+    "packline/metrics.py",
+    "configs/tiny_cpu.yaml",
+)
+PICTURE_KEY = "packline-sources-sha256"
+# As in packline compare's plots.
+RUN_COLORS = {"train-packed": "#1f77b4", "train-unpacked": "#ff7f0e"}
 
 
 @pytest.fixture(scope="module")
@@ -243,11 +270,10 @@ def _killpg(pgid: int | None) -> None:
             pass
 
 
-def _browse(chromium: str, url: str, profile: Path, *, screenshot: Path | None = None):
-    """Headless Chromium dumping the DOM of ``url`` (and a screenshot) in its own group."""
-    shot = [f"--screenshot={screenshot}"] if screenshot is not None else []
+def _browse(chromium: str, url: str, profile: Path):
+    """Headless Chromium dumping the DOM of ``url`` in its own process group."""
     return subprocess.Popen(
-        [chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *shot, "--dump-dom", url],
+        [chromium, *CHROMIUM_FLAGS, *DUMP_FLAGS, f"--user-data-dir={profile}", "--dump-dom", url],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
@@ -268,6 +294,174 @@ def _visible_text(dom: str) -> str:
 def _shown(value: float, numbers: list[float]) -> bool:
     """The UI rounds for display (608.554 → 608.6, 0.0996 → 0.1)."""
     return any(abs(n - value) <= max(5e-4, 5e-3 * abs(value)) for n in numbers)
+
+
+class _DevTools:
+    """Headless Chromium driven over the DevTools protocol on a pipe: it reads commands on
+    its fd 3 and writes replies on its fd 4 (``--remote-debugging-pipe``), each message JSON
+    ended by a NUL byte; no port, no websocket client. ``call`` talks to the one page."""
+
+    def __init__(self, chromium: str, profile: Path, timeout: float = 60.0):
+        cmd_r, self._cmd_w = os.pipe()
+        self._reply_r, reply_w = os.pipe()
+        self._timeout = timeout
+        self._buffer = b""
+        self._last_id = 0
+        self._session = None
+        # bash puts the pipe ends on fds 3 and 4, then execs chromium (same pid and group).
+        self.proc = subprocess.Popen(
+            ["bash", "-c", 'exec "${@:3}" 3<&"$1" 4>&"$2"', "bash", str(cmd_r), str(reply_w)]
+            + [chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}"]
+            + ["--remote-debugging-pipe", "about:blank"],
+            pass_fds=(cmd_r, reply_w),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        os.close(cmd_r)
+        os.close(reply_w)
+
+    def attach(self) -> None:
+        """Later calls go to the page (the one Chromium opened)."""
+        pages = [t for t in self.call("Target.getTargets")["targetInfos"] if t["type"] == "page"]
+        target = self.call("Target.attachToTarget", targetId=pages[0]["targetId"], flatten=True)
+        self._session = target["sessionId"]
+
+    def call(self, method: str, **params) -> dict:
+        self._last_id += 1
+        message = {"id": self._last_id, "method": method, "params": params}
+        if self._session is not None:
+            message["sessionId"] = self._session
+        os.write(self._cmd_w, json.dumps(message).encode() + b"\0")
+        deadline = time.monotonic() + self._timeout
+        while True:  # events (no id) and late replies are skipped
+            while b"\0" not in self._buffer:
+                left = deadline - time.monotonic()
+                if left <= 0 or not select.select([self._reply_r], [], [], left)[0]:
+                    raise AssertionError(f"chromium did not answer {method} in {self._timeout} s")
+                chunk = os.read(self._reply_r, 1 << 20)
+                if not chunk:
+                    raise AssertionError(f"chromium closed its DevTools pipe during {method}")
+                self._buffer += chunk
+            raw, self._buffer = self._buffer.split(b"\0", 1)
+            reply = json.loads(raw)
+            if reply.get("id") == self._last_id:
+                assert "error" not in reply, (method, reply["error"])
+                return reply["result"]
+
+    def evaluate(self, expression: str):
+        return self.call("Runtime.evaluate", expression=expression, returnByValue=True)[
+            "result"
+        ].get("value")
+
+    def close(self) -> None:
+        try:
+            self.call("Browser.close")
+        except AssertionError:
+            pass  # the pipe may close before the reply
+        try:
+            self.proc.wait(timeout=30)
+        finally:
+            os.close(self._cmd_w)
+            os.close(self._reply_r)
+
+
+def _chart_view_storage(client: MlflowClient, experiment_id: str, runs: dict) -> dict[str, str]:
+    """The UI's localStorage for the experiment page's chart view of the training runs: one
+    section of bar charts of PICTURE_METRICS (every other metric's chart deleted, so none is
+    added), the runs named train-* (the train stage's run expanded to show its two), their
+    colours, and the assistant panel closed (not opened on a first visit)."""
+    logged = set().union(*(r.data.metrics for r in client.search_runs([experiment_id])))
+    charts = [
+        {
+            "uuid": f"packline-{key}",
+            "type": "BAR",
+            "metricSectionId": "packline",
+            "metricKey": key,
+            "displayName": key,
+            "runsCountToCompare": 10,
+            "isGenerated": False,
+            "deleted": key not in PICTURE_METRICS,
+        }
+        for key in [*PICTURE_METRICS, *sorted(logged - set(PICTURE_METRICS))]
+    ]
+    section = {"uuid": "packline", "name": "packing on vs off", "display": True, "deleted": False}
+    page_state = {
+        "searchFilter": "attributes.run_name LIKE 'train-%'",
+        "runsExpanded": {runs["train"].info.run_id: True},
+        "runListHidden": True,  # wider charts; each has its legend
+        "compareRunCharts": charts,
+        "compareRunSections": [section],
+    }
+    colors = {runs[name].info.run_id: color for name, color in RUN_COLORS.items()}
+    # MLflow 3.x keys: ExperimentPage's state is stored per JSON list of experiment ids.
+    key = json.dumps([experiment_id])
+    return {
+        f"MLflowLocalStorage-1.1-ExperimentPage-{key}-ReactComponentState": json.dumps(page_state),
+        "experimentRunColors": json.dumps(colors),
+        "mlflow.assistant.panelOpen_v1": "false",
+        "mlflow.assistant.fab.autoOpenedOnFirstLoad_v1": "true",
+    }
+
+
+# The text on each chart's bars, chart by chart (Plotly draws it in SVG <text class="bartext">).
+BAR_LABELS = """JSON.stringify([...document.querySelectorAll(".js-plotly-plot")].map(
+    (plot) => [...plot.querySelectorAll(".bartext")].map((label) => label.textContent)))"""
+
+
+def _shoot_chart_view(
+    browser: _DevTools,
+    base: str,
+    experiment_id: str,
+    storage: dict[str, str],
+    bars: list[list[str]],
+    names: list[str],
+) -> tuple[bytes, str]:
+    """The chart view's PNG and visible text, once its charts' bar labels are ``bars`` (per
+    chart, in any order) and every string of ``names`` shows."""
+    # Before the app's scripts: its stored state; the assistant's button hidden by CSS.
+    script = f"""
+        if (location.origin === {json.dumps(base)}) {{
+            for (const [k, v] of Object.entries({json.dumps(storage)})) localStorage.setItem(k, v);
+        }}
+        document.addEventListener("DOMContentLoaded", () => {{
+            const style = document.createElement("style");
+            style.textContent = "[data-assistant-ui] {{ display: none !important; }}";
+            document.head.append(style);
+        }});
+    """
+    width, height = PICTURE_SIZE
+    browser.attach()
+    browser.call("Page.enable")
+    browser.call("Page.addScriptToEvaluateOnNewDocument", source=script)
+    browser.call(
+        "Emulation.setDeviceMetricsOverride",
+        width=width,
+        height=height,
+        deviceScaleFactor=1,
+        mobile=False,
+    )
+    page = f"{base}/#/experiments/{experiment_id}/runs"
+    browser.call("Page.navigate", url=f"{page}?workflowType=machine_learning&compareRunsMode=CHART")
+    want = [sorted(chart) for chart in bars]
+    deadline = time.monotonic() + 60
+    text, shown = "", []
+    while shown != want or not all(name in text for name in names):
+        assert time.monotonic() < deadline, (shown, want, text)
+        time.sleep(0.5)
+        text = browser.evaluate("document.body.innerText") or ""
+        shown = [sorted(chart) for chart in json.loads(browser.evaluate(BAR_LABELS) or "[]")]
+    time.sleep(1)  # the bars' last frame
+    png = base64.b64decode(browser.call("Page.captureScreenshot", format="png")["data"])
+    return png, text
+
+
+def _sources_digest() -> str:
+    """sha256 of the MLflow version and PICTURE_SOURCES, each named."""
+    digest = hashlib.sha256(f"mlflow {mlflow.__version__}\0".encode())
+    for path in PICTURE_SOURCES:
+        digest.update(path.encode() + b"\0" + (REPO / path).read_bytes() + b"\0")
+    return digest.hexdigest()
 
 
 def test_ui_compare_page_shows_both_runs_and_their_metrics_in_headless_chromium(trained, tmp_path):
@@ -293,8 +487,7 @@ def test_ui_compare_page_shows_both_runs_and_their_metrics_in_headless_chromium(
         assert on.info.run_id in url and off.info.run_id in url
         server_pgid = int(_wait_for(lines, "server pid ", seen, timeout=10).split(";")[0])
 
-        shot = tmp_path / "compare.png"
-        browsers.append(_browse(chromium, url, tmp_path / "profile", screenshot=shot))
+        browsers.append(_browse(chromium, url, tmp_path / "profile"))
         text = _visible_text(_dom(browsers[-1]))
         assert "Comparing 2 Runs" in text, text[:2000]
         for run in (on, off):
@@ -305,8 +498,6 @@ def test_ui_compare_page_shows_both_runs_and_their_metrics_in_headless_chromium(
         kind = min(k for k in on.data.metrics if k.startswith("eval/by_kind/"))
         for key in (M.DATA_SEEN, M.EVAL_ACCURACY, kind, M.EVAL_LOSS):
             assert key in text, key
-        with Image.open(shot) as img:
-            assert img.format == "PNG" and img.size == (1400, 2400)
         # ... and each run's own page, which lists every metric, for the latest values.
         base = url.split("#", 1)[0]
         for run in (on, off):
@@ -318,6 +509,30 @@ def test_ui_compare_page_shows_both_runs_and_their_metrics_in_headless_chromium(
             for key in (M.THROUGHPUT_REAL_TOKENS_PER_S, M.PACK_FILL, M.EVAL_LOSS, M.EVAL_ACCURACY):
                 assert key in text, (run.info.run_name, key)
                 assert _shown(run.data.metrics[key], numbers), (key, run.data.metrics[key])
+
+        # The tutorial's picture: the chart view of PICTURE_METRICS, one bar per run.
+        devtools = _DevTools(chromium, tmp_path / "profile-charts")
+        browsers.append(devtools.proc)
+        storage = _chart_view_storage(client, on.info.experiment_id, runs)
+        # Each chart's two bars are labelled with the runs' latest values, 2 decimals.
+        bars = [[f"{run.data.metrics[key]:.2f}" for run in (on, off)] for key in PICTURE_METRICS]
+        names = [*PICTURE_METRICS, *RUN_COLORS, "packing on vs off"]
+        try:
+            png, text = _shoot_chart_view(
+                devtools, base.rstrip("/"), on.info.experiment_id, storage, bars, names
+            )
+        finally:
+            devtools.close()
+        assert "MLflow Assistant" not in text
+        # Only the two training runs' bars: no other run's name in the charts' legends.
+        assert sorted(set(re.findall(r"\btrain-\w+", text))) == sorted(RUN_COLORS)
+        picture = Image.open(io.BytesIO(png))
+        assert picture.format == "PNG" and picture.size == PICTURE_SIZE
+        assert ImageStat.Stat(picture.convert("L")).stddev[0] > 20  # not a blank page
+        colors = picture.convert("RGB").getcolors(PICTURE_SIZE[0] * PICTURE_SIZE[1])
+        drawn = {f"#{r:02x}{g:02x}{b:02x}": n for n, (r, g, b) in colors}
+        for run, color in RUN_COLORS.items():  # each run's three bars, in its colour
+            assert drawn.get(color, 0) > 3000, (run, color, drawn.get(color, 0))
     finally:
         for browser in browsers:
             if browser.poll() is None:
@@ -335,7 +550,19 @@ def test_ui_compare_page_shows_both_runs_and_their_metrics_in_headless_chromium(
     while (line := lines.get(timeout=10)) is not None:
         seen.append(line)
     assert "mlflow server stopped" in seen
-    assert len(browsers) == 3
+    assert len(browsers) == 4
     for browser in browsers:
         assert _group_alive(browser.pid) == []
     assert server_pgid is not None and _group_alive(server_pgid) == []  # no orphaned server
+
+    # The committed picture is rewritten (and the test fails) when its sources changed.
+    digest = _sources_digest()
+    committed = None
+    if PICTURE.exists():
+        with Image.open(PICTURE) as img:
+            committed = img.text.get(PICTURE_KEY)
+    if committed != digest:
+        info = PngInfo()
+        info.add_text(PICTURE_KEY, digest)
+        picture.save(PICTURE, pnginfo=info, optimize=True)
+        pytest.fail(f"regenerated {PICTURE.relative_to(REPO)} from its changed sources; commit it")
