@@ -30,7 +30,7 @@ import shlex
 import shutil
 from pathlib import Path
 
-from packline.workdir import MARKER, claim_dir, new_temp_dir, publish, stage_dir
+from packline.workdir import MARKER, claim_dir, export_dir, new_temp_dir, publish, stage_dir
 from schemas.config import PipelineConfig, TrainBackend
 from schemas.errors import UserError
 
@@ -38,11 +38,12 @@ from schemas.errors import UserError
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "README.md")
 
 
-def export_run(cfg: PipelineConfig, to: Path, *, merge: bool = False) -> Path | str:
-    """``packline export``: the config's trained run into ``to`` (the adapter, or with
-    ``merge`` a merged HF checkpoint). Returns ``to``, or for the megatron backend outside
-    Bridge's container the command that exports there (nothing is written)."""
-    to = Path(to).expanduser().resolve()
+def export_run(cfg: PipelineConfig, to: Path | None = None, *, merge: bool = False) -> Path | str:
+    """``packline export``: the config's trained run into ``to`` (default
+    :func:`~packline.workdir.export_dir`; the adapter, or with ``merge`` a merged HF
+    checkpoint). Returns ``to``, or for the megatron backend outside Bridge's container the
+    command that exports there (nothing is written)."""
+    to = Path(to or export_dir(cfg, merge)).expanduser().resolve()
     if cfg.train.backend is TrainBackend.megatron:
         from packline.megatron.container import bridge_problem
 

@@ -21,7 +21,22 @@ from rich.progress import (
 )
 from rich.table import Table
 
-console = Console(stderr=True)
+MIN_WIDTH = 100
+"""Columns of the console where stderr is not a terminal (a pipe, CI, a SLURM log) and
+``COLUMNS`` is unset: rich's 80 would wrap the tables."""
+
+
+def wide_console(*, stderr: bool = False) -> Console:
+    """A rich console on stdout (or stderr) as wide as the terminal, or :data:`MIN_WIDTH`
+    where it is not one and ``COLUMNS`` is unset."""
+    out = Console(stderr=stderr)
+    if not out.is_terminal and "COLUMNS" not in os.environ:
+        out = Console(stderr=stderr, width=MIN_WIDTH)
+    return out
+
+
+console = wide_console(stderr=True)
+"""The console of the stages and ``packline run``: stderr (stdout stays for ``--json``)."""
 
 
 LOG_EVERY_S = 30.0
@@ -103,7 +118,7 @@ def summary_table(title: str, rows: dict[str, object]) -> Table:
 
 
 _PREFIXES = ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"))
-_SYMBOLS = {"FLOP", "FLOP/s", "B", "B/s"}
+UNITS = ("FLOP", "FLOP/s", "B", "B/s")
 """Units written with the prefix joined to them (``47.8 GFLOP``); others take it on the number
 (``12.3k tokens/s``)."""
 
@@ -116,7 +131,7 @@ def si(value: float, unit: str = "", digits: int = 3) -> str:
     """
     scale, prefix = next(((f, p) for f, p in _PREFIXES if abs(value) >= f), (1.0, ""))
     number = f"{value / scale:.{digits}g}"
-    if unit in _SYMBOLS:
+    if unit in UNITS:
         return f"{number} {prefix}{unit}"
     return f"{number}{prefix} {unit}".rstrip()
 

@@ -114,6 +114,12 @@ def adapter_dir(cfg: PipelineConfig, packed: bool | None = None) -> Path:
     return train_run_dir(cfg, cfg.packing.enabled if packed is None else packed) / "adapter"
 
 
+def export_dir(cfg: PipelineConfig, merge: bool) -> Path:
+    """Where ``packline export`` writes without ``--to``: ``<work>/export/merged`` (a merged
+    HF checkpoint) or ``<work>/export/adapter``."""
+    return cfg.work_path / "export" / ("merged" if merge else "adapter")
+
+
 def read_record(cfg: PipelineConfig, stage: str) -> dict[str, Any] | None:
     """The completion record of ``stage``, or None when it has not completed."""
     path = stage_dir(cfg, stage) / RECORD_NAME

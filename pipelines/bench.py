@@ -36,14 +36,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
-
 from packline.bench import CLUSTER_SEQ_LENGTH, SEQ_LENGTH
 from packline.bench.lengths import vlm_sft_lengths, vlm_sft_rows
 from packline.bench.simulation import cluster_packing, fill_summary, time_selection
 from packline.bench.tables import print_loader_report, print_packing_tables
 from packline.bench.targets import loader_targets, packing_targets
-from packline.progress import console, stdout_to_stderr
+from packline.progress import console, stdout_to_stderr, wide_console
 from packline.report.plots import plot_cluster_packing
 
 
@@ -175,7 +173,7 @@ def bench_packing(
         print(json.dumps(result, indent=2))
     else:
         print_packing_tables(
-            Console(), result, loader_runs, throughput, select_s, num_select_lengths
+            wide_console(), result, loader_runs, throughput, select_s, num_select_lengths
         )
     return result
 
@@ -211,7 +209,7 @@ def bench_loader(
     if as_json:
         print(json.dumps(result, indent=2))
     else:
-        print_loader_report(Console(), result, loader_runs, throughput)
+        print_loader_report(wide_console(), result, loader_runs, throughput)
     return result
 
 
@@ -240,5 +238,5 @@ def bench_cluster_memory(
     if as_json:
         print(json.dumps(result, indent=2))
     else:
-        print_cluster_memory(Console(), result, rounds)
+        print_cluster_memory(wide_console(), result, rounds)
     return result

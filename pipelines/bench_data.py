@@ -24,7 +24,7 @@ from rich.table import Table
 from packline.bench.data import StageRun, data_figures, data_targets
 from packline.bench.processes import WorkerRss
 from packline.bench.tables import print_targets
-from packline.progress import console, stdout_to_stderr
+from packline.progress import console, stdout_to_stderr, wide_console
 from schemas.config import load_config
 
 #: The samples each stage's count is read from (its completion record's metrics).
@@ -167,7 +167,7 @@ def bench_data(
     if as_json:
         print(json.dumps(result, indent=2))
     else:
-        print_data_tables(Console(), result)
+        print_data_tables(wide_console(), result)
     return result
 
 

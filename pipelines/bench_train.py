@@ -69,9 +69,9 @@ def bench_train(
     if as_json:
         print(json.dumps(result, indent=2))
     else:
-        from rich.console import Console
+        from packline.progress import wide_console
 
-        out = Console()
+        out = wide_console()
         out.print(
             summary_table(
                 pair.runs,

@@ -1,7 +1,7 @@
 """``packline`` command line.
 
     packline run [CONFIG] [key=value ...] [--executor local|slurm] [--from STAGE] [--dryrun]
-                 [--wait]
+                 [--wait] [-v]
     packline stage NAME [CONFIG] [key=value ...] [--force] [--wait]
     packline bench {packing,loader,train,data,cluster-memory} [key=value ...] [--json]
                    [--config PATH] [--work-dir DIR] [--samples N] [--bridge-path DIR]
@@ -11,13 +11,10 @@
     packline export [CONFIG] [key=value ...] --to DIR [--merge]
 
 One packline writes a work dir at a time: ``run`` and ``stage`` hold its lock
-(:mod:`packline.workdir`); a second one stops with exit 2 naming the first, or waits for it
-with ``--wait``.
-
+(:mod:`packline.workdir`); a second one exits 2 naming the first, or waits with ``--wait``.
 Exit codes: 0 ok; 2 invalid config or input (every problem listed); 1 other failure.
-Tracebacks are shown only for unexpected failures, or always with PACKLINE_DEBUG=1; a crash
-on a user's file prints one line naming the file and sample, its traceback going to the
-stage's log.
+Tracebacks only for unexpected failures (always with PACKLINE_DEBUG=1); a crash on a user's
+file prints one line naming the file and sample, its traceback going to the stage's log.
 """
 
 from __future__ import annotations
@@ -60,7 +57,11 @@ def cmd_run(ns: argparse.Namespace) -> int:
         have = ", ".join(pipeline_stages())
         raise UserError([f"--from {ns.from_stage}: not a stage of this pipeline ({have})"])
     with hold(cfg.work_path, wait=ns.wait, command=_command()):
-        run_pipeline(cfg, from_stage=ns.from_stage, dryrun=ns.dryrun)
+        run_pipeline(cfg, from_stage=ns.from_stage, dryrun=ns.dryrun, verbose=ns.verbose)
+    if not ns.dryrun:  # the stages' own output is in <work_dir>/logs/<stage>/ (-v shows it)
+        from pipelines.outcome import print_next_steps
+
+        print_next_steps(cfg, ns.args)
     return 0
 
 
@@ -115,9 +116,9 @@ def cmd_bench(ns: argparse.Namespace) -> int:
 def cmd_config(ns: argparse.Namespace) -> int:
     """The resolved config as YAML, then the values not left at their defaults and where
     each came from (the config file or an override)."""
-    from rich.console import Console
     from rich.table import Table
 
+    from packline.progress import wide_console
     from schemas.config import value_sources
 
     config, overrides = _split_config(ns.args)
@@ -128,7 +129,7 @@ def cmd_config(ns: argparse.Namespace) -> int:
     for key, (value, source) in value_sources(config, overrides).items():
         if source != "default":
             table.add_row(key, str(value), source)
-    Console(width=max(Console().width, 100)).print(table)
+    wide_console().print(table)
     return 0
 
 
@@ -178,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--executor", choices=["local", "slurm"], help="override executor.kind")
     r.add_argument("--from", dest="from_stage", choices=STAGES, help="force this stage and after")
     r.add_argument("--dryrun", action="store_true", help="print the tasks, run nothing")
+    r.add_argument("-v", "--verbose", action="store_true", help="show each stage's own output")
     r.add_argument("--wait", action="store_true", help=WAIT_HELP)
     r.set_defaults(fn=cmd_run)
 
@@ -245,7 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("export", help="the trained adapter (PEFT), or merged into the base (HF)")
     e.add_argument("args", nargs="*", metavar="[CONFIG] [key=value]")
-    e.add_argument("--to", required=True, help="output dir (new, empty, or an earlier export)")
+    e.add_argument("--to", help="output dir: new, empty or an earlier export (default: "
+                   "<work_dir>/export/merged or /adapter)")  # fmt: skip
     e.add_argument("--merge", action="store_true", help="one HF checkpoint: base + adapter")
     e.set_defaults(fn=cmd_export)
     return p

@@ -35,7 +35,7 @@ def compare_runs(
 ) -> Comparison | list[ClusterRun]:
     """Read the newest packed/unpacked pair, print the table, write and log the plots (for a
     cluster config: the cluster runs per packer, their table and ``cluster.json``)."""
-    from rich.console import Console
+    from packline.progress import wide_console
 
     client = open_store(cfg)
     if cfg.train.backend is TrainBackend.megatron:
@@ -44,7 +44,7 @@ def compare_runs(
         out = cfg.work_path / COMPARE_DIR
         out.mkdir(parents=True, exist_ok=True)
         (out / CLUSTER_FILE).write_text(json.dumps([r.to_dict() for r in runs], indent=2))
-        console = Console()
+        console = wide_console()
         title = f"cluster runs by packer · experiment {name} · from {tracking_uri(cfg)}"
         console.print(cluster_table(runs, title=title))
         console.print(f"written: {out / CLUSTER_FILE}")
@@ -52,7 +52,7 @@ def compare_runs(
     pair = find_training_pair(client, experiment or experiment_name(cfg), run_id)
     out = cfg.work_path / COMPARE_DIR
     result = compare_pair(client, pair, out, tracking_uri=tracking_uri(cfg))
-    console = Console()  # stdout: the table is this command's output
+    console = wide_console()  # stdout: the table is this command's output
     console.print(comparison_table(result))
     console.print(f"plots: {out}/{{{','.join(PLOTS)}}}")
     console.print(f"logged to MLflow run {pair.log_run_id} under artifacts/{COMPARE_DIR}/")

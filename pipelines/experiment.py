@@ -18,7 +18,16 @@ from packline.rules.megatron import megatron_problems
 from packline.tracking import Tracker
 from packline.workdir import hold
 from pipelines.executors import make_executor, slurm_problems
-from pipelines.outcome import UP_TO_DATE, pipeline_stages, raise_on_failure, summary_table
+from pipelines.outcome import (
+    UP_TO_DATE,
+    keep_stage_log,
+    pipeline_stages,
+    raise_on_failure,
+    report_stage,
+    running,
+    stage_log,
+    summary_table,
+)
 from pipelines.slurm_jobs import SlurmJob, gather_logs, jobs_table, sacct, submitted_jobs
 from pipelines.tasks import error_path, run_stage_task
 from schemas.config import ExecutorKind, PipelineConfig, TrainBackend
@@ -61,14 +70,28 @@ def new_experiment_id(cfg: PipelineConfig) -> str:
     return f"packline-{cfg.name}_{time.time_ns()}"
 
 
-def new_experiment(cfg: PipelineConfig, exp_id: str | None = None) -> run.Experiment:
+def experiment_dir(cfg: PipelineConfig, exp_id: str) -> Path:
+    """Where NeMo-Run keeps experiment ``exp_id``'s jobs (its ``<base>/experiments/<title>``)."""
+    return nemorun_dir(cfg) / "experiments" / f"packline-{cfg.name}" / exp_id
+
+
+def new_experiment(
+    cfg: PipelineConfig, exp_id: str | None = None, *, verbose: bool = True
+) -> run.Experiment:
     """A NeMo-Run experiment under ``<work>/nemorun``, named ``exp_id`` (a fresh one by
-    default): the id is ours, so nothing reads it back from NeMo-Run's private state."""
+    default): the id is ours, so nothing reads it back from NeMo-Run's private state.
+
+    ``verbose`` False silences NeMo-Run's own console (banners, the task status block);
+    its closing hint (``nemo experiment status <id>``) is never shown: it fails as printed,
+    needing ``NEMORUN_HOME`` set to ``<work>/nemorun``."""
     return run.Experiment(
         f"packline-{cfg.name}",
         id=exp_id or new_experiment_id(cfg),
         base_dir=str(nemorun_dir(cfg)),
         log_level="WARN",
+        clean_mode=not verbose,
+        enable_goodbye_message=False,
+        skip_status_at_exit=not verbose,
     )
 
 
@@ -159,14 +182,21 @@ def stages_to_launch(cfg: PipelineConfig) -> list[str]:
 
 
 def run_pipeline(
-    cfg: PipelineConfig, *, from_stage: str | None = None, dryrun: bool = False
+    cfg: PipelineConfig,
+    *,
+    from_stage: str | None = None,
+    dryrun: bool = False,
+    verbose: bool = False,
 ) -> PipelineOutcome:
     """Run the stages in order as NeMo-Run tasks, holding the work dir's lock; raise
     UserError (exit 2) when a stage reported bad input, RuntimeError when one failed
     otherwise. A failed stage stops the chain: the stages after it never start.
 
     Up-to-date stages are skipped here, in this process, from their completion records
-    (logged to MLflow as skipped children); the rest run as dependent NeMo-Run tasks.
+    (logged to MLflow as skipped children); the rest run as dependent NeMo-Run tasks. A
+    stage's own output goes to its log (:func:`stage_log`), and to the console too with
+    ``verbose``; the console shows a line per stage, the forecast and the training
+    comparison once each, and the summary.
     """
     # The rules validate runs too (SLURM, Megatron), checked here before anything is
     # submitted; the data and model rules run in the validate stage itself.
@@ -174,10 +204,12 @@ def run_pipeline(
     if problems:
         raise UserError(problems, f"cannot run this config with executor {cfg.executor.kind.value}")
     with hold(cfg.work_path):
-        return _run_pipeline(cfg, from_stage=from_stage, dryrun=dryrun)
+        return _run_pipeline(cfg, from_stage=from_stage, dryrun=dryrun, verbose=verbose)
 
 
-def _run_pipeline(cfg: PipelineConfig, *, from_stage: str | None, dryrun: bool) -> PipelineOutcome:
+def _run_pipeline(
+    cfg: PipelineConfig, *, from_stage: str | None, dryrun: bool, verbose: bool
+) -> PipelineOutcome:
     config_path = write_resolved_config(cfg)
     if dryrun:
         if cfg.executor.kind == ExecutorKind.slurm:
@@ -214,23 +246,30 @@ def _run_pipeline(cfg: PipelineConfig, *, from_stage: str | None, dryrun: bool) 
             # One job per stage, each after the one before (afterok): SLURM cancels the jobs
             # after a failed one (kill_on_invalid_dep), so none of them starts.
             exp_ids.append(new_experiment_id(cfg))
-            with new_experiment(cfg, exp_ids[-1]) as exp:
+            with new_experiment(cfg, exp_ids[-1], verbose=verbose) as exp:
                 add_stages(exp, cfg, config_path, parent.run_id, launch)
                 exp.run(sequential=False, detach=False, tail_logs=False)
             states.update(task_states(exp))
             report_slurm_jobs(cfg, exp)
+            for stage in launch:
+                report_stage(cfg, stage, states.get(stage, "UNKNOWN"))
         else:
             # NeMo-Run's local executor starts a dependent task whatever its dependency's
             # outcome: one experiment per stage, and the chain ends at the first failure.
             for stage in launch:
                 exp_ids.append(new_experiment_id(cfg))
-                with new_experiment(cfg, exp_ids[-1]) as exp:
+                with (
+                    running(stage, stage_log(cfg, stage)),
+                    new_experiment(cfg, exp_ids[-1], verbose=verbose) as exp,
+                ):
                     add_stages(exp, cfg, config_path, parent.run_id, [stage])
-                    exp.run(detach=False, tail_logs=True)
+                    exp.run(detach=False, tail_logs=verbose)
                 states.update(task_states(exp))
+                keep_stage_log(cfg, experiment_dir(cfg, exp_ids[-1]), stage)
+                report_stage(cfg, stage, states[stage], tables=not verbose)
                 if states[stage] != "SUCCEEDED":
                     break
-        raise_on_failure(cfg, states, logs=nemorun_dir(cfg) / "experiments")
+        raise_on_failure(cfg, states, logs=cfg.work_path / "logs")
         console.print(summary_table(cfg, states))
         for stage in pipeline_stages():
             rec = read_record(cfg, stage) or {}

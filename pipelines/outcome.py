@@ -3,15 +3,25 @@ figure) and, when a stage failed, its reason first, then the error the CLI exits
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import shlex
+import shutil
+import sys
 from pathlib import Path
 
 from rich.table import Table
 
+from packline.packing.forecast import read_forecast
 from packline.progress import console
+from packline.report.forecast import forecast_table
+from packline.report.summary import COMPARISON, RunSummary
+from packline.report.table import summary_table as run_table
 from pipelines.tasks import reported_error
-from schemas.config import STAGES, PipelineConfig
+from schemas.config import STAGES, PipelineConfig, TrainBackend
 from schemas.errors import UserError
-from stages.base import read_record
+from stages.base import read_record, stage_dir
 from stages.runner import available_stages, headline
 
 UP_TO_DATE = "UP TO DATE"
@@ -33,7 +43,7 @@ def raise_on_failure(cfg: PipelineConfig, states: dict[str, str], *, logs: Path)
     )
     if failed is None:
         done = [f"{s} {states[s]}" for s in pipeline_stages() if s in states]
-        console.log("[green]pipeline finished:[/] " + ", ".join(done))
+        console.print("[green]pipeline finished:[/] " + ", ".join(done))
         return
     reported = reported_error(cfg.work_path, failed)
     if isinstance(reported, UserError):
@@ -47,6 +57,107 @@ def raise_on_failure(cfg: PipelineConfig, states: dict[str, str], *, logs: Path)
     if reported is not None:
         raise reported
     raise RuntimeError(f"stage {failed} did not succeed ({states}); logs under {logs}")
+
+
+def stage_log(cfg: PipelineConfig, stage: str) -> Path:
+    """``<work>/logs/<stage>/output.log``: everything a local stage task printed (its
+    progress, library messages, its tables), kept from its NeMo-Run job dir; SLURM jobs'
+    logs are copied beside it (:func:`pipelines.slurm_jobs.gather_logs`)."""
+    return cfg.work_path / "logs" / stage / "output.log"
+
+
+def keep_stage_log(cfg: PipelineConfig, exp_dir: Path, stage: str) -> Path | None:
+    """Copy the local task's combined output, from its NeMo-Run experiment dir, into
+    :func:`stage_log`; None when it left none."""
+    found = sorted(exp_dir.glob(f"{stage}/**/combined.log"))
+    if not found:
+        return None
+    dest = stage_log(cfg, stage)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(found[-1], dest)
+    return dest
+
+
+@contextlib.contextmanager
+def running(stage: str, log: Path):
+    """A spinner with the elapsed time while ``stage`` runs, on a terminal only."""
+    if not console.is_terminal:
+        yield
+        return
+    with console.status(f"[bold]{stage}[/] running · its output goes to {log}"):
+        yield
+
+
+def report_stage(cfg: PipelineConfig, stage: str, state: str, *, tables: bool = True) -> None:
+    """What the console shows when a launched stage ends: one line (state, seconds), then
+    validate's warnings, and with ``tables`` the one table a user reads there: the packing
+    forecast after connect, packing on vs off after train."""
+    rec = read_record(cfg, stage) or {}
+    if state != "SUCCEEDED":
+        console.print(f"[red]✗[/] {stage:<9} {state.lower()}")
+        return
+    console.print(f"[green]✓[/] {stage:<9} {rec.get('seconds', 0):6.1f} s")
+    for warning in rec.get("summary", {}).get("warnings", []):
+        console.print(f"  [yellow]warning:[/] {warning}")
+    if not tables:
+        return
+    if stage == "connect" and (forecast := read_forecast(cfg)):
+        console.print(forecast_table(forecast, cfg.packing.packing_buffer_size))
+    comparison = stage_dir(cfg, "train") / COMPARISON
+    if stage == "train" and comparison.is_file():
+        runs = [RunSummary.from_dict(r) for r in json.loads(comparison.read_text())["runs"]]
+        console.print(run_table(runs, source=f"from {comparison}"))
+
+
+def _shown(path: Path) -> str:
+    """``path`` relative to the working directory when inside it (``runs/tiny_cpu/...``)."""
+    path = path.resolve()
+    here = Path.cwd().resolve()
+    return str(path.relative_to(here)) if path.is_relative_to(here) else str(path)
+
+
+def invoked_as() -> list[str]:
+    """How this packline was started, for commands that work as printed: ``packline`` when
+    it is the one on PATH, else its path (``.venv/bin/packline`` after ``make run``), or
+    ``python -m pipelines.cli``."""
+    argv0 = Path(sys.argv[0])
+    if argv0.name == "packline":
+        on_path = shutil.which("packline")
+        if on_path and Path(on_path).resolve() == argv0.resolve():
+            return ["packline"]
+        return [os.path.relpath(argv0)]
+    return [os.path.relpath(sys.executable), "-m", "pipelines.cli"]
+
+
+def next_steps(cfg: PipelineConfig, prog: list[str], args: list[str]) -> list[tuple[str, str]]:
+    """What to do after a finished run, as (what, command or path). The commands name the
+    config as the run was given it (``args``: a config file at most), else this run's
+    resolved ``pipeline.yaml``, which holds the overrides too."""
+    from packline.workdir import adapter_dir
+
+    given = args if len(args) <= 1 and not any("=" in a for a in args) else None
+    config = given if given is not None else [_shown(cfg.work_path / "pipeline.yaml")]
+
+    def command(name: str, *options: str) -> str:
+        return shlex.join([*prog, name, *config, *options])
+
+    local = cfg.train.backend is TrainBackend.local
+    steps = [("logs", _shown(cfg.work_path / "logs") + "/")]
+    if local:
+        steps.append(("adapter", _shown(adapter_dir(cfg)) + "/  (model card: README.md)"))
+    steps += [("MLflow UI", command("ui")), ("compare", command("compare"))]
+    if local:
+        steps.append(("chat", command("chat")))  # replays a validation question
+    steps.append(("export", command("export", "--merge")))  # a merged HF checkpoint
+    return steps
+
+
+def print_next_steps(cfg: PipelineConfig, args: list[str]) -> None:
+    """The run's last block: :func:`next_steps`, one per line, never wrapped (copy a
+    command whole)."""
+    console.print("[bold]next steps[/]")
+    for what, text in next_steps(cfg, invoked_as(), args):
+        console.print(f"  {what:<10} {text}", soft_wrap=True, highlight=False)
 
 
 def summary_table(

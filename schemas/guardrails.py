@@ -440,7 +440,7 @@ def layout_issues(cfg: PipelineConfig, *, setting: str) -> list[Issue]:
             f"train.parallel: {problem} ({where}; pipeline_parallel {par.pipeline_parallel}, "
             f"expert_parallel {par.expert_parallel})",
             f"change train.parallel, {setting} or train.global_batch_size "
-            "(README: parallel layouts)",
+            "(docs/parallel.md)",
         )
         for problem in found
     ]

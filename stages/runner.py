@@ -126,7 +126,7 @@ def _run_stage(
     tags = {"packline.stage": name, "packline.skipped": "false"}
     if not force and is_up_to_date(cfg, name, fp):
         result = result_from_record(cfg, name)
-        console.log(f"[green]{name}: up to date[/] (completion record matches), skipped")
+        console.print(f"[green]✓[/] {name}: up to date (completion record matches), skipped")
         if _task_rank(cfg, name) == 0:
             tracker = Tracker.start(
                 cfg, name, parent_run_id=parent_run_id, tags={**tags, "packline.skipped": "true"}
@@ -179,18 +179,14 @@ def headline(cfg: PipelineConfig, stage: str, m: dict[str, float]) -> str:
     if stage == "connect":
         b = cfg.packing.packing_buffer_size
         fill = m.get(f"connect/forecast_fill_b{b}")
-        fill_text = f"forecast fill {fill:.3f} at buffer {b}" if fill is not None else ""
+        fill_text = f"; forecast fill {fill:.3f} (buffer {b})" if fill is not None else ""
         return (
             f"{m.get('connect/tokens_total', 0):,.0f} tokens, "
-            f"{m.get('connect/overlength', 0):,.0f} over seq_length; {fill_text}"
+            f"{m.get('connect/overlength', 0):,.0f} too long{fill_text}"
         )
     if stage == "validate":
         fill = m.get("validate/forecast_fill")
-        fill_text = (
-            f"; fill {fill:.3f} at buffer {cfg.packing.packing_buffer_size}"
-            if fill is not None
-            else ""
-        )
+        fill_text = f"; fill {fill:.3f}" if fill is not None else ""
         return (
             f"{m.get('validate/rules', 0):.0f} rules: {m.get('validate/errors', 0):.0f} errors, "
             f"{m.get('validate/warnings', 0):.0f} warnings{fill_text}"

@@ -30,7 +30,13 @@ from packline.packing.forecast import read_forecast
 from packline.progress import console
 from packline.qwen.processor import load_processor
 from packline.report.plots import plot_row_fill
-from packline.report.summary import RunSummary, compare_metrics, comparison_record, summarize_run
+from packline.report.summary import (
+    COMPARISON,
+    RunSummary,
+    compare_metrics,
+    comparison_record,
+    summarize_run,
+)
 from packline.report.table import summary_table
 from packline.tracking import Tracker
 from packline.train.adapter import save_adapter
@@ -244,7 +250,7 @@ def train_lora(
             summary={},
             t0=t0,
         )
-    (out / "comparison.json").write_text(json.dumps(comparison_record(runs), indent=2))
+    (out / COMPARISON).write_text(json.dumps(comparison_record(runs), indent=2))
     console.print(summary_table(runs, source=f"from {out}"))
     metrics = compare_metrics(runs)
     result = stage_result(
@@ -252,7 +258,7 @@ def train_lora(
         STAGE,
         fp,
         metrics=metrics,
-        summary={"artifacts": [str(out / "comparison.json")]},
+        summary={"artifacts": [str(out / COMPARISON)]},
         t0=t0,
     )
     write_record(cfg, result)

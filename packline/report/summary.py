@@ -417,6 +417,10 @@ class PackingComparison:
         return out
 
 
+COMPARISON = "comparison.json"
+"""The train stage's file of :func:`comparison_record`, in its stage dir."""
+
+
 def comparison_record(runs: Sequence[RunSummary]) -> dict[str, Any]:
     """The train stage's ``comparison.json``: every run's summary and, for a pair, the
     speedup."""

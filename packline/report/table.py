@@ -9,11 +9,14 @@ from collections.abc import Callable, Sequence
 
 from rich.table import Table
 
+from packline.progress import UNITS, si
 from packline.report.summary import PackingComparison, RunSummary
 
 
 def _num(v: float | None, fmt: str) -> str:
-    return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, fmt)
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "n/a"
+    return si(v, fmt) if fmt in UNITS else format(v, fmt)
 
 
 def _start_end(start: float | None, end: float | None, fmt: str) -> str:
@@ -31,8 +34,9 @@ def _steps(r: RunSummary) -> str:
 
 
 Row = tuple[str, Callable[[RunSummary], float | str | None], str | None, bool]
-"""(label, the run's value, its format (None: already text), whether the ratio column shows
-packed ÷ unpacked of it)."""
+"""(label, the run's value, its format (None: already text; a unit of
+:data:`packline.progress.UNITS`: the value with an SI prefix and that unit), whether the ratio
+column shows packed ÷ unpacked of it)."""
 
 ROWS: tuple[Row, ...] = (
     ("steps", _steps, None, False),
@@ -68,9 +72,9 @@ ROWS: tuple[Row, ...] = (
         False,
     ),
     ("accuracy by chance", lambda r: r.eval_accuracy_chance, ".3f", False),
-    ("useful TFLOPs (exact)", lambda r: r.tflops_useful, ".4f", True),
-    ("executed TFLOPs (exact, padding incl.)", lambda r: r.tflops_executed, ".4f", True),
-    ("useful TFLOP/s", lambda r: r.tflops_per_s, ".4f", True),
+    ("useful FLOPs (exact)", lambda r: r.tflops_useful * 1e12, "FLOP", True),
+    ("executed FLOPs (exact, padding incl.)", lambda r: r.tflops_executed * 1e12, "FLOP", True),
+    ("useful FLOP/s", lambda r: r.tflops_per_s * 1e12, "FLOP/s", True),
 )
 """The rows, in order (then per question kind after the accuracy, and the seconds to the
 same eval loss)."""

@@ -4,17 +4,30 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import urllib.request
 from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 from mlflow.tracking import MlflowClient
+from peft import PeftModel
+from transformers import AutoModelForImageTextToText
+
+from schemas.config import TINY_BASE
 
 pytestmark = pytest.mark.slow
 
+REPO = Path(__file__).resolve().parents[2]
 PACKLINE = [sys.executable, "-m", "pipelines.cli"]
+COLUMNS = 100  # what the console is given (as a terminal of 100 columns would)
 # Train just enough to run every part of the stage (both modes, a checkpoint, eval loss).
 QUICK_TRAIN = [
     "train.max_steps=2",
@@ -25,41 +38,162 @@ QUICK_TRAIN = [
 
 
 def _run(work: Path, *overrides: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "COLUMNS": "160"}
+    env = {**os.environ, "COLUMNS": str(COLUMNS)}
     return subprocess.run(
         [*PACKLINE, "run", f"work_dir={work}", "prepare.num_workers=1", *QUICK_TRAIN, *overrides],
         capture_output=True,
         text=True,
         env=env,
         timeout=600,
-        cwd=Path(__file__).resolve().parents[2],
+        cwd=REPO,
     )
+
+
+@pytest.fixture
+def short_tmp():
+    """A work dir with a short path (not pytest's long tmp_path): the printed next steps,
+    which name it, then fit the console's width as they do under ``runs/``."""
+    path = Path(tempfile.mkdtemp(prefix="pl-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _next_steps(out: str) -> dict[str, str]:
+    block = out.split("next steps\n", 1)[1].splitlines()
+    steps = {}
+    for line in block:
+        if not line.startswith("  "):
+            break
+        what, text = re.split(r" {2,}", line.strip(), maxsplit=1)
+        steps[what] = text.split("   #")[0]
+    return steps
+
+
+def _command(text: str) -> list[str]:
+    """A printed command as argv: the test's own interpreter runs ``python -m pipelines.cli``."""
+    words = shlex.split(text)
+    assert words[1:3] == ["-m", "pipelines.cli"], text
+    return [sys.executable, *words[1:]]
+
+
+def _serve_ui(argv: list[str]) -> tuple[subprocess.Popen, str]:
+    """``packline ui`` started as printed (on a free port); its address once it is up."""
+    proc = subprocess.Popen(
+        [*argv, "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=REPO,
+    )  # fmt: skip
+    for line in proc.stdout:
+        if line.startswith("MLflow UI: "):
+            return proc, line.split(": ", 1)[1].strip().rstrip("/")
+    raise AssertionError(f"packline ui exited {proc.wait()} before serving")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) == 0
+
+
+def _masked(line: str) -> str:
+    """A console line with what changes from run to run masked: numbers, and the widths
+    rules and padding take from them."""
+    line = re.sub(r"\d[\d,.]*", "#", line)
+    line = re.sub(r"[─━]+", "─", line)
+    return " ".join(line.split())
+
+
+README = REPO / "README.md"
+START, END = "<!-- run-output:start -->\n```text\n", "```\n<!-- run-output:end -->"
+
+
+def _readme_excerpt(out: str, work: Path) -> list[str]:
+    """The run's console as ``make run`` prints it: under runs/tiny_cpu, packline from the
+    venv, no config named (no overrides); the packing on vs off table left to the tutorial."""
+    text = out.replace(str(work), "runs/tiny_cpu").replace(" runs/tiny_cpu/pipeline.yaml", "")
+    text = text.replace(
+        f"{os.path.relpath(sys.executable, REPO)} -m pipelines.cli", ".venv/bin/packline"
+    )
+    lines, skipping = [], False
+    for line in text.splitlines():
+        if line.startswith("packing on vs off"):
+            skipping = True
+            lines.append("(the packing on vs off table: tutorial/05-train-local.md)")
+        elif line.startswith("pipeline finished"):
+            skipping = False
+        if not skipping:
+            lines.append(line.rstrip())
+    return lines
+
+
+def _check_readme_excerpt(out: str, work: Path) -> None:
+    """README's excerpt is this run's output, numbers aside; when it is not, rewrite it from
+    this run and fail, so that the change is committed."""
+    text = README.read_text()
+    head, rest = text.split(START, 1)
+    current, tail = rest.split(END, 1)
+    fresh = _readme_excerpt(out, work)
+    if [_masked(x) for x in current.splitlines()] != [_masked(x) for x in fresh]:
+        README.write_text(head + START + "\n".join(fresh) + "\n" + END + tail)
+        raise AssertionError(
+            "README.md's run-output excerpt was not what packline run prints now: "
+            "rewritten from this run; review and commit it"
+        )
 
 
 def _record(work: Path, stage: str) -> dict:
     return json.loads((work / stage / "_COMPLETE.json").read_text())
 
 
-def test_run_twice_skips_then_a_changed_sample_count_reruns(tmp_path: Path):
-    work = tmp_path / "work"
+def test_run_twice_skips_then_a_changed_sample_count_reruns(short_tmp: Path):
+    work = short_tmp / "work"
     small = ["data.num_train=40", "data.num_val=6"]
 
     first = _run(work, *small)
     assert first.returncode == 0, first.stderr[-3000:]
     out = first.stdout + first.stderr
-    # one NeMo-Run experiment per stage, each started after the one before succeeded
-    starts = [
-        out.index(f"Task 0: {stage}") for stage in ("prepare", "connect", "validate", "train")
-    ]
-    assert starts == sorted(starts)
+    # A quiet console: a line per stage in order, the forecast, the packing on vs off table
+    # and the summary once each; no progress bars, NeMo-Run banners or library prints (they
+    # are in each stage's log); nothing wider than the console.
+    ends = [out.index(f"✓ {stage} ") for stage in ("prepare", "connect", "validate", "train")]
+    assert ends == sorted(ends)
+    for table in ("packing forecast ·", "packing on vs off ·", "packline run · tiny_cpu"):
+        assert out.count(table) == 1, table
+    bar = "━" * 40 + " "  # rich's progress bar
+    noise = ("it/s", bar, "Filling reading buffer", "Loading weights", "Experiment Status")
+    for text in (*noise, "nemo experiment", "Task 0:"):
+        assert text not in out, text
+    widest = max(out.splitlines(), key=len)
+    assert len(widest) <= COLUMNS, widest
+    assert "GFLOP packed vs" in out and "GFLOP │" in out  # SI units
     flat = " ".join(out.split())
     assert (
         "pipeline finished: prepare SUCCEEDED, connect SUCCEEDED, validate SUCCEEDED, "
         "train SUCCEEDED" in flat
     )
-    assert "validate: all" in out and "rules hold" in out
+    validate_log = (work / "logs" / "validate" / "output.log").read_text()
+    assert "validate: all" in validate_log and "rules hold" in validate_log
+    assert "Filling reading buffer" in (work / "logs" / "train" / "output.log").read_text()
     report = json.loads((work / "validate" / "report.json").read_text())
     assert report["ok"] and report["errors"] == [] and report["warnings"] == []
+    _check_readme_excerpt(out, work)
+
+    # Every next step works as printed.
+    steps = _next_steps(out)
+    assert steps["adapter"].startswith(f"{work}/train/packed/adapter/")
+    compare = subprocess.run(_command(steps["compare"]), capture_output=True, text=True, cwd=REPO)
+    assert compare.returncode == 0 and "packing on vs off" in compare.stdout, compare.stderr
+    chat = subprocess.run(_command(steps["chat"]), capture_output=True, text=True, cwd=REPO)
+    assert chat.returncode == 0, chat.stderr
+    assert re.search(r"(?m)^answer: .+\n^reference: .+", chat.stdout), chat.stdout
+    export = subprocess.run(_command(steps["export"]), capture_output=True, text=True, cwd=REPO)
+    assert export.returncode == 0, export.stderr
+    assert (work / "export" / "merged" / "config.json").is_file()
+    ui, base = _serve_ui(_command(steps["MLflow UI"]))
+    try:
+        with urllib.request.urlopen(f"{base}/health", timeout=30) as page:
+            assert page.status == 200
+    finally:
+        _stop(ui)
+
     prep1, conn1 = _record(work, "prepare"), _record(work, "connect")
     assert len(pd.read_parquet(work / "connect" / "lengths.parquet")) == 46
 
@@ -68,7 +202,7 @@ def test_run_twice_skips_then_a_changed_sample_count_reruns(tmp_path: Path):
     out2 = second.stdout + second.stderr
     assert "prepare: up to date" in out2 and "connect: up to date" in out2
     assert "validate: up to date" in out2 and "train: up to date" in out2
-    assert "Task 0: " not in out2  # nothing launched
+    assert not re.search(r"✓ \w+ +[\d.]+ s", out2)  # nothing launched
     assert _record(work, "prepare") == prep1 and _record(work, "connect") == conn1
 
     # (packing off is not trained again here: the first run's train stage is checked below)
@@ -140,6 +274,34 @@ def test_run_twice_skips_then_a_changed_sample_count_reruns(tmp_path: Path):
     history = client.get_metric_history(train_runs["train-packed"].info.run_id, "train/loss")
     assert [m.step for m in history] == [1, 2]
     assert "compare/speedup_real_tokens_per_s" in first_train.data.metrics
+
+    # The work dir travels: copied elsewhere and the original removed, the copy's adapter
+    # loads, packline compare reads the copy's store and the MLflow UI serves its artifacts.
+    copy = short_tmp / "moved" / "work"
+    shutil.copytree(work, copy)
+    shutil.rmtree(work)
+    adapter = copy / "train" / "packed" / "adapter"
+    assert json.loads((adapter / "adapter_config.json").read_text())["task_type"] == "CAUSAL_LM"
+    tuned = PeftModel.from_pretrained(
+        AutoModelForImageTextToText.from_pretrained(TINY_BASE), adapter
+    )
+    with torch.no_grad():
+        assert torch.isfinite(tuned(input_ids=torch.arange(1, 9)[None]).logits).all()
+    moved = [f"work_dir={copy}", *small]
+    compare = subprocess.run(
+        [*PACKLINE, "compare", *moved, "--run", first_train.info.run_id],
+        capture_output=True, text=True, cwd=REPO,
+    )  # fmt: skip
+    assert compare.returncode == 0, compare.stderr
+    assert (copy / "compare" / "throughput.png").is_file()
+    ui, base = _serve_ui([*PACKLINE, "ui", *moved])
+    try:
+        run_id = train_runs["train-packed"].info.run_id
+        url = f"{base}/get-artifact?path=adapter/adapter_config.json&run_uuid={run_id}"
+        with urllib.request.urlopen(url, timeout=30) as page:
+            assert json.loads(page.read())["task_type"] == "CAUSAL_LM"
+    finally:
+        _stop(ui)
 
 
 def test_run_with_bad_overrides_exits_2_listing_both(tmp_path: Path):

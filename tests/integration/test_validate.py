@@ -760,7 +760,7 @@ def test_the_slurm_rule_run_refuses_is_listed_by_validate(connected, capsys):
         "train.parallel: train.global_batch_size 4 is not divisible by the 8 data-parallel "
         "ranks (the SLURM train job's 8 ranks: nodes 1 × nproc_per_node 8; pipeline_parallel 1, "
         "expert_parallel 1); fix: change train.parallel, executor.slurm.nproc_per_node or "
-        "train.global_batch_size (README: parallel layouts)"
+        "train.global_batch_size (docs/parallel.md)"
     ]
     assert [f["rule"] for f in report["errors"]] == ["slurm.parallel"]
     code, problems, _ = _validate(

@@ -75,7 +75,7 @@ def test_local_backend_on_slurm_needs_ranks_that_divide_the_global_batch(tmp_pat
         "train.parallel: train.global_batch_size 4 is not divisible by the 8 data-parallel "
         "ranks (the SLURM train job's 8 ranks: nodes 1 × nproc_per_node 8; pipeline_parallel 1, "
         "expert_parallel 1): change train.parallel, executor.slurm.nproc_per_node or "
-        "train.global_batch_size (README: parallel layouts)"
+        "train.global_batch_size (docs/parallel.md)"
     ]
     assert slurm_problems(_cfg(tmp_path, "train.global_batch_size=8")) == []
     megatron = _cfg(tmp_path, "train.backend=megatron")

@@ -56,7 +56,7 @@ def test_a_layout_the_engines_cannot_run_is_refused_with_every_reason_at_once():
     assert "EP > 1 or PP > 1 needs every packed row padded" in text  # packing.fixed_width
     layout = [p for p in info.value.problems if p.startswith("train.parallel: ")]
     assert len(layout) == 4 and len(info.value.problems) == 5
-    assert all(p.endswith("(README: parallel layouts)") for p in layout)
+    assert all(p.endswith("(docs/parallel.md)") for p in layout)
 
 
 def test_rows_stages_and_schedule_must_split_evenly():
@@ -118,5 +118,5 @@ def test_on_slurm_the_train_jobs_ranks_are_what_the_layout_splits(tmp_path):
         "stage (experts are split over a stage's data-parallel ranks) (the SLURM train job's "
         "8 ranks: nodes 1 × nproc_per_node 8; pipeline_parallel 2, expert_parallel 8): "
         "change train.parallel, "
-        "executor.slurm.nproc_per_node or train.global_batch_size (README: parallel layouts)"
+        "executor.slurm.nproc_per_node or train.global_batch_size (docs/parallel.md)"
     ]

@@ -254,7 +254,8 @@ def test_one_table_renders_a_pair_with_ratios_per_kind_rows_and_seconds_to_loss(
     assert "4.0" in lines["seconds to eval loss 3.0000"]
     assert "run wall time s (+ eval, ckpt)" not in lines  # unknown for both
     assert "the pair" in text and "from /work/train" in text
-    assert "without data and vision 2.60x" in text
+    assert "without data and vision 2.60x" in " ".join(text.split())  # the caption wraps
+    assert "2 TFLOP" in lines["useful FLOPs (exact)"] and "3 TFLOP" in text  # SI prefixes
 
 
 def test_one_table_renders_a_single_run_without_a_ratio_column():
