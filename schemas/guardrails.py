@@ -439,8 +439,7 @@ def layout_issues(cfg: PipelineConfig, *, setting: str) -> list[Issue]:
             setting,
             f"train.parallel: {problem} ({where}; pipeline_parallel {par.pipeline_parallel}, "
             f"expert_parallel {par.expert_parallel})",
-            f"change train.parallel, {setting} or train.global_batch_size "
-            "(docs/parallel.md)",
+            f"change train.parallel, {setting} or train.global_batch_size (docs/parallel.md)",
         )
         for problem in found
     ]
