@@ -96,7 +96,8 @@ def copy_adapter(adapter: Path, out: Path) -> None:
 def merge_adapter(cfg: PipelineConfig, adapter: Path, out: Path) -> None:
     """Base + ``adapter`` merged (PEFT ``merge_and_unload``), saved with connect's processor
     into dir ``out`` as one HF checkpoint (safetensors, fp32)."""
-    from packline.serve import load_tuned, quiet_libraries
+    from packline.qwen.generate import quiet_libraries
+    from packline.serve import load_tuned
 
     model, processor = load_tuned(cfg, adapter)
     with quiet_libraries():

@@ -26,7 +26,10 @@ def base_reference(cfg: PipelineConfig) -> str:
     """``model.path`` as a user would write it: inside this checkout, relative to its root
     (the shipped ``models/tiny-base``, which ``${project:...}`` resolved to an absolute path);
     elsewhere as given (an absolute dir, or an HF id that was never a path)."""
-    given = cfg.model.path or f"tiny Qwen3-VL at random init (seed {cfg.train.seed})"
+    return _as_given(cfg.model.path or f"tiny Qwen3-VL at random init (seed {cfg.train.seed})")
+
+
+def _as_given(given: str) -> str:
     path = Path(given)
     if path.is_absolute() and path.resolve().is_relative_to(PROJECT_ROOT):
         return path.resolve().relative_to(PROJECT_ROOT).as_posix()
@@ -70,6 +73,8 @@ def model_card(cfg: PipelineConfig, run: RunSummary, forecast: dict[str, Any], f
     """The adapter's ``README.md``: what it was trained on and how, what packing did, the
     eval figures, the config's fingerprint, and how to load it."""
     base = base_reference(cfg)
+    # The processor: processor.path, else the built-in tiny one, saved beside the shipped base
+    processor = _as_given(cfg.processor.path) if cfg.processor.path else base
     packed = run.run == "packed"
     flops = forecast.get("flops", {})
     buffer = str(cfg.packing.packing_buffer_size)
@@ -148,11 +153,11 @@ def model_card(cfg: PipelineConfig, run: RunSummary, forecast: dict[str, Any], f
         "",
         f'base = AutoModelForImageTextToText.from_pretrained("{base}")',
         'model = PeftModel.from_pretrained(base, "path/to/this/adapter")',
-        f'processor = AutoProcessor.from_pretrained("{base}")',
+        f'processor = AutoProcessor.from_pretrained("{processor}")',
         "```",
         "",
         'Or with packline: `packline chat CONFIG "a question"`, and '
-        "`packline export CONFIG --to DIR --merge` for a merged Hugging Face checkpoint.",
+        "`packline export CONFIG --merge` for a merged Hugging Face checkpoint.",
         "",
     ]
     return "\n".join(lines)

@@ -3,7 +3,6 @@ greedy generation on the built-in set's checkable questions."""
 
 from __future__ import annotations
 
-import io
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -12,15 +11,13 @@ from typing import Protocol
 
 import torch
 from megatron.energon import WorkerConfig, get_loader, get_val_dataset
-from PIL import Image
 
 from packline.energon.loader import quiet_pin_memory, val_loader
 from packline.energon.packing import PackingSettings, make_encoder
 from packline.energon.sample import ConversationReader
 from packline.packing.thd import to_device
 from packline.qwen.forward import packed_forward, token_hits, token_loss_sum
-from packline.qwen.lengths import DecodedVideo, run_processor
-from packline.video import VideoHeader, decode_frames
+from packline.qwen.generate import generate_answer, sample_prompt
 
 
 @torch.no_grad()
@@ -128,34 +125,11 @@ def eval_accuracy(
     share of correct answers): for each val conversation with a checkable answer, the model
     answers the first such question greedily."""
     model.eval()
-    device = next(model.parameters()).device
     asked: Counter[str] = Counter()
     correct: Counter[str] = Counter()
     for sample, first in _val_questions(dataset_path, max_samples):
-        prompt = sample.conversation[: first["turn"]]
-        parts = [p for m in prompt for p in m["content"] if isinstance(p, dict)]
-        n_images = sum(1 for p in parts if p.get("type") == "image")
-        n_videos = sum(1 for p in parts if p.get("type") == "video")
-        images = []
-        for data in sample.images[:n_images]:
-            with Image.open(io.BytesIO(data)) as img:
-                images.append(img.convert("RGB"))
-        videos = []
-        for data, doc in zip(sample.videos[:n_videos], sample.video_headers, strict=False):
-            header = VideoHeader.from_dict(doc)
-            frames = decode_frames(data, range(header.num_frames), rotation=header.rotation)
-            videos.append(DecodedVideo(frames, header))
-        inputs = run_processor(processor, prompt, images, videos, "pt", add_generation_prompt=True)
-        out = model.generate(
-            **{k: v.to(device) for k, v in inputs.items() if k != "token_type_ids"},
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            use_cache=True,
-            pad_token_id=processor.tokenizer.pad_token_id,
-        )
-        text = processor.tokenizer.decode(
-            out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True
-        )
+        prompt = sample_prompt(sample, first["turn"])
+        text = generate_answer(model, processor, prompt, max_new_tokens=max_new_tokens)
         asked[first["kind"]] += 1
         correct[first["kind"]] += scorer.matches(first["answer"], text, first["kind"])
     total = sum(asked.values())

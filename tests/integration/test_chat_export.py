@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from packline.serve import load_base, load_tuned, model_inputs, read_sample, sample_prompt
+from packline.qwen.generate import model_inputs, sample_prompt
+from packline.serve import load_base, load_tuned, read_sample
 from packline.train.setup import apply_lora
 from packline.workdir import adapter_dir
 from pipelines.cli import main

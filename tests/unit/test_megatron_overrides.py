@@ -474,9 +474,12 @@ def test_shipped_field_table_agrees_with_the_pinned_source(path: Path, tmp_path,
 #: The modules that run only where Megatron-Bridge is (the container; Bridge main's vendored data
 #: path in tests): they import it at the top. No other module imports them at the top.
 BRIDGE_SIDE = ("packline/megatron/dataset.py", "packline/megatron/task_encoder.py")
+#: The modules that call Bridge in the container and import it there, inside functions: the
+#: train stage's backend, and ``packline export``'s adapter export (AutoBridge).
+BRIDGE_CALLERS = ("stages/train_megatron.py", "packline/export.py")
 
 
-def test_only_train_megatron_imports_bridge_and_only_inside_functions():
+def test_only_train_megatron_and_export_import_bridge_and_only_inside_functions():
     importers, bridge_side_importers = {}, {}
     bridge_side = {m.removesuffix(".py").replace("/", ".") for m in BRIDGE_SIDE}
     packages = ("packline", "stages", "schemas", "pipelines")
@@ -494,8 +497,9 @@ def test_only_train_megatron_imports_bridge_and_only_inside_functions():
                 importers.setdefault(rel, []).append(node in top_level)
             if any(n in bridge_side for n in names):
                 bridge_side_importers.setdefault(rel, []).append(node in top_level)
-    assert sorted(importers) == sorted(["stages/train_megatron.py", *BRIDGE_SIDE])
-    assert not any(importers["stages/train_megatron.py"])  # lazily, inside functions
+    assert sorted(importers) == sorted([*BRIDGE_CALLERS, *BRIDGE_SIDE])
+    for caller in BRIDGE_CALLERS:
+        assert not any(importers[caller]), caller  # lazily, inside functions
     for rel, top in bridge_side_importers.items():
         assert rel in BRIDGE_SIDE or not any(top), f"{rel} imports a Bridge-side module at the top"
 
