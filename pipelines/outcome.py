@@ -109,10 +109,11 @@ def report_stage(cfg: PipelineConfig, stage: str, state: str, *, tables: bool = 
         console.print(run_table(runs, source=f"from {comparison}"))
 
 
-def _shown(path: Path) -> str:
-    """``path`` relative to the working directory when inside it (``runs/tiny_cpu/...``)."""
-    path = path.resolve()
-    here = Path.cwd().resolve()
+def _shown(path: Path | str) -> str:
+    """``path`` relative to the working directory when inside it (``runs/tiny_cpu/...``),
+    else absolute; links are kept (a venv's ``bin/python`` is one)."""
+    path = Path(os.path.abspath(path))
+    here = Path(os.path.abspath(Path.cwd()))
     return str(path.relative_to(here)) if path.is_relative_to(here) else str(path)
 
 
@@ -125,8 +126,8 @@ def invoked_as() -> list[str]:
         on_path = shutil.which("packline")
         if on_path and Path(on_path).resolve() == argv0.resolve():
             return ["packline"]
-        return [os.path.relpath(argv0)]
-    return [os.path.relpath(sys.executable), "-m", "pipelines.cli"]
+        return [_shown(argv0)]
+    return [_shown(sys.executable), "-m", "pipelines.cli"]
 
 
 def next_steps(cfg: PipelineConfig, prog: list[str], args: list[str]) -> list[tuple[str, str]]:
