@@ -109,9 +109,9 @@ def _readme_excerpt(out: str, work: Path) -> list[str]:
     """The run's console as ``make run`` prints it: under runs/tiny_cpu, packline from the
     venv, no config named (no overrides); the packing on vs off table left to the tutorial."""
     text = out.replace(str(work), "runs/tiny_cpu").replace(" runs/tiny_cpu/pipeline.yaml", "")
-    text = text.replace(
-        f"{os.path.relpath(sys.executable, REPO)} -m pipelines.cli", ".venv/bin/packline"
-    )
+    exe = os.path.abspath(sys.executable)  # as the run printed it (pipelines.outcome._shown)
+    exe = os.path.relpath(exe, REPO) if exe.startswith(f"{REPO}/") else exe
+    text = text.replace(f"{exe} -m pipelines.cli", ".venv/bin/packline")
     lines, skipping = [], False
     for line in text.splitlines():
         if line.startswith("packing on vs off"):
