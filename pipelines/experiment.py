@@ -25,7 +25,6 @@ from pipelines.outcome import (
     raise_on_failure,
     report_stage,
     running,
-    stage_log,
     summary_table,
 )
 from pipelines.slurm_jobs import SlurmJob, gather_logs, jobs_table, sacct, submitted_jobs
@@ -194,9 +193,9 @@ def run_pipeline(
 
     Up-to-date stages are skipped here, in this process, from their completion records
     (logged to MLflow as skipped children); the rest run as dependent NeMo-Run tasks. A
-    stage's own output goes to its log (:func:`stage_log`), and to the console too with
-    ``verbose``; the console shows a line per stage, the forecast and the training
-    comparison once each, and the summary.
+    stage's own output goes to its log (:func:`pipelines.outcome.stage_log`), and to the
+    console too with ``verbose``; the console shows a line per stage, the forecast and the
+    training comparison once each, and the summary.
     """
     # The rules validate runs too (SLURM, Megatron), checked here before anything is
     # submitted; the data and model rules run in the validate stage itself.
@@ -259,7 +258,7 @@ def _run_pipeline(
             for stage in launch:
                 exp_ids.append(new_experiment_id(cfg))
                 with (
-                    running(stage, stage_log(cfg, stage)),
+                    running(stage, experiment_dir(cfg, exp_ids[-1])),
                     new_experiment(cfg, exp_ids[-1], verbose=verbose) as exp,
                 ):
                     add_stages(exp, cfg, config_path, parent.run_id, [stage])

@@ -6,11 +6,15 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shlex
 import shutil
 import sys
+import threading
 from pathlib import Path
 
+from rich.markup import escape
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from packline.packing.forecast import read_forecast
@@ -78,14 +82,46 @@ def keep_stage_log(cfg: PipelineConfig, exp_dir: Path, stage: str) -> Path | Non
     return dest
 
 
+def last_line(text: str) -> str:
+    """What a live log shows last: the text after its last line end or carriage return (a
+    progress bar redraws itself with ``\\r``), else the last non-empty line.
+
+    >>> last_line("prepare\\ntrain packed loss 2.1  3/40\\rtrain packed loss 2.0  4/40\\r\\n")
+    'train packed loss 2.0  4/40'
+    """
+    pieces = [p.strip() for p in re.split(r"[\r\n]", text)]
+    return next((p for p in reversed(pieces) if p), "")
+
+
 @contextlib.contextmanager
-def running(stage: str, log: Path):
-    """A spinner with the elapsed time while ``stage`` runs, on a terminal only."""
+def running(stage: str, exp_dir: Path):
+    """While ``stage`` runs, on a terminal only: a spinner, the elapsed time and the last
+    line of the stage's live log (its progress) in ``exp_dir``, NeMo-Run's experiment dir."""
     if not console.is_terminal:
         yield
         return
-    with console.status(f"[bold]{stage}[/] running · its output goes to {log}"):
-        yield
+    done = threading.Event()
+    columns = (SpinnerColumn(), TextColumn(f"[bold]{stage}[/]"), TimeElapsedColumn())
+    columns += (TextColumn("{task.description}"),)
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task("starting")
+
+        def follow() -> None:
+            while not done.wait(0.5):
+                log = next(iter(sorted(exp_dir.glob(f"{stage}/**/combined.log"))), None)
+                if log is not None:
+                    with log.open("rb") as f:
+                        f.seek(max(0, log.stat().st_size - 4096))
+                        line = last_line(f.read().decode(errors="replace"))
+                    bar.update(task, description=escape(line[: max(20, console.width - 30)]))
+
+        watcher = threading.Thread(target=follow, daemon=True)
+        watcher.start()
+        try:
+            yield
+        finally:
+            done.set()
+            watcher.join()
 
 
 def report_stage(cfg: PipelineConfig, stage: str, state: str, *, tables: bool = True) -> None:
