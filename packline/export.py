@@ -25,12 +25,19 @@ empty (:func:`packline.workdir.claim_dir`), never overwritten.
 
 from __future__ import annotations
 
-import os
 import shlex
 import shutil
 from pathlib import Path
 
-from packline.workdir import MARKER, claim_dir, export_dir, new_temp_dir, publish, stage_dir
+from packline.workdir import (
+    MARKER,
+    claim_dir,
+    export_dir,
+    new_temp_dir,
+    publish,
+    publish_modes,
+    stage_dir,
+)
 from schemas.config import PipelineConfig, TrainBackend
 from schemas.errors import UserError
 
@@ -74,11 +81,7 @@ def _into(to: Path, write) -> Path:
     tmp = new_temp_dir(to.parent, f".tmp-export-{to.name}-")
     try:
         write(tmp)
-        umask = os.umask(0)
-        os.umask(umask)
-        for path in tmp.iterdir():  # some writers leave their files private (0600)
-            if path.is_file():
-                path.chmod(0o666 & ~umask)
+        publish_modes(tmp)  # some writers leave their files private (0600)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

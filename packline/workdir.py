@@ -198,6 +198,18 @@ def new_temp_dir(parent: Path, prefix: str) -> Path:
     return tmp
 
 
+def publish_modes(root: Path) -> None:
+    """Files 0666 and dirs 0777 less the user's umask (0644 / 0755 with the usual 022), under
+    and including ``root``: safetensors, transformers and tempfile write 0600 / 0700, which
+    would keep a shared adapter or export private."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for dirpath, _dirs, filenames in os.walk(root):
+        os.chmod(dirpath, 0o777 & ~umask)
+        for name in filenames:
+            os.chmod(Path(dirpath) / name, 0o666 & ~umask)
+
+
 def publish(tmp: Path, final: Path) -> None:
     """Rename the whole dir ``tmp`` to ``final``, replacing an earlier ``final`` only when
     packline made it (:func:`is_owned`); ``final`` keeps the marker."""

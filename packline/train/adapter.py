@@ -9,12 +9,12 @@ One home for the adapter dir: the train stage writes it here; ``packline chat`` 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 from packline.progress import si
 from packline.report.summary import RunSummary
+from packline.workdir import publish_modes
 from schemas.config import PROJECT_ROOT, PipelineConfig
 
 TASK_TYPE = "CAUSAL_LM"
@@ -34,17 +34,6 @@ def _as_given(given: str) -> str:
     if path.is_absolute() and path.resolve().is_relative_to(PROJECT_ROOT):
         return path.resolve().relative_to(PROJECT_ROOT).as_posix()
     return given
-
-
-def publish_modes(root: Path) -> None:
-    """Files 0666 and dirs 0777 less the user's umask (0644 / 0755 with the usual 022):
-    safetensors and tempfile write 0600, which would keep a shared adapter private."""
-    umask = os.umask(0)
-    os.umask(umask)
-    for dirpath, _dirs, filenames in os.walk(root):
-        os.chmod(dirpath, 0o777 & ~umask)
-        for name in filenames:
-            os.chmod(Path(dirpath) / name, 0o666 & ~umask)
 
 
 def save_adapter(
