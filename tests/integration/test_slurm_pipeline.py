@@ -404,7 +404,8 @@ def test_a_failed_prepare_job_cancels_the_later_jobs(local_slurm: LocalSlurm, tm
         row = next(line for line in lines[top + 1 :] if line.startswith(stage + " "))
         assert "SKIPPED" in row and "not started: prepare failed" in row
     # sacct lists a job cancelled before it was eligible only when asked for it by id
-    ids = re.findall(r"- Job id: (\d+)", out)
+    # (the run's "SLURM jobs (sacct)" table names every job it submitted)
+    ids = re.findall(r"(?m)^│ (?:prepare|connect|validate|train) +│ (\d+) +│", out)
     jobs = _sacct(local_slurm, "JobID,JobName,State,Start", ids)
     assert [r[1] for r in jobs] == [
         f"badsource.{s}" for s in ("prepare", "connect", "validate", "train")
