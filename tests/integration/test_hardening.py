@@ -388,7 +388,7 @@ def test_run_stops_at_a_failed_stage_and_shows_the_rest_skipped(tmp_path: Path):
     for stage in ("connect", "validate", "train"):
         row = next(line for line in lines[top:] if line.startswith(stage + " "))
         assert "SKIPPED" in row and "not started: prepare failed" in row
-    assert "Task 0: prepare" in out and "connect" not in " ".join(
+    assert "✗ prepare   failed" in out and "connect" not in " ".join(
         p.name for p in (work / "nemorun" / "experiments").rglob("*")
     )
     assert not (work / "connect").exists() and not (work / "validate").exists()
