@@ -15,7 +15,6 @@ turns, with their images and videos); the reference answer is that assistant tur
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -105,25 +104,6 @@ def user_prompt(text: str, *, image: Path | None = None, video: Path | None = No
     return Prompt([{"role": "user", "content": parts}], images, videos)
 
 
-def read_samples(cfg: PipelineConfig, split: str = "val") -> Iterator:
-    """The prepared ``split``'s samples in its fixed order, media still encoded."""
-    from megatron.energon import WorkerConfig, get_loader, get_val_dataset
-
-    from packline.energon.loader import quiet_pin_memory
-    from packline.energon.sample import ConversationReader
-
-    ds = get_val_dataset(
-        dataset_path(cfg),
-        split_part=split,
-        worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0),
-        batch_size=1,
-        task_encoder=ConversationReader(),
-    )
-    quiet_pin_memory()
-    for batch in get_loader(ds):
-        yield batch[0]
-
-
 def read_sample(cfg: PipelineConfig, key: str | None = None):
     """The prepared sample ``key`` (any split, found through prepare's manifest), or with no
     key the val split's first sample. UserError when the dataset or the key is missing."""
@@ -143,7 +123,9 @@ def read_sample(cfg: PipelineConfig, key: str | None = None):
                 [f"--sample {key}: no such key in {manifest_path}; val keys are e.g. {val}"]
             )
         split = str(found.iloc[0])
-    for sample in read_samples(cfg, split):
+    from packline.energon.loader import read_conversations
+
+    for sample in read_conversations(dataset_path(cfg), split):
         if key is None or sample.__key__ == key:
             return sample
     raise UserError([f"--sample {key}: in the manifest but not in the {split} shards"])

@@ -8,10 +8,13 @@ from pathlib import Path
 
 from megatron.energon import (
     WorkerConfig,
+    get_loader,
     get_savable_loader,
     get_train_dataset,
     get_val_dataset,
 )
+
+from packline.energon.sample import ConversationReader
 
 
 def quiet_pin_memory() -> None:
@@ -68,3 +71,19 @@ def val_loader(
     )
     quiet_pin_memory()
     return get_savable_loader(dataset)
+
+
+def read_conversations(dataset_path: Path, split: str = "val"):
+    """Every sample of ``split`` once, one by one, in its fixed order, media still encoded
+    (:class:`~packline.energon.sample.ConversationReader`): what ``packline chat`` replays
+    and the trainer's answer accuracy asks."""
+    dataset = get_val_dataset(
+        Path(dataset_path),
+        split_part=split,
+        worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0),
+        batch_size=1,
+        task_encoder=ConversationReader(),
+    )
+    quiet_pin_memory()
+    for batch in get_loader(dataset):
+        yield batch[0]

@@ -10,11 +10,9 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
-from megatron.energon import WorkerConfig, get_loader, get_val_dataset
 
-from packline.energon.loader import quiet_pin_memory, val_loader
+from packline.energon.loader import read_conversations, val_loader
 from packline.energon.packing import PackingSettings, make_encoder
-from packline.energon.sample import ConversationReader
 from packline.packing.thd import to_device
 from packline.qwen.forward import packed_forward, token_hits, token_loss_sum
 from packline.qwen.generate import generate_answer, sample_prompt
@@ -59,19 +57,10 @@ def eval_loss(
 def _val_questions(dataset_path: Path, max_samples: int):
     """(sample, its first checkable question) for the first ``max_samples`` val
     conversations that have one, in the val split's fixed order."""
-    ds = get_val_dataset(
-        Path(dataset_path),
-        split_part="val",
-        worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0),
-        batch_size=1,
-        task_encoder=ConversationReader(),
-    )
     asked = 0
-    quiet_pin_memory()
-    for batch in get_loader(ds):
+    for sample in read_conversations(dataset_path, "val"):
         if asked >= max_samples:
             return
-        sample = batch[0]
         answers = sample.meta.get("answers") or []
         if answers:
             asked += 1
