@@ -18,7 +18,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field, fields, is_dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -42,6 +42,7 @@ from schemas.choices import (
 )
 from schemas.errors import UserError
 from schemas.guardrails import Check, Finding, config_findings
+from schemas.ranges import range_problems, ranged
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = PROJECT_ROOT / "configs" / "tiny_cpu.yaml"
@@ -80,14 +81,24 @@ def _rules_deferred() -> Iterator[None]:
 
 
 class _Section:
-    """Mixin: ``__post_init__`` gathers every broken rule of a section into one error."""
+    """Mixin: ``__post_init__`` gathers every broken rule of a section into one error: each
+    setting out of the range its field declares (:func:`schemas.ranges.ranged`), then the
+    section's own rules across its settings (:meth:`rules`)."""
+
+    KEY: ClassVar[str] = ""
+    """The section's dotted key in the config tree (``train.parallel``)."""
 
     def rules(self) -> list[str]:  # pragma: no cover - overridden where a section has rules
         return []
 
+    def own_problems(self) -> list[str]:
+        """This section's settings out of range, then its broken rules (none of the
+        sections nested in it)."""
+        return range_problems(self, self.KEY) + self.rules()
+
     def all_rules(self) -> list[str]:
-        """This section's broken rules and those of the sections nested in it."""
-        problems = self.rules()
+        """This section's problems and those of the sections nested in it."""
+        problems = self.own_problems()
         for f in fields(self):  # type: ignore[arg-type]
             value = getattr(self, f.name)
             if isinstance(value, _Section):
@@ -97,7 +108,7 @@ class _Section:
     def __post_init__(self) -> None:
         if _RULES_DEFERRED.get():
             return
-        problems = self.rules()
+        problems = self.own_problems()
         if problems:
             raise ValueError("\n".join(problems))
 
@@ -133,6 +144,8 @@ def source_kind(source: str) -> SourceKind | None:
 class DataConfig(_Section):
     """Where the conversations come from."""
 
+    KEY: ClassVar[str] = "data"
+
     source: str = "synthetic"
     """``synthetic`` for the built-in shapes set; a folder holding ``conversations.jsonl``
     and the media it names (paths relative to the folder); a LLaVA-style ``.json`` file (one
@@ -142,13 +155,13 @@ class DataConfig(_Section):
     media_dir: str | None = None
     """LLaVA-style JSON source: the folder its image and video paths are relative to;
     ``null`` → the JSON file's own folder."""
-    num_train: int = 2000
+    num_train: int = ranged(2000, ge=1)
     """Synthetic set: number of training conversations."""
-    num_val: int = 200
+    num_val: int = ranged(200, ge=0)
     """Synthetic set: number of held-out validation conversations."""
-    seed: int = 0
+    seed: int = ranged(0, ge=0)
     """Synthetic set: seed; the same seed gives byte-identical data."""
-    video_share: float = 0.15
+    video_share: float = ranged(0.15, ge=0, le=1)
     """Synthetic set: share of the conversations that are about a video clip (0: images and
     text only)."""
 
@@ -170,13 +183,6 @@ class DataConfig(_Section):
 
     def rules(self) -> list[str]:
         p: list[str] = []
-        _check(p, self.num_train > 0, f"data.num_train must be > 0, got {self.num_train}")
-        _check(
-            p,
-            0.0 <= self.video_share <= 1.0,
-            f"data.video_share must be in [0, 1], got {self.video_share}",
-        )
-        _check(p, self.num_val >= 0, f"data.num_val must be >= 0, got {self.num_val}")
         kind = source_kind(self.source)
         _check(
             p,
@@ -203,59 +209,37 @@ class DataConfig(_Section):
 class PrepareConfig(_Section):
     """Stage prepare: conversations → WebDataset shards + Energon metadata."""
 
-    samples_per_shard: int = 500
+    KEY: ClassVar[str] = "prepare"
+
+    samples_per_shard: int = ranged(500, ge=1)
     """Samples per WebDataset tar shard."""
-    val_fraction: float = 0.05
+    val_fraction: float = ranged(0.05, ge=0, lt=1)
     """Share of rows sent to the val split when a row has no ``split`` field
     (chosen by a hash of its id, so stable across reruns)."""
-    max_images: int = 8
+    max_images: int = ranged(8, ge=0)
     """Rows with more images are rejected as ``too_many_images``."""
-    max_videos: int = 4
+    max_videos: int = ranged(4, ge=0)
     """Rows with more videos are rejected as ``too_many_videos``."""
-    max_frames_per_video: int = 64
+    max_frames_per_video: int = ranged(64, ge=1)
     """Videos of which the processor samples more frames (at its ``fps``, within its
     ``min_frames``/``max_frames``) are rejected as ``too_many_frames``."""
-    max_video_seconds: float = 600.0
+    max_video_seconds: float = ranged(600.0, gt=0)
     """Videos longer than this (frames / frame rate) are rejected as ``video_too_long``."""
-    max_text_chars: int = 1_000_000
+    max_text_chars: int = ranged(1_000_000, ge=1)
     """Rows whose conversation holds more characters of text are rejected as
     ``text_too_long`` before anything tokenizes them (about 250k tokens at 4 characters a
     token: many times any ``packing.seq_length`` a row must fit, yet it bounds what one row
     costs connect's processor)."""
-    max_reject_fraction: float = 0.05
+    max_media_bytes: int = ranged(1 << 30, ge=1)
+    """Image and video files larger than this (bytes, from the file system, before a byte
+    is read) are rejected as ``image_size_refused`` / ``video_size_refused``: prepare holds a
+    file whole in memory while it checks it, so this bounds its memory whatever the files'
+    sizes (default 1 GiB)."""
+    max_reject_fraction: float = ranged(0.05, ge=0, le=1)
     """The stage fails (exit 2) when rejected rows exceed this share of all rows."""
-    num_workers: int = 2
+    num_workers: int = ranged(2, ge=1)
     """Processes that read, check and write the rows (and index the shards with Energon);
     the output is the same for any count."""
-
-    def rules(self) -> list[str]:
-        p: list[str] = []
-        _check(p, self.samples_per_shard > 0, "prepare.samples_per_shard must be > 0")
-        _check(p, 0.0 <= self.val_fraction < 1.0, "prepare.val_fraction must be in [0, 1)")
-        _check(p, self.max_images >= 0, "prepare.max_images must be >= 0")
-        _check(
-            p,
-            self.max_text_chars > 0,
-            f"prepare.max_text_chars must be > 0, got {self.max_text_chars}",
-        )
-        _check(p, self.max_videos >= 0, f"prepare.max_videos must be >= 0, got {self.max_videos}")
-        _check(
-            p,
-            self.max_frames_per_video >= 1,
-            f"prepare.max_frames_per_video must be >= 1, got {self.max_frames_per_video}",
-        )
-        _check(
-            p,
-            self.max_video_seconds > 0,
-            f"prepare.max_video_seconds must be > 0, got {self.max_video_seconds}",
-        )
-        _check(
-            p,
-            0.0 <= self.max_reject_fraction <= 1.0,
-            "prepare.max_reject_fraction must be in [0, 1]",
-        )
-        _check(p, self.num_workers >= 1, "prepare.num_workers must be >= 1")
-        return p
 
 
 @dataclass(kw_only=True)
@@ -265,18 +249,20 @@ class ConnectConfig(_Section):
     settings changes the lengths, so none of them reruns a connect that is up to date
     (``--from connect`` does)."""
 
-    num_workers: int = 2
+    KEY: ClassVar[str] = "connect"
+
+    num_workers: int = ranged(2, ge=0)
     """Energon loader worker processes of each connect task (0: measure in the task's own
     process)."""
-    num_tasks: int = 1
+    num_tasks: int = ranged(1, ge=1)
     """Tasks of the SLURM connect job (``executor.kind: slurm``): task r of N measures
     Energon's rank r share (``WorkerConfig(rank=r, world_size=N)``) and writes its parts;
     the task that finishes last merges them into ``lengths.parquet``. A process on its own
     (a local run, ``packline stage connect``) measures the N shares in turn: the same parts
     and the same table."""
-    nodes: int = 1
+    nodes: int = ranged(1, ge=1)
     """Nodes of the SLURM connect job; ``num_tasks`` is spread evenly over them."""
-    part_size: int = 2000
+    part_size: int = ranged(2000, ge=1)
     """Samples per part file: a killed connect resumes after its last finished part."""
     verify: str = "all"
     """Samples the real processor measures to check the cheap length rule: ``all`` (every
@@ -293,17 +279,11 @@ class ConnectConfig(_Section):
     def rules(self) -> list[str]:
         p: list[str] = []
         _check(
-            p, self.num_workers >= 0, f"connect.num_workers must be >= 0, got {self.num_workers}"
-        )
-        _check(p, self.num_tasks >= 1, f"connect.num_tasks must be >= 1, got {self.num_tasks}")
-        _check(p, self.nodes >= 1, f"connect.nodes must be >= 1, got {self.nodes}")
-        _check(
             p,
-            self.num_tasks % max(self.nodes, 1) == 0,
+            self.nodes < 1 or self.num_tasks % self.nodes == 0,
             f"connect.num_tasks ({self.num_tasks}) must spread evenly over connect.nodes "
             f"({self.nodes})",
         )
-        _check(p, self.part_size >= 1, f"connect.part_size must be >= 1, got {self.part_size}")
         _check(
             p,
             self.verify == "all" or (self.verify.isdigit() and int(self.verify) >= 1),
@@ -316,6 +296,8 @@ class ConnectConfig(_Section):
 class ProcessorConfig(_Section):
     """The Qwen3-VL processor (tokenizer + chat template + image processor)."""
 
+    KEY: ClassVar[str] = "processor"
+
     path: str | None = None
     """A local HF Qwen3-VL processor dir; ``null`` builds the built-in tiny one
     (byte-level BPE, vocab 4,096, patch 16, merge 2) deterministically."""
@@ -325,15 +307,15 @@ class ProcessorConfig(_Section):
     # (``<work>/connect/processor``), the local backend trains with that dir, and the megatron
     # backend sends the same values to Bridge's task encoder (``dataset.task_encoder.*``),
     # whose own defaults (min 200,704, max 1,003,520 pixels, patch 14) would otherwise apply.
-    min_pixels: int | None = None
+    min_pixels: int | None = ranged(None, ge=1)
     """Images are upscaled to at least this many pixels (``size.shortest_edge``)."""
-    max_pixels: int | None = None
+    max_pixels: int | None = ranged(None, ge=1)
     """Images are downscaled to at most this many pixels (``size.longest_edge``)."""
-    patch_size: int | None = None
+    patch_size: int | None = ranged(None, ge=1)
     """Side of one ViT patch in pixels (Qwen3-VL: 16)."""
-    temporal_patch_size: int | None = None
+    temporal_patch_size: int | None = ranged(None, ge=1)
     """Frames per temporal patch (Qwen3-VL: 2; a still image fills it with copies)."""
-    merge_size: int | None = None
+    merge_size: int | None = ranged(None, ge=1)
     """Patches merged per side into one LLM token (Qwen3-VL: 2)."""
 
     def geometry_overrides(self) -> dict[str, int]:
@@ -349,8 +331,6 @@ class ProcessorConfig(_Section):
                 Path(self.path).expanduser().is_dir(),
                 f"processor.path: {self.path!r} is not a directory",
             )
-        for name, value in self.geometry_overrides().items():
-            _check(p, value > 0, f"processor.{name} must be > 0 (or null), got {value}")
         if self.min_pixels is not None and self.max_pixels is not None:
             _check(
                 p,
@@ -365,16 +345,18 @@ class ProcessorConfig(_Section):
 class PackingConfig(_Section):
     """Energon-native online sequence packing (THD rows, one pack per micro-batch)."""
 
+    KEY: ClassVar[str] = "packing"
+
     enabled: bool = True
     """Pack several conversations per row; ``false`` pads one conversation per row."""
-    seq_length: int = 4096
+    seq_length: int = ranged(4096, gt=0)
     """Tokens per packed row (the capacity C)."""
-    packing_buffer_size: int = 64
+    packing_buffer_size: int = ranged(64, gt=0)
     """Samples per DataLoader worker that selection chooses packs from."""
     algorithm: Algorithm = Algorithm.refined
     """Selection algorithm: ``refined`` (FFD plus packline's refinement, the default), or
     plain ``ffd`` / ``bfd``; ``packing.packer: bridge`` needs ``ffd`` (Bridge's)."""
-    max_carry_rounds: int = 4
+    max_carry_rounds: int = ranged(4, ge=0)
     """Carry-over: a round's underfull packs go back into the next round's buffer instead
     of being emitted, each sample at most this many rounds (then it is emitted in the
     fullest pack that holds it); flushed at the end of an epoch. ``0``: off, Energon's own
@@ -389,9 +371,9 @@ class PackingConfig(_Section):
     Bridge: lazy exact lengths from connect, ``packing.algorithm``, carry-over) or
     ``bridge`` (Bridge's own ``EnergonDatasetConfig``: eager, plain FFD, no carry-over).
     The local backend always packs with packline's."""
-    tensor_parallel: int = 1
+    tensor_parallel: int = ranged(1, ge=1)
     """TP size (alignment only: with sequence parallel each conversation aligns to CP·TP)."""
-    context_parallel: int = 1
+    context_parallel: int = ranged(1, ge=1)
     """CP size (alignment: each conversation aligns to 2·CP when CP > 1)."""
     sequence_parallel: bool = False
     """Sequence parallelism on (alignment only)."""
@@ -401,7 +383,9 @@ class PackingConfig(_Section):
     """What to do with a conversation longer than ``seq_length``: ``drop`` or ``fail``."""
     encoder: EncoderMode = EncoderMode.lazy
     """``lazy`` (images processed after selection) or ``eager`` (before, Bridge-style)."""
-    forecast_buffer_sizes: list[int] = field(default_factory=lambda: [1, 16, 64, 256, 1024])
+    forecast_buffer_sizes: list[int] = ranged(
+        factory=lambda: [1, 16, 64, 256, 1024], nonempty=True, each_ge=1
+    )
     """Buffer sizes the connect stage forecasts fill for."""
 
     @property
@@ -415,14 +399,6 @@ class PackingConfig(_Section):
 
     def rules(self) -> list[str]:
         p: list[str] = []
-        _check(p, self.seq_length > 0, f"packing.seq_length must be > 0, got {self.seq_length}")
-        _check(
-            p,
-            self.packing_buffer_size > 0,
-            f"packing.packing_buffer_size must be > 0, got {self.packing_buffer_size}",
-        )
-        _check(p, self.tensor_parallel >= 1, "packing.tensor_parallel must be >= 1")
-        _check(p, self.context_parallel >= 1, "packing.context_parallel must be >= 1")
         if self.tensor_parallel >= 1 and self.context_parallel >= 1 and self.seq_length > 0:
             m = self.alignment
             _check(
@@ -433,22 +409,14 @@ class PackingConfig(_Section):
                 f"{self.context_parallel}, SP {self.sequence_parallel}); use "
                 f"{(self.seq_length // m + 1) * m} or {(self.seq_length // m) * m}",
             )
-        _check(
-            p,
-            all(b > 0 for b in self.forecast_buffer_sizes),
-            "packing.forecast_buffer_sizes must all be > 0",
-        )
-        _check(
-            p,
-            self.max_carry_rounds >= 0,
-            f"packing.max_carry_rounds must be >= 0, got {self.max_carry_rounds}",
-        )
         return p
 
 
 @dataclass(kw_only=True)
 class ModelConfig(_Section):
     """The Qwen3-VL model trained."""
+
+    KEY: ClassVar[str] = "model"
 
     name: str = "tiny"
     """``tiny`` builds a small random Qwen3-VL deterministically; else a label for ``path``."""
@@ -467,11 +435,13 @@ class ModelConfig(_Section):
 class LoraConfig(_Section):
     """PEFT LoRA adapters on the language model."""
 
-    rank: int = 8
+    KEY: ClassVar[str] = "lora"
+
+    rank: int = ranged(8, gt=0)
     """Adapter rank r."""
-    alpha: int = 16
+    alpha: int = ranged(16, gt=0)
     """Scaling numerator: adapters are scaled by alpha / rank."""
-    dropout: float = 0.0
+    dropout: float = ranged(0.0, ge=0, lt=1)
     """Dropout on the adapter input."""
     target_modules: list[str] = field(
         default_factory=lambda: [*ATTENTION_PROJECTIONS, *MLP_PROJECTIONS]
@@ -483,8 +453,21 @@ class LoraConfig(_Section):
 
     def rules(self) -> list[str]:
         p: list[str] = []
-        _check(p, self.rank > 0, f"lora.rank must be > 0, got {self.rank}")
-        _check(p, 0.0 <= self.dropout < 1.0, "lora.dropout must be in [0, 1)")
+        _check(
+            p,
+            bool(self.target_modules or self.target_parameters),
+            "lora.target_modules and lora.target_parameters are both empty: no adapter would "
+            "train; fix: list the layers to adapt (default: "
+            f"{', '.join([*ATTENTION_PROJECTIONS, *MLP_PROJECTIONS])}), or MoE experts in "
+            "lora.target_parameters",
+        )
+        for key in ("target_modules", "target_parameters"):
+            names = getattr(self, key)
+            _check(
+                p,
+                all(isinstance(n, str) and n.strip() for n in names),
+                f"lora.{key} holds an empty name: {names}; fix: remove it",
+            )
         return p
 
 
@@ -501,6 +484,8 @@ class MegatronConfig(_Section):
     cluster, one at a time; the validate stage checks them all at once on the laptop, and the
     overrides send exactly these values."""
 
+    KEY: ClassVar[str] = "megatron"
+
     recipe: str = "qwen3_vl_8b_peft_energon_config"
     """Recipe function in ``megatron.bridge.recipes.qwen_vl`` the run starts from."""
     step_func: str = "vlm_step"
@@ -510,7 +495,7 @@ class MegatronConfig(_Section):
     extra_overrides: list[str] = field(default_factory=list)
     """More ``key=value`` Bridge overrides, applied last (dotted ConfigContainer fields)."""
 
-    mtp_num_layers: int = 0
+    mtp_num_layers: int = ranged(0, ge=0)
     """Multi-token-prediction layers (Bridge ``mtp_num_layers``); packing needs 0."""
     cuda_graph_impl: CudaGraphImpl = CudaGraphImpl.none
     """CUDA graphs of the language model: ``none``, ``local`` or ``transformer_engine``;
@@ -531,16 +516,13 @@ class MegatronConfig(_Section):
     task_encoder: str = "QwenVLEnergonTaskEncoderConfig"
     """Bridge's task-encoder config class; Energon packing works only with
     ``QwenVLEnergonTaskEncoderConfig``."""
-    max_num_images: int = 10
+    max_num_images: int = ranged(10, ge=0)
     """Bridge's encoder skips, uncounted, samples with more images than this."""
-    max_visual_tokens: int = 16384
+    max_visual_tokens: int = ranged(16384, ge=1)
     """Bridge's encoder skips, uncounted, samples with more visual tokens than this."""
 
     def rules(self) -> list[str]:
         p: list[str] = []
-        _check(p, self.mtp_num_layers >= 0, "megatron.mtp_num_layers must be >= 0")
-        _check(p, self.max_num_images >= 0, "megatron.max_num_images must be >= 0")
-        _check(p, self.max_visual_tokens > 0, "megatron.max_visual_tokens must be > 0")
         _check(
             p,
             all("=" in o for o in self.extra_overrides),
@@ -553,21 +535,14 @@ class MegatronConfig(_Section):
 class ValidateConfig(_Section):
     """Stage validate: the thresholds of its warnings (errors have no knobs)."""
 
-    worker_memory_warn_gib: float = 4.0
-    """Warn when one loader worker's packing buffer is estimated to hold more (GiB)."""
-    min_forecast_fill: float = 0.7
-    """Warn when the forecast fill at ``packing.packing_buffer_size`` is lower."""
-    max_visual_tokens: int = 16384
-    """Warn when a sample has more visual tokens (its images' and videos' together)."""
+    KEY: ClassVar[str] = "validate"
 
-    def rules(self) -> list[str]:
-        p: list[str] = []
-        _check(p, self.worker_memory_warn_gib > 0, "validate.worker_memory_warn_gib must be > 0")
-        _check(
-            p, 0.0 <= self.min_forecast_fill <= 1.0, "validate.min_forecast_fill must be in [0, 1]"
-        )
-        _check(p, self.max_visual_tokens >= 1, "validate.max_visual_tokens must be >= 1")
-        return p
+    worker_memory_warn_gib: float = ranged(4.0, gt=0)
+    """Warn when one loader worker's packing buffer is estimated to hold more (GiB)."""
+    min_forecast_fill: float = ranged(0.7, ge=0, le=1)
+    """Warn when the forecast fill at ``packing.packing_buffer_size`` is lower."""
+    max_visual_tokens: int = ranged(16384, ge=1)
+    """Warn when a sample has more visual tokens (its images' and videos' together)."""
 
 
 @dataclass(kw_only=True)
@@ -579,12 +554,14 @@ class ParallelConfig(_Section):
     ``expert_parallel`` ways over a stage's data-parallel ranks. Validate refuses, with every
     reason at once, a layout the engines cannot run (``schemas.layout``)."""
 
-    expert_parallel: int = 1
+    KEY: ClassVar[str] = "train.parallel"
+
+    expert_parallel: int = ranged(1, ge=1)
     """EP (MoE only): each rank of a stage holds 1/EP of the experts and trains their
     adapters. Local: transformers' expert-parallel plan (gloo on CPU, nccl on GPU); Bridge:
     ``model.expert_model_parallel_size``. EP > 1 needs fixed-width rows
     (``packing.pad_to_max_length: true``)."""
-    pipeline_parallel: int = 1
+    pipeline_parallel: int = ranged(1, ge=1)
     """PP: the decoder layers split into this many stages (the vision tower on the first).
     Local: ``torch.distributed.pipelining``, one packed row per micro-batch, packed runs only
     (``train.compare_packing: false``). Bridge's Energon packing needs 1."""
@@ -596,55 +573,55 @@ class ParallelConfig(_Section):
     (transformers' engine). Implied by EP > 1 without PP (the engine splits the experts over
     the FSDP ranks); not available with PP > 1."""
 
-    def rules(self) -> list[str]:
-        p: list[str] = []
-        _check(p, self.expert_parallel >= 1, "train.parallel.expert_parallel must be >= 1")
-        _check(p, self.pipeline_parallel >= 1, "train.parallel.pipeline_parallel must be >= 1")
-        return p
-
 
 @dataclass(kw_only=True)
 class TrainConfig(_Section):
     """Training loop settings (embedded local backend or Megatron-Bridge)."""
 
+    KEY: ClassVar[str] = "train"
+
     backend: TrainBackend = TrainBackend.local
     """``local`` (HF + PEFT, CPU default) or ``megatron`` (Megatron-Bridge on the cluster)."""
-    max_steps: int = 60
+    max_steps: int = ranged(60, gt=0)
     """Optimizer steps."""
-    global_batch_size: int = 4
+    global_batch_size: int = ranged(4, gt=0)
     """Packed rows (micro-batches of one row) per optimizer step, over all DP ranks."""
-    micro_batch_size: int = 1
+    micro_batch_size: int = ranged(1, gt=0)
     """Physical rows per forward; packing requires 1."""
-    unpacked_micro_batch_size: int = 8
+    unpacked_micro_batch_size: int = ranged(8, gt=0)
     """Packing off (the baseline): conversations per micro-batch, padded to the longest."""
-    lr: float = 1e-3
+    lr: float = ranged(1e-3, gt=0)
     """Peak learning rate (AdamW)."""
-    warmup_steps: int = 5
+    warmup_steps: int = ranged(5, ge=0)
     """Linear warmup steps before cosine decay."""
-    weight_decay: float = 0.0
+    weight_decay: float = ranged(0.0, ge=0)
     """AdamW weight decay."""
-    grad_clip: float = 1.0
+    grad_clip: float = ranged(1.0, gt=0)
     """Max global gradient norm."""
+    adam_beta1: float = ranged(0.9, gt=0, lt=1)
+    """AdamW's decay of the gradient's running mean."""
+    adam_beta2: float = ranged(0.999, gt=0, lt=1)
+    """AdamW's decay of the squared gradient's running mean."""
     precision: Precision = Precision.auto
     """Backend local: ``auto`` (bf16 on a GPU that has it, fp32 on CPU), ``bf16`` or
     ``fp32``; Megatron-Bridge takes its precision from its recipe."""
-    seed: int = 0
+    seed: int = ranged(0, ge=0)
     """Seed of model init, data order and packing shuffles."""
-    num_workers: int = 0
+    num_workers: int = ranged(0, ge=0)
     """DataLoader workers per rank."""
-    shuffle_buffer_size: int = 100
+    shuffle_buffer_size: int = ranged(100, ge=1)
     """Samples in Energon's shuffle buffer of the training stream (Bridge:
     ``dataset.shuffle_buffer_size``)."""
-    max_samples_per_sequence: int = 100
+    max_samples_per_sequence: int = ranged(100, ge=1)
     """Samples read in a row from one shard before the stream moves to another (Bridge:
     ``dataset.max_samples_per_sequence``)."""
-    nproc_per_node: int = 1
+    nproc_per_node: int = ranged(1, ge=1)
     """Processes of a local-executor train run (backend local): > 1 runs each training run
     under torchrun, gloo on CPU, nccl on GPU, split as ``train.parallel`` says
     (``global_batch_size`` must divide by the data-parallel ranks)."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """The model's split over the ranks (EP, PP, FSDP); data parallel over the rest."""
-    moe_aux_loss_coef: float = 0.0
+    moe_aux_loss_coef: float = ranged(0.0, ge=0)
     """Backend local, MoE: weight of the router's load-balancing loss in the trained loss.
     It is always computed over real tokens only (padding and alignment gaps excluded) and
     logged as ``moe/aux_loss`` with the max/min expert load. 0 (the default) logs it without
@@ -652,36 +629,28 @@ class TrainConfig(_Section):
     micro-batch, so packing on and off (which group conversations differently) no longer
     compute the same gradient. Not available with pipeline_parallel > 1 (its formula needs
     every layer's routing at once)."""
-    save_every: int = 20
+    save_every: int = ranged(20, ge=1)
     """Checkpoint every N optimizer steps."""
-    keep_last: int = 2
+    keep_last: int = ranged(2, ge=1)
     """Checkpoints kept."""
-    eval_every: int = 0
+    eval: bool = True
+    """Evaluate on the val split: the eval loss (and the answer accuracy of
+    ``eval_samples`` questions) at the start, every ``eval_every`` steps and at the end.
+    ``false`` trains without eval, for a data set with no validation rows (validate refuses
+    ``true`` there); the runs then report no eval figures."""
+    eval_every: int = ranged(0, ge=0)
     """Evaluate every N steps (0: only at the start and the end)."""
-    eval_samples: int = 100
+    eval_samples: int = ranged(100, ge=0)
     """Val questions answered greedily for the accuracy figure."""
     compare_packing: bool = True
     """Train packing on and off side by side (the A/B); false trains ``packing.enabled`` only."""
-
-    def rules(self) -> list[str]:
-        p: list[str] = []
-        _check(p, self.max_steps > 0, f"train.max_steps must be > 0, got {self.max_steps}")
-        _check(p, self.global_batch_size > 0, "train.global_batch_size must be > 0")
-        _check(p, self.micro_batch_size > 0, "train.micro_batch_size must be > 0")
-        _check(p, self.unpacked_micro_batch_size > 0, "train.unpacked_micro_batch_size must be > 0")
-        _check(p, self.lr > 0, f"train.lr must be > 0, got {self.lr}")
-        _check(p, self.warmup_steps >= 0, "train.warmup_steps must be >= 0")
-        _check(p, self.keep_last >= 1, "train.keep_last must be >= 1")
-        _check(p, self.shuffle_buffer_size >= 1, "train.shuffle_buffer_size must be >= 1")
-        _check(p, self.max_samples_per_sequence >= 1, "train.max_samples_per_sequence must be >= 1")
-        _check(p, self.nproc_per_node >= 1, "train.nproc_per_node must be >= 1")
-        _check(p, self.moe_aux_loss_coef >= 0, "train.moe_aux_loss_coef must be >= 0")
-        return p
 
 
 @dataclass(kw_only=True)
 class MlflowConfig(_Section):
     """Experiment tracking."""
+
+    KEY: ClassVar[str] = "mlflow"
 
     tracking_uri: str | None = None
     """MLflow tracking URI; ``null`` uses the sqlite store ``<work_dir>/mlflow.db``."""
@@ -695,15 +664,17 @@ class MlflowConfig(_Section):
 class SlurmConfig(_Section):
     """SLURM executor settings (used with ``executor.kind: slurm``)."""
 
+    KEY: ClassVar[str] = "executor.slurm"
+
     account: str = ""
     """Account charged for the jobs."""
     partition: str = ""
     """Partition to submit to."""
-    nodes: int = 1
+    nodes: int = ranged(1, ge=1)
     """Nodes per training job."""
-    gpus_per_node: int = 8
+    gpus_per_node: int = ranged(8, ge=0)
     """GPUs per node requested by the train job (0: none); the other stages ask for none."""
-    nproc_per_node: int | None = None
+    nproc_per_node: int | None = ranged(None, ge=1)
     """torchrun processes per node of the train job; ``null`` → ``gpus_per_node``. With
     ``train.backend: local`` every process is a data-parallel rank, so
     ``train.global_batch_size`` must divide by ``nodes × nproc_per_node``."""
@@ -729,13 +700,6 @@ class SlurmConfig(_Section):
 
     def rules(self) -> list[str]:
         p: list[str] = []
-        _check(p, self.nodes >= 1, f"executor.slurm.nodes must be >= 1, got {self.nodes}")
-        _check(p, self.gpus_per_node >= 0, "executor.slurm.gpus_per_node must be >= 0")
-        _check(
-            p,
-            self.nproc_per_node is None or self.nproc_per_node >= 1,
-            "executor.slurm.nproc_per_node must be >= 1 (or null for gpus_per_node)",
-        )
         _check(
             p,
             all(":" in m for m in self.container_mounts),
@@ -747,6 +711,8 @@ class SlurmConfig(_Section):
 @dataclass(kw_only=True)
 class ExecutorConfig(_Section):
     """Where the stages run."""
+
+    KEY: ClassVar[str] = "executor"
 
     kind: ExecutorKind = ExecutorKind.local
     """``local`` (NeMo-Run LocalExecutor) or ``slurm``."""
@@ -1037,17 +1003,12 @@ def section_findings(cfg: PipelineConfig) -> tuple[list[Finding], list[Check]]:
             continue
         rule_id = f"config.{f.name}"
         requires = f"types, ranges and enums of `{f.name}` (schemas/config.py)"
-        found = [
-            Finding(
-                rule_id,
-                requires,
-                "error",
-                _leading_key(message, f.name),
-                message,
-                f"change {_leading_key(message, f.name)} (schemas/config.py documents it)",
-            )
-            for message in section.all_rules()
-        ]
+        found = []
+        for problem in section.all_rules():
+            message, _, fix = problem.partition("; fix: ")
+            key = _leading_key(message, f.name)
+            fix = fix or f"change {key} (schemas/config.py documents it)"
+            found.append(Finding(rule_id, requires, "error", key, message, fix))
         findings += found
         checks.append(Check(rule_id, "config", requires, "error" if found else "ok"))
     return findings, checks

@@ -326,6 +326,99 @@ def _fixed_width(cfg: PipelineConfig) -> list[Issue] | None:
     ]
 
 
+# --- what the model and processor a config names can take (schemas/facts.py) ---------------
+
+
+@CONFIG_RULES.rule(
+    "packing.context_length",
+    "packing",
+    "packing.seq_length is within the model's context length (max_position_embeddings)",
+)
+def _context_length(cfg: PipelineConfig) -> list[Issue] | None:
+    from schemas.facts import context_length
+
+    limit = context_length(cfg.model.path)
+    if limit is None or cfg.packing.seq_length < 1:
+        return None  # no readable config.json: validate's model rules say why
+    if cfg.packing.seq_length <= limit:
+        return []
+    whose = f"{cfg.model.path}/config.json" if cfg.model.path else "the built-in tiny model"
+    return [
+        error(
+            "packing.seq_length",
+            f"packing.seq_length {cfg.packing.seq_length:,} exceeds the model's context length "
+            f"{limit:,} (max_position_embeddings of {whose}): a row is one sequence to the "
+            "model, and positions past its context were never trained",
+            f"set packing.seq_length <= {limit}",
+        )
+    ]
+
+
+def packer_round_bytes(seq_length: int, buffer_size: int) -> int:
+    """Memory of one round of carry-over's fullest-subset search
+    (``packline.packing.selection.fullest_subset``): a bit set of the reachable sums, C + 1
+    bits, for each of the round's samples and one more.
+
+    >>> packer_round_bytes(4096, 64)
+    33345
+    """
+    return (buffer_size + 1) * ((seq_length + 1 + 7) // 8)
+
+
+def _physical_memory() -> int:
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+@CONFIG_RULES.rule(
+    "packing.memory",
+    "packing",
+    "one packing round at packing.seq_length fits in this machine's memory",
+)
+def _packer_memory(cfg: PipelineConfig) -> list[Issue] | None:
+    p = cfg.packing
+    buffers = [p.packing_buffer_size, *p.forecast_buffer_sizes]
+    if p.seq_length < 1 or min(buffers) < 1:
+        return None
+    buffer = max(buffers)
+    need, have = packer_round_bytes(p.seq_length, buffer), _physical_memory()
+    if need <= have // 2:
+        return []
+    gib = 1024**3
+    return [
+        error(
+            "packing.seq_length",
+            f"packing.seq_length {p.seq_length:,} with buffers of up to {buffer:,} samples: a "
+            f"packing round (connect's forecast, the loader's carry-over) holds a {p.seq_length:,}"
+            f"-bit set per sample, {need / gib:,.1f} GiB, more than half of this machine's "
+            f"{have / gib:,.1f} GiB",
+            "set packing.seq_length to the rows the model trains on (its context length at "
+            "most), or smaller packing.packing_buffer_size and packing.forecast_buffer_sizes",
+        )
+    ]
+
+
+@CONFIG_RULES.rule(
+    "processor.pixel_bounds",
+    "processor",
+    "the pixel bounds an image is resized within are consistent (the processor's own, or "
+    "processor.* in their place)",
+)
+def _pixel_bounds(cfg: PipelineConfig) -> list[Issue] | None:
+    from schemas.facts import ImageBounds
+
+    overrides = cfg.processor.geometry_overrides()
+    if any(v < 1 for v in overrides.values()):
+        return None  # out of range: the section's own rule says so
+    bounds = ImageBounds.of(cfg.processor.path, overrides)
+    if bounds is None:
+        return None  # no readable image processor config: connect says why
+    return [
+        error("processor.max_pixels", *problem.split("; fix: ", 1)) for problem in bounds.problems()
+    ]
+
+
 # --- Megatron-Bridge with Energon packing (train.backend: megatron) -------------------------
 
 
@@ -418,6 +511,8 @@ def layout_issues(cfg: PipelineConfig, *, setting: str) -> list[Issue]:
     from schemas.layout import ParallelLayout
 
     par, world = cfg.train.parallel, train_world(cfg)
+    if min(world, par.expert_parallel, par.pipeline_parallel, cfg.train.global_batch_size) < 1:
+        return []  # a count out of its range: the section's own rule names it
     found = ParallelLayout.from_config(par, world).problems(
         rows_per_step=cfg.train.global_batch_size,
         packed_only=not cfg.train.compare_packing and cfg.packing.enabled,

@@ -15,16 +15,19 @@ from pathlib import Path
 from typing import Any
 
 from schemas import config
+from schemas.ranges import Range, field_range
 
 HEADER = """\
 # Config reference
 
 Every setting of a pipeline config, by its dotted key (`key=value` on the command line),
 generated from the schema (`schemas/config.py`, the docstring under each field) by
-`.venv/bin/python -m pipelines.reference`: do not edit by hand. The defaults are the
-schema's; a config file sets some of them differently (`configs/tiny_cpu.yaml` is the
-default file), and `packline config [CONFIG] [key=value ...]` prints the resolved values and
-where each came from.
+`.venv/bin/python -m pipelines.reference`: do not edit by hand. The range is what a setting
+may take, declared once on its field: any command refuses a value outside it before anything
+runs (exit 2), listing every such value at once with its fix; `null` is allowed where the
+type says so. The defaults are the schema's; a config file sets some of them differently
+(`configs/tiny_cpu.yaml` is the default file), and `packline config [CONFIG] [key=value ...]`
+prints the resolved values and where each came from.
 """
 
 
@@ -101,14 +104,30 @@ def _default(f: Field) -> Any:
     return MISSING
 
 
+def _range(f: Field, hint: Any) -> str:
+    """The values a field may take, as the reference shows them (empty: any of its type)."""
+    rng = field_range(f)
+    if rng is None and "float" in str(hint):
+        rng = Range()
+    if rng is None:
+        return ""
+    text = rng.text()
+    if "float" in str(hint):
+        text = "finite" if text == "any" else f"finite, {text}"
+    return text.replace(">=", "≥").replace("<=", "≤")
+
+
+Row = tuple[str, str, str, str, str]
+
+
 def _sections(
     cls: type, prefix: str, docs: dict[tuple[str, str], str]
-) -> list[tuple[str, str, list[tuple[str, str, str, str]]]]:
+) -> list[tuple[str, str, list[Row]]]:
     """(dotted section name, its docstring, its rows) for ``cls`` and every section nested
-    in it, in the schema's order; a row is (key, type, default, meaning)."""
+    in it, in the schema's order; a row is (key, type, default, range, meaning)."""
     hints = typing.get_type_hints(cls, vars(config))
-    rows: list[tuple[str, str, str, str]] = []
-    nested: list[tuple[str, str, list[tuple[str, str, str, str]]]] = []
+    rows: list[Row] = []
+    nested: list[tuple[str, str, list[Row]]] = []
     for f in fields(cls):
         key = f"{prefix}.{f.name}" if prefix else f.name
         default = _default(f)
@@ -119,7 +138,9 @@ def _sections(
         if meaning is None:
             raise ValueError(f"schemas/config.py: {cls.__name__}.{f.name} has no docstring")
         shown = "required" if default is MISSING or default == "???" else _value(default)
-        rows.append((f"`{key}`", _type_name(hints[f.name]), shown, _markdown(meaning)))
+        rng = _range(f, hints[f.name])
+        row = (f"`{key}`", _type_name(hints[f.name]), shown, rng, _markdown(meaning))
+        rows.append(row)
     own = (prefix or "top level", _markdown(cls.__doc__ or ""), rows)
     return [own, *nested] if rows else nested
 
@@ -132,6 +153,6 @@ def config_reference() -> str:
         out += ["", f"## `{name}`" if name != "top level" else "## Top level", ""]
         if doc:
             out += [doc, ""]
-        out += ["| key | type | default | meaning |", "|---|---|---|---|"]
+        out += ["| key | type | default | range | meaning |", "|---|---|---|---|---|"]
         out += [f"| {' | '.join(row)} |" for row in rows]
     return "\n".join(out) + "\n"

@@ -18,9 +18,12 @@ every key against a pinned Bridge release's source):
   ``alltoall`` dispatcher, EP communication overlap and delayed wgrad off; EP > 1 packs
   fixed-width rows (``dataset.pad_to_max_length``); sequence parallelism on with TP > 1, as
   Bridge's MoE provider turns it on anyway.
-- schedule: AdamW with ``train.weight_decay`` in the optimizer *and* the scheduler's
-  ``start_weight_decay``/``end_weight_decay`` (the scheduler writes every param group's decay
-  each step from those: the recipes' 0.033 would otherwise decay the adapters).
+- evaluation every ``train.eval_every`` steps (else once, at the end), none with
+  ``train.eval: false`` (``validation.eval_iters=0``: Bridge builds no validation dataset).
+- schedule: AdamW (``train.adam_beta1``, ``adam_beta2``) with ``train.weight_decay`` in the
+  optimizer *and* the scheduler's ``start_weight_decay``/``end_weight_decay`` (the scheduler
+  writes every param group's decay each step from those: the recipes' 0.033 would otherwise
+  decay the adapters).
 - LoRA, checkpoints (resume from ``<work>/train/megatron/checkpoints``), and Bridge's own MLflow
   logger pointed at packline's store and experiment.
 
@@ -234,6 +237,8 @@ def _packline_overrides(
             "optimizer.lr": t.lr,
             "optimizer.min_lr": 0.0,
             "optimizer.weight_decay": t.weight_decay,
+            "optimizer.adam_beta1": t.adam_beta1,
+            "optimizer.adam_beta2": t.adam_beta2,
             "optimizer.clip_grad": t.grad_clip,
             "scheduler.lr_warmup_iters": t.warmup_steps,
             "scheduler.lr_decay_iters": t.max_steps,
@@ -260,6 +265,8 @@ def _packline_overrides(
             "logger.log_interval": 1,
         }
     )
+    if not t.eval:  # no validation dataset is built, none is read (a set without val rows)
+        o["validation.eval_iters"] = 0
     if cfg.mlflow.enabled:
         tags = {"packline.pipeline": cfg.name, "packline.stage": "train", **(mlflow_tags or {})}
         o.update(

@@ -19,6 +19,7 @@ from transformers import (
 )
 
 from packline.qwen.processor import processor_geometry, special_token_ids
+from schemas.facts import TINY_CONTEXT_LENGTH
 
 TINY_TEXT = dict(
     hidden_size=128,
@@ -27,6 +28,7 @@ TINY_TEXT = dict(
     num_attention_heads=4,
     num_key_value_heads=2,
     head_dim=32,
+    max_position_embeddings=TINY_CONTEXT_LENGTH,
     use_cache=False,  # an enabled cache disables packed-sequence detection (see forward.py)
     rope_parameters={
         "rope_type": "default",

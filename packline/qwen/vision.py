@@ -36,20 +36,23 @@ from transformers.models.qwen3_vl.video_processing_qwen3_vl import (
 )
 from transformers.video_utils import VideoMetadata
 
+from schemas.facts import TINY_IMAGE, image_geometry_fields, image_processor_params
+
 
 @dataclass(frozen=True, kw_only=True)
 class ImageGeometry:
     """The parameters of the image processor that decide an image's token count."""
 
-    patch_size: int = 16
+    # The defaults are the built-in tiny processor's (schemas.facts.TINY_IMAGE).
+    patch_size: int = TINY_IMAGE["patch_size"]
     """Side of one ViT patch in pixels (Qwen3-VL: 16)."""
-    merge_size: int = 2
+    merge_size: int = TINY_IMAGE["merge_size"]
     """Patches merged per side into one LLM token (2 → 4 patches per token)."""
-    temporal_patch_size: int = 2
+    temporal_patch_size: int = TINY_IMAGE["temporal_patch_size"]
     """Frames per temporal patch; a still image is duplicated to fill it (t = 1)."""
-    min_pixels: int = 64 * 64
+    min_pixels: int = TINY_IMAGE["min_pixels"]
     """Images are upscaled to at least this many pixels."""
-    max_pixels: int = 1024 * 32 * 32
+    max_pixels: int = TINY_IMAGE["max_pixels"]
     """Images are downscaled to at most this many pixels (here: 1,024 visual tokens)."""
     qwen_vl_utils_resize: bool = False
     """Resize first as Megatron-Bridge's Qwen path does (qwen-vl-utils' ``fetch_image``: a
@@ -63,27 +66,13 @@ class ImageGeometry:
     def from_processor_dir(cls, path: str | Path) -> ImageGeometry:
         """Read the geometry from a saved HF processor dir (``preprocessor_config.json`` or
         the ``image_processor`` entry of ``processor_config.json``)."""
-        path = Path(path)
-        params: dict | None = None
-        pre = path / "preprocessor_config.json"
-        proc = path / "processor_config.json"
-        if pre.is_file():
-            params = json.loads(pre.read_text())
-        elif proc.is_file():
-            params = json.loads(proc.read_text()).get("image_processor")
+        params = image_processor_params(path)
         if not params:
             raise ValueError(
                 f"{path} holds no image processor config (preprocessor_config.json or "
                 "processor_config.json with an 'image_processor' entry)"
             )
-        size = params.get("size") or {}
-        return cls(
-            patch_size=int(params.get("patch_size", 16)),
-            merge_size=int(params.get("merge_size", 2)),
-            temporal_patch_size=int(params.get("temporal_patch_size", 2)),
-            min_pixels=int(params.get("min_pixels") or size.get("shortest_edge", 64 * 64)),
-            max_pixels=int(params.get("max_pixels") or size.get("longest_edge", 1024 * 32 * 32)),
-        )
+        return cls(**image_geometry_fields(params))
 
     def with_overrides(self, **overrides: int | bool) -> ImageGeometry:
         """This geometry with some fields replaced (e.g. a config's ``processor.*``)."""

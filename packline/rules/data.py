@@ -132,6 +132,50 @@ def _train_fits(x: Inputs) -> list[Issue]:
     ]
 
 
+#: How a source gets validation rows, by what prepare read (the fix of ``data.val_rows``).
+_VAL_ROWS_FIX = (
+    'give rows "split": "val" (a folder or LLaVA file: or leave split out of some rows, '
+    "prepare.val_fraction sends that share of them to val), or a val split part to an Energon "
+    "dataset's .nv-meta/split.yaml"
+)
+
+
+@DATA_RULES.rule(
+    "data.val_rows",
+    "data",
+    "the val split holds a sample that fits in packing.seq_length, when train.eval is on",
+)
+def _val_rows(x: Inputs) -> list[Issue]:
+    seq = x.cfg.packing.seq_length
+    aligned = _aligned(x)
+    in_val = x.lengths["split"] == "val"
+    fits = int((aligned[in_val] <= seq).sum())
+    if fits:
+        return []
+    what = (
+        "the data set has no validation rows"
+        if not in_val.any()
+        else f"none of the {int(in_val.sum())} validation samples fits in packing.seq_length {seq}"
+    )
+    if not x.cfg.train.eval:
+        return [
+            warning(
+                "train.eval",
+                f"{what}: the run trains without eval (train.eval is false) and reports no "
+                "eval loss or accuracy",
+                _VAL_ROWS_FIX,
+            )
+        ]
+    return [
+        error(
+            "train.eval",
+            f"{what}, and train.eval is on: the eval at the start of training would have "
+            "nothing to read",
+            f"{_VAL_ROWS_FIX}; or set train.eval=false to train without eval",
+        )
+    ]
+
+
 @DATA_RULES.rule(
     "data.images_per_sample", "data", "no sample has more images than prepare.max_images"
 )

@@ -9,6 +9,7 @@ One home for the adapter dir: the train stage writes it here; ``packline chat`` 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -124,7 +125,7 @@ def model_card(cfg: PipelineConfig, run: RunSummary, forecast: dict[str, Any], f
         f"- answer accuracy: {_start_end(run.eval_accuracy_start, run.eval_accuracy, '.3f')}"
         + (
             f" (chance {run.eval_accuracy_chance:.3f})"
-            if run.eval_accuracy_chance is not None
+            if run.eval_accuracy_chance is not None and math.isfinite(run.eval_accuracy_chance)
             else ""
         ),
         f"- final train loss: {run.final_train_loss:.4f}",

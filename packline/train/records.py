@@ -47,7 +47,10 @@ def append_record(path: Path, record: dict[str, Any]) -> None:
 
 def read_records(path: Path) -> list[dict[str, Any]]:
     """The complete records of ``path`` in step order, the last record of a step winning;
-    an unterminated last line (a record still being written, or torn) is skipped."""
+    an unterminated last line (a record still being written, or torn) is skipped; none
+    when there is no file (a run without eval writes no eval records)."""
+    if not Path(path).is_file():
+        return []
     *complete, _tail = Path(path).read_text().split("\n")
     by_step: dict[int, dict[str, Any]] = {}
     for line in complete:

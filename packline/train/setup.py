@@ -166,16 +166,20 @@ def build_trainer(
             },
         )
         model = engine.model
-    evaluator = Evaluator(
-        dataset_path=dataset_path,
-        processor_dir=processor_dir,
-        processor=processor,
-        packing=settings.packing,
-        packing_buffer_size=settings.stream.packing_buffer_size,
-        image_token_id=image_token_id,
-        video_token_id=video_token_id,
-        eval_samples=settings.eval_samples,
-        scorer=SHAPES_SCORER,  # the built-in set's grading of the answers its samples ask
+    evaluator = (
+        None
+        if not cfg.train.eval
+        else Evaluator(
+            dataset_path=dataset_path,
+            processor_dir=processor_dir,
+            processor=processor,
+            packing=settings.packing,
+            packing_buffer_size=settings.stream.packing_buffer_size,
+            image_token_id=image_token_id,
+            video_token_id=video_token_id,
+            eval_samples=settings.eval_samples,
+            scorer=SHAPES_SCORER,  # the built-in set's grading of the answers its samples ask
+        )
     )
     device = device or torch.device("cpu")
     return Trainer(

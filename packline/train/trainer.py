@@ -86,6 +86,8 @@ class TrainerSettings:
     warmup_steps: int
     weight_decay: float
     grad_clip: float
+    betas: tuple[float, float]
+    """AdamW's (beta1, beta2)."""
     seed: int
     precision: str
     """``auto`` | ``bf16`` | ``fp32`` (see :func:`use_bf16`)."""
@@ -117,6 +119,7 @@ class TrainerSettings:
             warmup_steps=t.warmup_steps,
             weight_decay=t.weight_decay,
             grad_clip=t.grad_clip,
+            betas=(t.adam_beta1, t.adam_beta2),
             precision=t.precision.value,
             seed=t.seed,
             save_every=t.save_every,
@@ -275,7 +278,7 @@ class Trainer:
         """Rank 0's one-process model for evaluation and export when the training model is
         split over ranks (EP, PP); None when every rank holds the whole model."""
         self.optimizer = torch.optim.AdamW(
-            self.params, lr=settings.lr, weight_decay=settings.weight_decay
+            self.params, lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,

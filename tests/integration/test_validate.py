@@ -183,12 +183,50 @@ def test_overlength_with_policy_drop_is_a_warning(connected, lengths, capsys):
 def test_no_training_sample_fitting_is_an_error(connected, lengths, capsys):
     code, problems, _ = _validate(connected, capsys, "packing.seq_length=16")
     train = lengths[lengths["split"] == "train"]["total_tokens"]
+    val = lengths[lengths["split"] == "val"]
     assert code == 2
-    assert problems == [
+    assert problems[0] == (
         f"none of the {len(train)} training samples fits in packing.seq_length 16 (the "
         f"shortest needs {int(train.min())} tokens after alignment); fix: set "
         f"packing.seq_length={int(train.max())} or more"
+    )
+    assert problems[1].startswith(
+        f"none of the {len(val)} validation samples fits in packing.seq_length 16, and "
+        "train.eval is on"
+    )
+    assert len(problems) == 2
+
+
+def test_a_set_without_validation_rows_is_refused_unless_the_run_trains_without_eval(
+    tmp_path, capsys
+):
+    """No val rows (the built-in set with ``data.num_val=0``): validate refuses train.eval
+    on, with the fix; with train.eval=false it warns, and the run trains without eval (the
+    train stage used to crash on Energon's "Invalid split part: 'val'")."""
+    work = tmp_path / "work"
+    small = ["data.num_train=12", "data.num_val=0", "train.max_steps=2", "train.save_every=2"]
+    cfg = make_config(work, "mlflow.enabled=false", *small)
+    prepare_dataset(cfg)
+    connect_processor(cfg)
+    code, problems, _ = _validate(work, capsys, *small)
+    assert code == 2
+    assert problems == [
+        "the data set has no validation rows, and train.eval is on: the eval at the start of "
+        'training would have nothing to read; fix: give rows "split": "val" (a folder or '
+        "LLaVA file: or leave split out of some rows, prepare.val_fraction sends that share of "
+        "them to val), or a val split part to an Energon dataset's .nv-meta/split.yaml; or "
+        "set train.eval=false to train without eval"
     ]
+    no_eval = ["train.eval=false", "train.compare_packing=false"]
+    code, problems, report = _validate(work, capsys, *small, *no_eval)
+    assert code == 0 and problems == []
+    (warned,) = [f for f in report["warnings"] if f["rule"] == "data.val_rows"]
+    assert warned["message"].startswith("the data set has no validation rows: the run trains")
+    result = train_lora(make_config(work, "mlflow.enabled=false", *small, *no_eval))
+    assert result.metrics["compare/packed_final_train_loss"] > 0
+    run = work / "train" / "packed"
+    assert not (run / "eval.jsonl").exists() and (run / "adapter" / "adapter_config.json").is_file()
+    assert "- eval loss: not evaluated\n" in (run / "adapter" / "README.md").read_text()
 
 
 def test_alignment_counts_in_the_overlength_check(connected, lengths, capsys):
@@ -590,7 +628,7 @@ def test_the_stage_itself_rechecks_config_rules_on_the_object_it_gets(connected)
     with pytest.raises(UserError) as info:
         validate_config(cfg)
     assert info.value.problems == [
-        "lora.rank must be > 0, got 0; fix: change lora.rank (schemas/config.py documents it)",
+        "lora.rank must be > 0, got 0; fix: set lora.rank to a value > 0 (default 8)",
         "train.micro_batch_size is 2, but a packed micro-batch is exactly one row; fix: set "
         "train.micro_batch_size=1 (pack more conversations per row instead)",
     ]

@@ -46,6 +46,7 @@ def test_a_folder_of_videos_flows_from_prepare_to_a_training_step(tmp_path):
         *VIDEO_LIMITS,
         "prepare.max_reject_fraction=0.9",
         "prepare.val_fraction=0",
+        "train.eval=false",  # no val rows (validate refuses an eval of nothing)
         "train.global_batch_size=2",
         "train.eval_samples=0",
         "packing.seq_length=1024",

@@ -22,7 +22,7 @@ from packline.qwen.real_configs import real_config
 from packline.rules.megatron import MEGATRON_RULES, megatron_findings, megatron_problems
 from packline.train.setup import lora_target_matches
 from pipelines.cli import main
-from schemas.config import PROJECT_ROOT, load_config
+from schemas.config import PROJECT_ROOT, TINY_BASE, load_config
 from schemas.errors import UserError
 from schemas.guardrails import CONFIG_RULES, config_findings
 from tests.unit.test_megatron_overrides import DENSE, MOE, cluster_config
@@ -54,7 +54,23 @@ CONFIG_ERRORS = [
     (
         "packing.buffer",  # schemas/config.py PackingConfig.rules
         ["packing.packing_buffer_size=0"],
-        "packing.packing_buffer_size must be > 0, got 0",
+        "packing.packing_buffer_size must be > 0, got 0; fix: set packing.packing_buffer_size "
+        "to a value > 0 (default 64)",
+    ),
+    (
+        "packing.context_length",  # schemas/guardrails.py, the model's config.json
+        ["packing.seq_length=131072"],
+        f"packing.seq_length 131,072 exceeds the model's context length 128,000 "
+        f"(max_position_embeddings of {TINY_BASE}/config.json): a row is one sequence to the "
+        "model, and positions past its context were never trained; fix: set "
+        "packing.seq_length <= 128000",
+    ),
+    (
+        "processor.pixel_bounds",  # schemas/guardrails.py, the processor's own bounds
+        ["processor.max_pixels=2048"],
+        "processor.max_pixels 2,048 is below the processor's own min_pixels (the built-in tiny "
+        "processor) 4,096: no image size lies within both; fix: set processor.max_pixels >= "
+        "4096 (or processor.min_pixels <= 2048)",
     ),
     (
         "packing.per_token_loss",
