@@ -55,10 +55,14 @@ Every way a row can be bad maps to one reason of ``schemas.tables.REJECT_REASONS
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import json
+import os
 import re
+import stat
+import unicodedata
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,6 +72,7 @@ from PIL import Image
 
 from packline.qwen.vision import ImageGeometry, VideoGeometry, read_image_size
 from packline.video import VideoError, VideoHeader, probe_video
+from schemas.paths import not_regular
 
 IMAGE_MARKER = "<image>"
 VIDEO_MARKER = "<video>"
@@ -101,13 +106,17 @@ class Rejected(Exception):
 
 @dataclass
 class ImageRef:
-    """One image of a row: its source path, encoded bytes and header size."""
+    """One image of a row: its source path, encoded bytes and header size (the stored
+    pixels', which is what every reader of the shards decodes: see ``docs/data.md``)."""
 
     path: str
     data: bytes
     ext: str
     width: int
     height: int
+    #: the EXIF orientation tag (1: as stored; 2-8: a viewer would flip or turn it); counted
+    #: (``prepare/image_exif_oriented``), never applied
+    orientation: int = 1
 
 
 @dataclass
@@ -406,21 +415,64 @@ def structure_conversation(
 
 def _media_path(folder: Path, rel: Any, sid: str, kind: str) -> Path:
     """The file a row's media path names (``kind``: ``image`` or ``video``), refusing paths
-    that are absolute or escape the folder (``<kind>_path_unsafe``) and missing files
-    (``missing_<kind>``)."""
+    that are absolute or escape the folder (``<kind>_path_unsafe``) and a loop of symbolic
+    links (``<kind>_unreadable``); whether the file is there and readable is
+    :class:`FolderMedia`'s to find out."""
     if not isinstance(rel, str) or not rel:
         raise Rejected("malformed", f"{kind} path {rel!r} is not a non-empty string", sid)
     if Path(rel).is_absolute():
         raise Rejected(
             f"{kind}_path_unsafe", f"{rel!r} is absolute; paths are relative to the folder", sid
         )
+    if "\x00" in rel:
+        raise Rejected(f"{kind}_path_unsafe", f"{rel!r} holds a NUL, which no file name can", sid)
     root = folder.resolve()
-    path = (root / rel).resolve()
+    try:
+        path = (root / rel).resolve()
+    except (RuntimeError, OSError) as exc:  # a loop: RuntimeError up to 3.12, ELOOP after
+        raise Rejected(f"{kind}_unreadable", _os_problem(exc, rel), sid) from None
     if not path.is_relative_to(root):
         raise Rejected(f"{kind}_path_unsafe", f"{rel!r} escapes the data folder", sid)
-    if not path.is_file():
-        raise Rejected(f"missing_{kind}", f"{kind} {rel!r} does not exist", sid)
     return path
+
+
+def _os_problem(exc: OSError | RuntimeError, rel: str, st: os.stat_result | None = None) -> str:
+    """Why the file ``rel`` cannot be read, from what the system said (``st``: its
+    ``stat``, where that worked)."""
+    if isinstance(exc, RuntimeError) or exc.errno == errno.ELOOP:
+        return f"{rel!r} is a loop of symbolic links"
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        if st is None:  # stat itself was refused: a directory on the way
+            why = "a directory on its path cannot be searched"
+        else:
+            why = f"mode {stat.S_IMODE(st.st_mode):03o}, owner uid {st.st_uid}"
+        return f"{rel!r}: permission denied ({why}); let the user running prepare read it"
+    name = errno.errorcode.get(exc.errno, str(exc.errno))
+    return f"{rel!r}: {exc.strerror or exc} ({name})"
+
+
+def _normalisation_twin(root: Path, rel: str) -> str | None:
+    """The name on disk that differs from a missing part of ``rel`` only in Unicode
+    normalisation (e.g. ``café`` in NFD where the row has NFC, common from macOS), else None.
+    Only the directory where the path stops existing is listed, and only for a name that is
+    not ASCII (an ASCII name is its own NFC and NFD)."""
+    here = root
+    for part in Path(rel).parts:
+        if os.path.lexists(here / part):
+            here = here / part
+            continue
+        if part.isascii():
+            return None
+        want = unicodedata.normalize("NFC", part)
+        try:
+            with os.scandir(here) as entries:
+                for entry in entries:
+                    if unicodedata.normalize("NFC", entry.name) == want:
+                        return entry.name
+        except OSError:
+            pass
+        return None
+    return None
 
 
 class MediaSource:
@@ -448,13 +500,62 @@ class MediaSource:
 @dataclass
 class FolderMedia(MediaSource):
     """Media named by paths relative to ``folder`` (a conversation folder, or a LLaVA JSON
-    file's media dir): absolute, escaping and missing paths are rejected."""
+    file's media dir). Each file is looked at (``stat``, following links) before it is
+    opened: a missing file is ``missing_<kind>`` (naming a file whose name differs only in
+    Unicode normalisation), anything but a regular file (a FIFO, a device, a socket, a
+    directory) and a file the system refuses to read (no permission, a loop of links, an
+    I/O error) are ``<kind>_unreadable``, one over ``max_bytes`` ``<kind>_size_refused``;
+    none of these opens it, and each rejects its row only."""
 
     folder: Path
+    #: files larger than this (bytes, from ``stat``) are refused unread: ``prepare.max_media_bytes``
+    max_bytes: int = 1 << 30
 
     def read(self, ref: Any, sid: str, kind: str) -> tuple[bytes, str]:
         path = _media_path(self.folder, ref, sid, kind)
-        return path.read_bytes(), path.suffix.lower().lstrip(".")
+        try:
+            st = path.stat()
+        except (FileNotFoundError, NotADirectoryError):
+            detail = f"{kind} {ref!r} does not exist"
+            if (twin := _normalisation_twin(self.folder.resolve(), ref)) is not None:
+                detail += (
+                    f"; a file named {twin!r} differs from it only in Unicode normalisation "
+                    "(NFC vs NFD): rename the file or the path in the row"
+                )
+            raise Rejected(f"missing_{kind}", detail, sid) from None
+        except OSError as exc:
+            raise Rejected(f"{kind}_unreadable", _os_problem(exc, ref), sid) from None
+        data = self._read_regular(path, st, ref, sid, kind)
+        return data, path.suffix.lower().lstrip(".")
+
+    def _read_regular(self, path: Path, st: os.stat_result, ref: str, sid: str, kind: str) -> bytes:
+        """The bytes of the file ``path`` (``st``: its ``stat``) when it is a regular file
+        within ``max_bytes``; opened without blocking and checked again once open, so a file
+        swapped for a FIFO after the ``stat`` cannot hang the worker."""
+        if (what := not_regular(path, st)) is not None:
+            raise Rejected(f"{kind}_unreadable", f"{ref!r} is {what}, not a regular file", sid)
+        if st.st_size > self.max_bytes:
+            raise Rejected(
+                f"{kind}_size_refused",
+                f"{ref!r}: {st.st_size:,} bytes, over prepare.max_media_bytes {self.max_bytes:,}",
+                sid,
+            )
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            with open(fd, "rb") as f:
+                st = os.fstat(f.fileno())
+                if not stat.S_ISREG(st.st_mode):
+                    raise Rejected(f"{kind}_unreadable", f"{ref!r} is not a regular file", sid)
+                data = f.read()
+        except OSError as exc:
+            raise Rejected(f"{kind}_unreadable", _os_problem(exc, ref, st), sid) from None
+        if len(data) > self.max_bytes:  # it grew after the stat
+            raise Rejected(
+                f"{kind}_size_refused",
+                f"{ref!r}: {len(data):,} bytes, over prepare.max_media_bytes {self.max_bytes:,}",
+                sid,
+            )
+        return data
 
 
 @dataclass
@@ -476,14 +577,16 @@ def _load_image(media: MediaSource, rel: Any, sid: str, geometry: ImageGeometry)
     data, _ = media.read(rel, sid, "image")
     try:
         width, height = read_image_size(data)
-        ext = _decode_fully(data)
+        ext, orientation = _decode_fully(data)
     except ValueError as exc:
         raise Rejected("image_unreadable", f"{rel!r}: {exc}", sid) from None
     try:
         geometry.resized(height, width)
     except ValueError as exc:
         raise Rejected("image_size_refused", f"{rel!r} ({width}x{height}): {exc}", sid) from None
-    return ImageRef(path=str(rel), data=data, ext=ext, width=width, height=height)
+    return ImageRef(
+        path=str(rel), data=data, ext=ext, width=width, height=height, orientation=orientation
+    )
 
 
 def _load_video(media: MediaSource, rel: Any, sid: str, limits: VideoLimits) -> VideoRef:
@@ -526,16 +629,28 @@ def _load_video(media: MediaSource, rel: Any, sid: str, limits: VideoLimits) -> 
     return VideoRef(path=str(rel), data=data, ext=ext, header=header)
 
 
-def _decode_fully(data: bytes) -> str:
+#: The EXIF tag of an image's orientation (1: as stored).
+EXIF_ORIENTATION = 0x0112
+
+
+def _decode_fully(data: bytes) -> tuple[str, int]:
     """Decode every pixel once (a header can be fine while the pixels are truncated);
-    returns the file extension to store the bytes under."""
+    returns the file extension to store the bytes under and the image's EXIF orientation
+    (1 when it has none), read after the pixels so that no format decodes them twice (a
+    PNG's ``getexif`` loads the image when its header holds no EXIF)."""
     try:
         with Image.open(io.BytesIO(data)) as img:
             fmt = (img.format or "png").lower()
             img.load()
+            try:
+                orientation = img.getexif().get(EXIF_ORIENTATION, 1)
+            except Exception:  # damaged EXIF: the pixels are fine, and nothing turns them
+                orientation = 1
     except Exception as exc:
         raise ValueError(f"cannot decode pixels: {exc}") from exc
-    return {"jpeg": "jpg", "mpo": "jpg"}.get(fmt, fmt)
+    if not isinstance(orientation, int) or not 1 <= orientation <= 8:
+        orientation = 1  # a tag out of range: no viewer turns the image either
+    return {"jpeg": "jpg", "mpo": "jpg"}.get(fmt, fmt), orientation
 
 
 def parse_row(

@@ -57,11 +57,19 @@ class _Progress(Progress):
 
     def update(self, task_id, **kwargs) -> None:
         super().update(task_id, **kwargs)
+        self._note(task_id)
         self._log(task_id)
 
     def advance(self, task_id, advance: float = 1) -> None:
         super().advance(task_id, advance)
+        self._note(task_id)
         self._log(task_id)
+
+    def _note(self, task_id) -> None:
+        global _LAST
+        task = self._tasks[task_id]
+        if task.total:
+            _LAST = (min(task.completed / task.total, 1.0), task.description)
 
     def _log(self, task_id) -> None:
         if self.disable or self.console.is_terminal:
@@ -83,6 +91,16 @@ class _Progress(Progress):
         if not done and task.time_remaining is not None:
             line += f"  remaining {_clock(task.time_remaining)}"
         self.console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+_LAST: tuple[float, str] | None = None
+
+
+def last_fraction() -> tuple[float, str] | None:
+    """How far this process's most recently advanced progress task with a known total got
+    (fraction done, its description), None before any: what a stage that fails part way
+    (a device that fills, :mod:`packline.faults`) reports of its progress."""
+    return _LAST
 
 
 def _clock(seconds: float | None) -> str:

@@ -97,7 +97,8 @@ class Accepted:
     split: str
     entry: dict[str, object]
     manifest: dict[str, object]
-    #: video header caveats and Bridge's frames, summed into the stage's metrics
+    #: video header caveats, images with an EXIF orientation and Bridge's frames, summed
+    #: into the stage's metrics
     counts: Counter
 
 
@@ -166,6 +167,7 @@ def accepted_row(
         frames_counted=sum(v.header.counted for v in row.videos),
         variable_rate=sum(v.header.variable_rate for v in row.videos),
         rotated=sum(v.header.rotation != 0 for v in row.videos),
+        exif_oriented=sum(i.orientation != 1 for i in row.images),
     )
     if frames is not None and row.videos:
         parts, presampled = bridge_frame_parts(row, frames)
@@ -230,9 +232,12 @@ ROWS_PER_TASK = 16
 def row_context(cfg: PipelineConfig) -> RowContext:
     """The checks' settings for ``cfg``'s source."""
     kind = cfg.data.kind
+    media = None
+    if kind is not SourceKind.energon:  # an adopted dataset's samples carry their media
+        media = FolderMedia(media_dir(cfg), max_bytes=cfg.prepare.max_media_bytes)
     return RowContext(
         kind=kind,
-        media=None if kind is SourceKind.energon else FolderMedia(media_dir(cfg)),
+        media=media,
         geometry=image_geometry(cfg),
         videos=video_limits(cfg),
         max_images=cfg.prepare.max_images,
@@ -335,6 +340,9 @@ def prepare_metrics(
         "prepare/val_samples": c["val_samples"],
         "prepare/images": c["images"],
         "prepare/image_bytes": c["image_bytes"],
+        # Images whose EXIF orientation is not 1: their stored pixels are used, as Qwen's
+        # reference loader (qwen-vl-utils) and Megatron-Bridge use them (docs/data.md).
+        "prepare/image_exif_oriented": c["exif_oriented"],
         "prepare/shards": num_shards,
         "prepare/videos": c["videos"],
         "prepare/video_bytes": c["video_bytes"],

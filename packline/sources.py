@@ -34,8 +34,8 @@ An Energon dataset adopted in place is read shard by shard instead
 from __future__ import annotations
 
 import codecs
+import contextlib
 import io
-import shutil
 from collections.abc import Callable, Iterable, Iterator
 from itertools import islice
 from pathlib import Path
@@ -59,12 +59,24 @@ class NotUtf8(NamedTuple):
     detail: str
 
 
+@contextlib.contextmanager
+def _naming(path: Path) -> Iterator[None]:
+    """An ``OSError`` reading the open file ``path`` names it (a read error on a file
+    object carries no file name): a fault of the machine is reported with its path."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is None:
+            exc.filename = str(path)
+        raise
+
+
 def jsonl_rows(
     path: Path, on_offset: Callable[[int], None] | None = None
 ) -> Iterator[tuple[int, str | NotUtf8]]:
     """The non-blank lines of a jsonl file with their 1-based line numbers; a line that is
     not UTF-8 as :class:`NotUtf8` (the row is rejected, not the file)."""
-    with Path(path).open("rb") as f:
+    with Path(path).open("rb") as f, _naming(path):
         for lineno, raw in enumerate(f, start=1):
             if on_offset is not None:
                 on_offset(f.tell())
@@ -136,7 +148,7 @@ def llava_records(
         raise SourceError(f"{path}: a LLaVA-style JSON source is one list of records")
     number = 0
     for parser in (ijson, python_parser):
-        with Path(path).open("rb") as raw, _EscapedUtf8(raw) as f:
+        with Path(path).open("rb") as raw, _EscapedUtf8(raw) as f, _naming(path):
             try:
                 for n, record in enumerate(parser.items(f, "item", use_float=True), start=1):
                     if n <= number:
@@ -183,6 +195,7 @@ def resolve_source(cfg: PipelineConfig) -> Path:
     a copy found incomplete is generated again)."""
     if cfg.data.kind is not SourceKind.synthetic:
         return Path(cfg.data.source).expanduser().resolve()
+    from packline.faults import discard_partial
     from packline.progress import console, progress
     from packline.synthetic import shapes_dataset_problem, write_shapes_dataset
     from packline.workdir import mark_owned, new_temp_dir, publish
@@ -211,7 +224,7 @@ def resolve_source(cfg: PipelineConfig) -> Path:
         assert problem is None, f"the built-in set just written is not whole: {problem}"
         (tmp / SOURCE_DONE).write_text(f"{total} rows\n")
         publish(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException as exc:
+        discard_partial(tmp, exc)
         raise
     return out

@@ -46,6 +46,33 @@ def artifact_root(cfg: PipelineConfig) -> str:
     return (cfg.work_path / ARTIFACTS).as_uri()
 
 
+def check_store(db: Path) -> None:
+    """Refuse (``UserError``, exit 2) a sqlite store that is not a whole sqlite database —
+    a file cut short, overwritten, or a copy taken mid-write — naming it and the fix, before
+    MLflow opens it (MLflow would print a sqlite traceback, or try to migrate it). The file
+    is opened read-only (``mode=ro``) and never changed. Every packline command that opens
+    the store comes here first (:func:`relocate_artifacts`)."""
+    from schemas.errors import UserError
+
+    try:
+        with contextlib.closing(
+            sqlite3.connect(f"{db.resolve().as_uri()}?mode=ro", uri=True)
+        ) as con:
+            verdict = con.execute("PRAGMA quick_check").fetchone()[0]
+    except sqlite3.DatabaseError as exc:
+        verdict = str(exc)
+    if verdict == "ok":
+        return
+    raise UserError(
+        [
+            f"{db} is not a readable MLflow store (sqlite says: {verdict}); fix: move it aside "
+            f"to start a new one (mv {db} {db}.broken; the next run logs to a new store, the "
+            f"artifacts in {db.parent / ARTIFACTS} stay), or restore it from a backup"
+        ],
+        "the MLflow store is damaged",
+    )
+
+
 def relocate_artifacts(cfg: PipelineConfig) -> int:
     """Point the default store's recorded artifact locations at this work dir; returns how
     many experiments moved (0 when they already point here, or the store is not packline's
@@ -61,6 +88,7 @@ def relocate_artifacts(cfg: PipelineConfig) -> int:
     db = None if cfg.mlflow.tracking_uri else sqlite_path(tracking_uri(cfg))
     if db is None or not db.is_file():
         return 0
+    check_store(db)
     new = artifact_root(cfg)
     with contextlib.closing(sqlite3.connect(db, timeout=60)) as con, con:
         tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
@@ -206,3 +234,15 @@ class Tracker:
     def end(self, status: str = "FINISHED") -> None:
         if self.enabled:
             self.client.set_terminated(self.run_id, status)
+
+    def end_failed(self) -> None:
+        """End the run as FAILED on the way out of a failure: a store that cannot take it
+        now (the device that filled, a read-only mount) must not replace the error that
+        failed the stage; it is said in a warning instead."""
+        try:
+            self.end("FAILED")
+        except Exception as exc:  # noqa: BLE001 - the stage's own error goes on
+            from packline.progress import console
+
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            console.log(f"[yellow]warning:[/] the MLflow run could not be marked failed: {first}")

@@ -24,9 +24,11 @@ import os
 import shlex
 import sys
 import traceback
+from pathlib import Path
 
 import packline
 from packline.workdir import hold
+from pipelines.options import int_in, refuse_misplaced_bench_options
 from schemas.config import STAGES, load_config
 from schemas.errors import InputCrash, UserError
 
@@ -38,9 +40,14 @@ def _split_config(args: list[str]) -> tuple[str | None, list[str]]:
     return None, args
 
 
+_WORK: list[Path] = []  # the loaded config's work dir: where a fault naming no file happened
+
+
 def _load(args: list[str], extra: list[str] | None = None):
     config, overrides = _split_config(args)
-    return load_config(config, overrides + (extra or []))
+    cfg = load_config(config, overrides + (extra or []))
+    _WORK[:] = [cfg.work_path]
+    return cfg
 
 
 def _command() -> str:
@@ -76,18 +83,8 @@ def cmd_stage(ns: argparse.Namespace) -> int:
     return 0
 
 
-#: The bench options that only one benchmark reads.
-BENCH_ONLY = {"samples": "data", "bridge_path": "cluster-memory"}
-
-
 def cmd_bench(ns: argparse.Namespace) -> int:
-    misplaced = [
-        f"--{opt.replace('_', '-')} applies to bench {what} only, not bench {ns.what}"
-        for opt, what in BENCH_ONLY.items()
-        if getattr(ns, opt) is not None and ns.what != what
-    ]
-    if misplaced:
-        raise UserError(misplaced, "bench: an option this benchmark does not read")
+    refuse_misplaced_bench_options(ns)
     common = dict(as_json=ns.json, config=ns.config, work_dir=ns.work_dir, overrides=ns.overrides)
     if ns.what == "packing":
         from pipelines.bench import bench_packing
@@ -211,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--work-dir", help="where the benchmark prepares and runs (default: runs/bench)")
     b.add_argument(
         "--samples",
-        type=int,
+        type=int_in(1),
         help="bench data: conversations of the large set (default 20,000; the small one is a "
         "quarter of it)",
     )
@@ -234,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     u = sub.add_parser("ui", help="MLflow UI on 127.0.0.1 for this config's store")
     u.add_argument("args", nargs="*", metavar="[CONFIG] [key=value]")
-    u.add_argument("--port", type=int, default=5000, help="port (0: any free one)")
+    u.add_argument("--port", type=int_in(0, 65535), default=5000, help="port (0: any free one)")
     u.add_argument("--experiment", help="MLflow experiment (default: the config's)")
     u.set_defaults(fn=cmd_ui)
     h = sub.add_parser("chat", help="the trained adapter answers a prompt, or replays a sample")
@@ -242,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--image", help="an image file the prompt is about")
     h.add_argument("--video", help="a video file the prompt is about")
     h.add_argument("--sample", help="replay this prepared sample's question (default: 1st val)")
-    h.add_argument("--max-new-tokens", type=int, default=64, help="answer length limit")
+    h.add_argument("--max-new-tokens", type=int_in(1), default=64, help="answer length limit")
     h.set_defaults(fn=cmd_chat)
 
     e = sub.add_parser("export", help="the trained adapter (PEFT), or merged into the base (HF)")
@@ -271,29 +268,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from schemas.errors import UserError
-
     ns = parse_args(argv)
     debug = os.environ.get("PACKLINE_DEBUG") == "1"
     try:
         return ns.fn(ns)
-    except UserError as exc:
-        if debug:
-            traceback.print_exc()
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except InputCrash as exc:
-        if debug:
-            traceback.print_exc()
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
     except Exception as exc:  # noqa: BLE001 - the last line of defence of the CLI
-        traceback.print_exc()
-        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
+        from packline.faults import machine_fault
+
+        # a full disk, a read-only mount...: a reason (exit 2), not a bug
+        known = exc if isinstance(exc, (UserError, InputCrash)) else None
+        known = known or machine_fault(exc, _WORK[0] if _WORK else None)
+        if known is None or debug:
+            traceback.print_exc()
+        if known is None:
+            print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 1
+        print(f"error: {known}", file=sys.stderr)
+        return 1 if isinstance(known, InputCrash) else 2
 
 
 if __name__ == "__main__":

@@ -49,9 +49,15 @@ def run_stage_task(config_path: str, stage: str, parent_run_id: str = "") -> Non
 
 
 def _report(err: Path, report: dict) -> None:
+    """Write the task's error for the pipeline (on a device too full for even that, the
+    error stays on the task's stderr, in its log)."""
     tmp = err.with_name(f".{err.name}.{os.getpid()}.tmp")  # tasks may fail at once
-    tmp.write_text(json.dumps(report))
-    os.replace(tmp, err)
+    try:
+        tmp.write_text(json.dumps(report))
+        os.replace(tmp, err)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        print(f"cannot write {err}: {exc}", file=sys.stderr)
 
 
 def reported_error(work_dir: Path, stage: str) -> UserError | InputCrash | None:

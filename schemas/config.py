@@ -42,6 +42,7 @@ from schemas.choices import (
 )
 from schemas.errors import UserError
 from schemas.guardrails import Check, Finding, config_findings
+from schemas.paths import special_kind, unreadable
 from schemas.ranges import range_problems, ranged
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -140,6 +141,51 @@ def source_kind(source: str) -> SourceKind | None:
     return None
 
 
+def source_problem(source: str) -> str | None:
+    """Why ``data.source`` names nothing packline can read (what it is instead, and the
+    fix), None when it names a source this user can read.
+
+    >>> source_problem("/dev/null").split("; fix:")[0]
+    'data.source: /dev/null is a character device, not a folder or a file'
+    >>> source_problem("synthetic") is None
+    True
+    """
+    if source == "synthetic":
+        return None
+    path = Path(source).expanduser()
+    fix = (
+        "fix: point data.source at a conversation folder, a LLaVA-style .json file or an "
+        "Energon dataset dir"
+    )
+    if (special := special_kind(path)) is not None:
+        return f"data.source: {path} is {special}, not a folder or a file; {fix}"
+    rows = path / "conversations.jsonl"
+    if path.is_dir() and (special := special_kind(rows)) is not None:
+        return (
+            f"data.source: {rows} is {special}, not a regular file: prepare reads the file "
+            "whole, its size first; fix: write the rows to a regular file"
+        )
+    kind = source_kind(source)
+    if kind is None:
+        return (
+            f"data.source: {source!r} is neither 'synthetic', a folder with "
+            "conversations.jsonl, a LLaVA-style .json file nor an Energon dataset (a dir with "
+            ".nv-meta/dataset.yaml)"
+        )
+    read = {
+        SourceKind.folder: [path, rows],
+        SourceKind.llava: [path],
+        SourceKind.energon: [path, path / ".nv-meta", path / ".nv-meta" / "dataset.yaml"],
+    }[kind]
+    for item in read:
+        if (why := unreadable(item)) is not None:
+            return (
+                f"data.source: cannot read {item} ({why}); fix: make it readable for this "
+                "user (chmod/chown), or run packline as its owner"
+            )
+    return None
+
+
 @dataclass(kw_only=True)
 class DataConfig(_Section):
     """Where the conversations come from."""
@@ -184,13 +230,8 @@ class DataConfig(_Section):
     def rules(self) -> list[str]:
         p: list[str] = []
         kind = source_kind(self.source)
-        _check(
-            p,
-            kind is not None,
-            f"data.source: {self.source!r} is neither 'synthetic', a folder with "
-            "conversations.jsonl, a LLaVA-style .json file nor an Energon dataset (a dir with "
-            ".nv-meta/dataset.yaml)",
-        )
+        if (problem := source_problem(self.source)) is not None:
+            p.append(problem)
         if self.media_dir is not None:
             _check(
                 p,

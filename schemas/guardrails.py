@@ -477,6 +477,14 @@ def _data_placement(cfg: PipelineConfig) -> list[Issue]:
     return [error(*found) for found in data_placement_problems(cfg.work_path, STAGES, cfg.inputs())]
 
 
+@CONFIG_RULES.rule("config.work_dir", "config", "the work dir is a directory, or can be made one")
+def _work_dir(cfg: PipelineConfig) -> list[Issue]:
+    from schemas.paths import work_dir_problem
+
+    problem = work_dir_problem(cfg.work_path)
+    return [] if problem is None else [error("work_dir", *problem.split("; fix: ", 1))]
+
+
 def config_findings(cfg: PipelineConfig) -> list[Finding]:
     """What the cross-section guardrails find in ``cfg`` (errors and warnings)."""
     return CONFIG_RULES.run(cfg)[0]

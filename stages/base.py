@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import packline
+from packline.faults import discard_partial
 from packline.workdir import (  # noqa: F401 - the paths, re-exported for the stages
     PROCESSOR,
     RECORD_NAME,
@@ -96,8 +96,8 @@ def building(cfg: PipelineConfig, stage: str) -> Iterator[Path]:
     tmp = new_temp_dir(cfg.work_path, f".tmp-{stage}-")
     try:
         yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException as exc:
+        discard_partial(tmp, exc)  # nothing half-published (its size noted if the disk filled)
         raise
     publish(tmp, final)
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import bisect
 import time
+from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
 
@@ -93,10 +94,13 @@ def prepare_dataset(cfg: PipelineConfig, fp: str | None = None) -> StageResult:
     seen = SeenKeys("line")  # a LLaVA record's number, as rejects.jsonl's "line" holds it
     tally = Tally()
     num_rows = 0
-    with building(cfg, STAGE) as out:
-        sink = ShardSink(out, cfg.prepare.samples_per_shard)
-        manifest = TableSink(out / "manifest.parquet", ManifestModel, "manifest.parquet")
-        rejects = RejectSink(out / "rejects.jsonl")
+    # the sinks close their files when the stage fails (a full disk gets its room back)
+    with building(cfg, STAGE) as out, ExitStack() as sinks:
+        sink = sinks.enter_context(ShardSink(out, cfg.prepare.samples_per_shard))
+        manifest = sinks.enter_context(
+            TableSink(out / "manifest.parquet", ManifestModel, "manifest.parquet")
+        )
+        rejects = sinks.enter_context(RejectSink(out / "rejects.jsonl"))
         with progress() as bar:
             task = bar.add_task("prepare rows", total=None)
             path, rows = source_rows(cfg, source, lambda offset: bar.update(task, completed=offset))
@@ -181,9 +185,10 @@ def _adopt_energon(cfg: PipelineConfig, fp: str, source: Path, t0: float) -> Sta
     from packline.energon.chatml import ChatMLDataset, write_adoption
 
     try:
-        dataset = ChatMLDataset.open(source)
-    except ValueError as exc:
-        raise UserError([str(exc)], "prepare: the Energon dataset cannot be adopted") from None
+        dataset = ChatMLDataset.open(source, max_part_bytes=cfg.prepare.max_media_bytes)
+    except ValueError as exc:  # one problem a line (every entry naming a file outside it)
+        problems = str(exc).splitlines()
+        raise UserError(problems, "prepare: the Energon dataset cannot be adopted") from None
     context = replace(row_context(cfg), dataset=dataset, frames=None)
     shards = dataset.shards()
     starts: list[int] = []  # the position of each shard's first sample, in shard order
@@ -197,9 +202,11 @@ def _adopt_energon(cfg: PipelineConfig, fp: str, source: Path, t0: float) -> Sta
     excluded: list[str] = []
     unreadable: dict[str, str] = {}  # shard → why it cannot be read (left out whole)
     num_rows = 0
-    with building(cfg, STAGE) as out:
-        manifest = TableSink(out / "manifest.parquet", ManifestModel, "manifest.parquet")
-        rejects = RejectSink(out / "rejects.jsonl")
+    with building(cfg, STAGE) as out, ExitStack() as sinks:
+        manifest = sinks.enter_context(
+            TableSink(out / "manifest.parquet", ManifestModel, "manifest.parquet")
+        )
+        rejects = sinks.enter_context(RejectSink(out / "rejects.jsonl"))
         with progress() as bar:
             task = bar.add_task(f"adopt {source.name} (shards)", total=len(shards))
             checked = ordered_map(

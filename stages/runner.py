@@ -3,12 +3,14 @@ log it to MLflow as a child of the pipeline's parent run."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
 
 from packline import metrics as names
+from packline.faults import machine_fault
 from packline.fingerprints import stage_fingerprint
 from packline.progress import console, summary_table
 from packline.tracking import Tracker
@@ -70,6 +72,9 @@ def run_stage(
         except (UserError, KeyboardInterrupt, SystemExit):
             raise
         except Exception as exc:
+            fault = machine_fault(exc, cfg.work_path, stage=name)
+            if fault is not None:  # a full disk, a read-only mount...: a reason, not a bug
+                raise fault from exc
             if name not in READS_USER_FILES:
                 raise
             raise _crash(cfg, name, exc) from exc
@@ -140,7 +145,8 @@ def _run_stage(
         try:
             result = stage_fn(cfg, fp)
         except BaseException:
-            Tracker.start(cfg, name, parent_run_id=parent_run_id, tags=tags).end("FAILED")
+            with contextlib.suppress(Exception):  # the stage's own error goes on
+                Tracker.start(cfg, name, parent_run_id=parent_run_id, tags=tags).end_failed()
             raise
         if result.partial:
             return result
@@ -153,7 +159,7 @@ def _run_stage(
             else:
                 result = stage_fn(cfg, fp)
         except BaseException:
-            tracker.end("FAILED")
+            tracker.end_failed()
             raise
     tracker.log_metrics({**result.metrics, f"{name}/seconds": result.seconds})
     for artifact in result.summary.get("artifacts", []):

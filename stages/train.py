@@ -171,7 +171,7 @@ def tracked_run_summary(
     try:
         result = train_run(cfg, packed=packed, run_dir=run_dir, tracker=tracker, fp=fp)
     except BaseException:
-        tracker.end("FAILED")
+        tracker.end_failed()
         raise
     tracker.end()
     if result is not None:

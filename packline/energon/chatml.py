@@ -40,6 +40,15 @@ copies are rejected here, in another shard the later copy is prepare's ``duplica
 
 What is refused, and why:
 
+- an entry that names a file outside the dataset dir, before any file of the dataset is read
+  (``ValueError`` from :meth:`ChatMLDataset.open`, every such entry at once, one a line, each
+  naming its file, the entry and the fix): each brace-expanded ``split_parts`` entry (every
+  split part, ``test`` too), each ``exclude`` entry and each shard of ``.info.json``'s
+  ``shard_counts`` is a relative path without ``..`` that resolves, links followed, inside
+  the dir (an absolute name, ``../other/train-0.tar`` or a shard that is a symbolic link out
+  of the dir would have packline read a file the user never pointed it at); a ``field_map``
+  part is a plain part name (no ``/``, no ``..``: it names a tar member's suffix, never a
+  file);
 - a dataset in another layout (``ValueError`` from :meth:`ChatMLDataset.open`, saying what is
   supported): another sample type, a ``sample_loader`` / ``part_filter`` (code, not a layout),
   a field map with ``audio`` or ``tools`` (packline trains images and videos), with
@@ -47,9 +56,13 @@ What is refused, and why:
   split config without ``train``, a shard in two splits, a shard whose index is missing or
   stale (``energon prepare`` again);
 - per sample, with a reason in ``rejects.jsonl``: every reason of
-  :func:`packline.conversations.parse_record`, plus a conversation part that is missing
-  (``malformed``, Bridge's loader fails on a sample without a part its field map names) or
-  not JSON (``malformed_json``), an image part that does not unpickle to encoded images
+  :func:`packline.conversations.parse_record`, plus a part larger than
+  :attr:`ChatMLDataset.max_part_bytes` (prepare's ``prepare.max_media_bytes``; the tar
+  header's size decides, the part is never read, so one sample cannot make prepare hold
+  gigabytes): ``text_too_long`` for the conversation part, ``image_size_refused`` for an
+  ``imgs`` part, ``video_size_refused`` for a ``videos`` part; a conversation part that is
+  missing (``malformed``, Bridge's loader fails on a sample without a part its field map
+  names) or not JSON (``malformed_json``), an image part that does not unpickle to encoded images
   (``image_unreadable``), chat-template ``tools`` (``malformed``: packline does not render
   them), an image without a part or marker (``marker_count_mismatch``: Bridge would drop it
   unseen), a key other than letters, digits, ``_``, ``-`` and ``/`` between dir names
@@ -68,6 +81,7 @@ over its tar headers (to count keys against the index), once for the mapped part
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import pickle
 import re
@@ -111,7 +125,18 @@ DATASET_CONFIG = "packline_dataset.yaml"
 #: (:data:`packline.energon.sample.CHATML_COOKER`), and the one that carries its field map.
 SOURCE_SUBFLAVOR = "packline_source"
 FIELD_MAP_SUBFLAVOR = "packline_field_map"
+#: :attr:`ChatMLDataset.max_part_bytes` unless given: ``prepare.max_media_bytes``' default.
+DEFAULT_MAX_PART_BYTES = 1 << 30
+#: The reason a sample is rejected with when a part of a field is over the size limit.
+SIZE_REASONS = {
+    "conversation": "text_too_long",
+    "imgs": "image_size_refused",
+    "videos": "video_size_refused",
+}
 _KEY_RE = re.compile(KEY_PATTERN)
+#: Shard and exclude names (brace patterns expanded) an adopted dataset may list: checking
+#: each one is cheap, but a pattern like ``{0..999999999}`` would take minutes and gigabytes.
+MAX_ENTRIES = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -133,11 +158,16 @@ class ChatMLDataset:
     sample_excludes: frozenset[str]
     #: shard name → samples in it, from ``.nv-meta/.info.json``
     shard_counts: dict[str, int]
+    #: a sample part (tar member) larger than this is not read: the sample is rejected
+    #: (:func:`shard_records`); prepare passes ``prepare.max_media_bytes``
+    max_part_bytes: int = DEFAULT_MAX_PART_BYTES
 
     @classmethod
-    def open(cls, root: Path) -> ChatMLDataset:
+    def open(cls, root: Path, max_part_bytes: int = DEFAULT_MAX_PART_BYTES) -> ChatMLDataset:
         """Read ``root``'s Energon metadata; ``ValueError`` (what is wrong, what is supported)
-        when it is not a prepared dataset in Bridge's ChatML layout."""
+        when it is not a prepared dataset in Bridge's ChatML layout, or when an entry of it
+        names a file outside ``root`` (every such entry, one a line: :func:`_inside`).
+        ``max_part_bytes``: see :attr:`max_part_bytes`."""
         from megatron.energon.epathlib import EPath
         from megatron.energon.flavors.webdataset.metadata import get_dataset_info
 
@@ -146,9 +176,14 @@ class ChatMLDataset:
         config_path = meta / "dataset.yaml"
         if not config_path.is_file():
             raise ValueError(f"{root} has no .nv-meta/dataset.yaml: not an Energon dataset")
+        # the metadata itself first: a .nv-meta (or a file of it) linked out of the dir
+        metadata = [".nv-meta", *(f".nv-meta/{p.name}" for p in sorted(meta.iterdir()))]
+        linked = [p for name in metadata if (p := _inside(root, name, f"{root}:")) is not None]
+        if linked:
+            raise ValueError("\n".join(linked))
         config = yaml.safe_load(config_path.read_text())
         field_map, subflavors = _check_dataset_config(config, config_path)
-        split_doc = _split_config(meta)
+        split_path, split_doc = _split_config(meta)
         split_parts = split_doc.get("split_parts")
         exclude = split_doc.get("exclude") or []
         if not isinstance(split_parts, dict) or not isinstance(exclude, list):
@@ -163,6 +198,38 @@ class ChatMLDataset:
             counts = dict(get_dataset_info(EPath(root))["shard_counts"])
         except (ValueError, KeyError) as exc:
             raise ValueError(f"{root}: no readable .nv-meta/.info.json ({exc})") from None
+        # Every entry that names a file is checked before any file of the dataset is read.
+        info_path = meta / (".info.json" if (meta / ".info.json").is_file() else ".info.yaml")
+        listed = sum(brace_size(str(p)) for ps in split_parts.values() for p in ps or [])
+        listed += sum(brace_size(str(e)) for e in exclude) + len(counts)
+        if listed > MAX_ENTRIES:  # a brace pattern of a billion names is not a dataset
+            raise ValueError(
+                f"{split_path} and {info_path} name {listed:,} shards and excludes (brace "
+                f"patterns expanded), more than {MAX_ENTRIES:,}; fix: name the shards the "
+                "dataset holds"
+            )
+        entries = itertools.chain(
+            (
+                (f"{split_path}: split_parts.{part} entry", name)
+                for part, patterns in split_parts.items()
+                for pattern in patterns or []
+                for name in braceexpand.braceexpand(str(pattern))
+            ),
+            # ``<shard>`` or ``<shard>/<key>``: resolved whole, a link as the shard resolves
+            (
+                (f"{split_path}: exclude entry", name)
+                for entry in exclude
+                for name in braceexpand.braceexpand(str(entry))
+            ),
+            ((f"{info_path}: shard_counts entry", str(name)) for name in counts),
+        )
+
+        problems = [
+            *_part_name_problems(field_map, config_path),
+            *(p for where, name in entries if (p := _inside(root, name, where)) is not None),
+        ]
+        if problems:
+            raise ValueError("\n".join(problems))
         splits: dict[str, list[str]] = {}
         owner: dict[str, str] = {}
         for split in SPLITS:
@@ -189,6 +256,9 @@ class ChatMLDataset:
                         f"shard {name} or its index {name}.idx is missing in {root} "
                         f"(run `energon prepare {root}`)"
                     )
+                problem = _inside(root, f"{name}.idx", f"{root}: the Energon index of shard")
+                if problem is not None:
+                    raise ValueError(problem)
             if names:
                 splits[split] = names
         if "train" not in splits:
@@ -202,6 +272,7 @@ class ChatMLDataset:
             splits=splits,
             sample_excludes=frozenset(e for e in excluded if "/" in e),
             shard_counts=counts,
+            max_part_bytes=max_part_bytes,
         )
 
     def shards(self) -> list[tuple[str, str]]:
@@ -267,15 +338,122 @@ def _check_dataset_config(config: Any, path: Path) -> tuple[dict[str, str], dict
     return {k: str(v) for k, v in field_map.items()}, subflavors
 
 
-def _split_config(meta: Path) -> dict[str, Any]:
-    """The source's split config: ``split.yaml``, else ``split.json`` (Energon's order)."""
+def _groups(pattern: str) -> list[str]:
+    """The top-level ``{...}`` groups of a brace pattern (``\\`` escapes a brace)."""
+    groups, depth, start, escaped = [], 0, 0, False
+    for i, c in enumerate(pattern):
+        if escaped:
+            escaped = False
+        elif c == "\\":
+            escaped = True
+        elif c == "{":
+            depth += 1
+            if depth == 1:
+                start = i + 1
+        elif c == "}" and depth:
+            depth -= 1
+            if depth == 0:
+                groups.append(pattern[start:i])
+    return groups
+
+
+def _top_level_split(expr: str) -> list[str]:
+    parts, depth, start, escaped = [], 0, 0, False
+    for i, c in enumerate(expr):
+        if escaped:
+            escaped = False
+        elif c == "\\":
+            escaped = True
+        elif c == "{":
+            depth += 1
+        elif c == "}" and depth:
+            depth -= 1
+        elif c == "," and depth == 0:
+            parts.append(expr[start:i])
+            start = i + 1
+    return [*parts, expr[start:]]
+
+
+def brace_size(pattern: str) -> int:
+    """How many names ``braceexpand`` makes of ``pattern``, counted without making them
+    (it builds each range whole before the first name: ``{0..999999999}`` takes gigabytes).
+
+    >>> brace_size("train-{0..9}.tar"), brace_size("a{1,2}{x,y{3..5}}"), brace_size("x")
+    (10, 8, 1)
+    """
+    total = 1
+    for expr in _groups(pattern):
+        if m := braceexpand.int_range_re.match(expr):
+            first, last, step = int(m.group(1)), int(m.group(2)), int(m.group(3) or 1)
+            total *= abs(last - first) // max(step, 1) + 1
+        elif m := braceexpand.char_range_re.match(expr):
+            first, last, step = ord(m.group(1)), ord(m.group(2)), int(m.group(3) or 1)
+            total *= abs(last - first) // max(step, 1) + 1
+        elif len(parts := _top_level_split(expr)) > 1:
+            total *= sum(brace_size(p) for p in parts)
+    return total
+
+
+def _split_config(meta: Path) -> tuple[Path, dict[str, Any]]:
+    """The source's split config and its file: ``split.yaml``, else ``split.json`` (Energon's
+    order)."""
     for name in ("split.yaml", "split.json"):
         if (meta / name).is_file():
             doc = yaml.safe_load((meta / name).read_text())  # JSON is YAML
             if not isinstance(doc, dict):
                 raise ValueError(f"{meta / name} is not a mapping")
-            return doc
+            return meta / name, doc
     raise ValueError(f"{meta} has no split.yaml: run `energon prepare` on the dataset")
+
+
+def _inside(root: Path, name: str, where: str) -> str | None:
+    """The problem with ``name``, a file of the dataset at ``root`` (resolved) named at
+    ``where`` (a file and the entry's place in it), or None: a dataset's entries are
+    relative paths with no ``..`` that resolve, links followed, inside ``root``. The same
+    rule as a folder source's media paths (:func:`packline.conversations._media_path`).
+
+    >>> root, where = Path("/data/ds"), "split.yaml: split_parts.train entry"
+    >>> print(_inside(root, "../b/t.tar", where).split(";")[0])
+    split.yaml: split_parts.train entry '../b/t.tar' escapes the dataset dir /data/ds
+    >>> print(_inside(root, "/etc/t.tar", where).split(";")[0])
+    split.yaml: split_parts.train entry '/etc/t.tar' is an absolute path
+    >>> print(_inside(root, "a/../t.tar", where).split(";")[0])
+    split.yaml: split_parts.train entry 'a/../t.tar' has a '..' component
+    >>> _inside(root, "shards/t.tar", where) is None
+    True
+    """
+    fix = (
+        "fix: name shards relative to the dataset dir, inside it (run energon prepare on the "
+        "dataset where its shards are)"
+    )
+    path = Path(name)
+    if path.is_absolute():
+        return f"{where} {name!r} is an absolute path; {fix}"
+    try:
+        resolved = (root / path).resolve()
+    except (OSError, RuntimeError) as exc:  # a link loop
+        return f"{where} {name!r} cannot be resolved ({exc}); {fix}"
+    if not resolved.is_relative_to(root):
+        if ".." in path.parts:
+            return f"{where} {name!r} escapes the dataset dir {root}; {fix}"
+        return (
+            f"{where} {name!r} escapes the dataset dir {root} (a symbolic link to {resolved}); "
+            "fix: copy the file into the dataset dir in place of the link"
+        )
+    if ".." in path.parts:
+        return f"{where} {name!r} has a '..' component; {fix}"
+    return None
+
+
+def _part_name_problems(field_map: dict[str, str], path: Path) -> list[str]:
+    """Each field map entry that is not a plain part name: a part names the suffix of tar
+    members after their key, never a file, so it holds no ``/`` and no ``..``."""
+    return [
+        f"{path}: field_map {field}: {part!r} is a path, not a part name (the suffix of a tar "
+        "member after its key, e.g. jpgs or conversation.json); fix: name the part only"
+        for field, part in field_map.items()
+        if "/" in part or ".." in part
+    ]
 
 
 def _ext(part: str) -> str:
@@ -427,22 +605,30 @@ def _members(tar: tarfile.TarFile) -> Iterator[tuple[tarfile.TarInfo, str, str]]
             yield member, m.group(1), m.group(2)
 
 
-def _samples(path: Path, wanted: set[str] | None) -> Iterator[tuple[str, dict[str, bytes]]]:
-    """``(key, parts)`` of each sample in tar order: consecutive members sharing a key, as
-    Energon groups them; only the ``wanted`` parts are read (None: no part is)."""
+def _samples(
+    path: Path, wanted: set[str] | None, max_bytes: int = DEFAULT_MAX_PART_BYTES
+) -> Iterator[tuple[str, dict[str, bytes], dict[str, int]]]:
+    """``(key, parts, oversize)`` of each sample in tar order: consecutive members sharing a
+    key, as Energon groups them; only the ``wanted`` parts are read (None: no part is), and
+    of those only the ones of at most ``max_bytes`` (the tar header's size, before a byte is
+    read): ``oversize`` holds the size of each one left unread."""
     key: str | None = None
     parts: dict[str, bytes] = {}
+    oversize: dict[str, int] = {}
     with tarfile.open(path, "r:*") as tar:
         for member, base, part in _members(tar):
             if base != key:
                 if key is not None:
-                    yield key, parts
-                key, parts = base, {}
+                    yield key, parts, oversize
+                key, parts, oversize = base, {}, {}
             if wanted is not None and part in wanted:
+                if member.size > max_bytes:
+                    oversize[part] = member.size
+                    continue
                 f = tar.extractfile(member)
                 parts[part] = f.read() if f is not None else b""
     if key is not None:
-        yield key, parts
+        yield key, parts, oversize
 
 
 class ShardUnreadable(Exception):
@@ -503,12 +689,13 @@ def shard_records(ds: ChatMLDataset, shard: str) -> Iterator[tuple[str, Any, Inl
     :func:`packline.conversations.parse_record` reads (``{"id": "<shard>/<key>", "split",
     "conversations", "images": [0, ...], "videos": []}``) and ``media`` its
     :class:`ChatMLParts`. A sample whose parts cannot be read comes out too, as a record
-    ``parse_record`` rejects with the reason (see the module docstring); a shard that cannot
-    be read as a tar raises :class:`ShardUnreadable`."""
+    ``parse_record`` rejects with the reason (see the module docstring), and so does a sample
+    with a mapped part over ``ds.max_part_bytes``, which is never read (the tar header's
+    size decides); a shard that cannot be read as a tar raises :class:`ShardUnreadable`."""
     split = ds.split_of(shard)
     path = ds.root / shard
     try:
-        keys = Counter(key for key, _ in _samples(path, None))
+        keys = Counter(key for key, _, _ in _samples(path, None))
     except (tarfile.TarError, EOFError, OSError) as exc:
         raise ShardUnreadable(ds, shard, exc) from exc
     found = sum(keys.values())
@@ -526,7 +713,8 @@ def shard_records(ds: ChatMLDataset, shard: str) -> Iterator[tuple[str, Any, Inl
         )
     wanted = set(ds.field_map.values())
     try:
-        yield from _shard_samples(ds, shard, split, keys, _samples(path, wanted))
+        samples = _samples(path, wanted, ds.max_part_bytes)
+        yield from _shard_samples(ds, shard, split, keys, samples)
     except (tarfile.TarError, EOFError, OSError) as exc:
         raise ShardUnreadable(ds, shard, exc) from exc
 
@@ -536,13 +724,17 @@ def _shard_samples(
     shard: str,
     split: str,
     keys: Counter,
-    samples: Iterator[tuple[str, dict[str, bytes]]],
+    samples: Iterator[tuple[str, dict[str, bytes], dict[str, int]]],
 ) -> Iterator[tuple[str, Any, InlineMedia]]:
-    for key, parts in samples:
+    for key, parts, oversize in samples:
         sid = f"{shard}/{key}"
         if sid in ds.sample_excludes:
             continue
-        read = read_sample(parts, ds.field_map)
+        read = (
+            SampleRead(None, [], _size_problem(ds, sid, oversize))
+            if oversize
+            else read_sample(parts, ds.field_map)
+        )
         problem = read.problem
         if keys[key] > 1:
             problem = (
@@ -563,6 +755,18 @@ def _shard_samples(
             "videos": [],
         }
         yield key, record, ChatMLParts(images=read.images, sample_key=key, problem=problem)
+
+
+def _size_problem(ds: ChatMLDataset, sid: str, oversize: dict[str, int]) -> tuple[str, str]:
+    """The rejection of sample ``sid`` for its first part over ``ds.max_part_bytes`` (in
+    field order: conversation, imgs, videos; :data:`SIZE_REASONS`)."""
+    field = next(f for f in FIELDS if ds.field_map.get(f) in oversize)
+    part = ds.field_map[field]
+    detail = (
+        f"part {part!r} of {sid}: {oversize[part]:,} bytes, over prepare.max_media_bytes "
+        f"{ds.max_part_bytes:,}"
+    )
+    return SIZE_REASONS[field], detail
 
 
 # --- the files prepare writes -------------------------------------------------------------------

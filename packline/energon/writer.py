@@ -61,7 +61,36 @@ def bridge_frame_parts(row: ConversationRow, geometry: VideoGeometry) -> tuple[d
     return parts, presampled
 
 
-class ShardSink:
+class _Sink:
+    """A writer used as a context: closed (its data written out) when the body ends, or,
+    when the body fails, abandoned: its files closed without writing another byte, so that a
+    device that filled gets its room back when the stage removes its partial output (a file
+    still open keeps its blocks after it is deleted)."""
+
+    def close(self):  # pragma: no cover - every sink defines it
+        raise NotImplementedError
+
+    def abort(self) -> None:  # pragma: no cover - every sink defines it
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, _exc, _tb) -> None:
+        if kind is None:
+            self.close()
+        else:
+            self.abort()
+
+
+def _close_quietly(f) -> None:
+    try:
+        f.close()
+    except (OSError, ValueError):  # its buffer could not be written: the device is full
+        pass
+
+
+class ShardSink(_Sink):
     """The shards of the splits, written as rows arrive: ``<split>-NNNNNN.tar`` holding
     ``per_shard`` rows each (a fixed mtime: the same rows give byte-identical shards)."""
 
@@ -90,8 +119,16 @@ class ShardSink:
         self._open.clear()
         return self.names
 
+    def abort(self) -> None:
+        for writer, _ in self._open.values():
+            # tarfile's stream would write the archive's end blocks when collected
+            writer.tarstream.closed = True
+            writer.tarstream.fileobj.closed = True
+            _close_quietly(writer.own_fileobj or writer.stream)
+        self._open.clear()
 
-class TableSink:
+
+class TableSink(_Sink):
     """A parquet table written in row groups of ``batch_rows`` rows, each validated with its
     pandera model as it is written (the whole table is never in memory)."""
 
@@ -124,9 +161,16 @@ class TableSink:
         self.flush()
         if self._writer is not None:
             self._writer.close()
+            self._writer = None
+
+    def abort(self) -> None:
+        self.rows = []
+        if self._writer is not None:
+            _close_quietly(self._writer)
+            self._writer = None
 
 
-class RejectSink:
+class RejectSink(_Sink):
     """``rejects.jsonl``: one record per rejected row, validated in batches, counted by
     reason."""
 
@@ -156,8 +200,13 @@ class RejectSink:
         self.rows = []
 
     def close(self) -> None:
-        self.flush()
-        self.file.close()
+        if not self.file.closed:
+            self.flush()
+            self.file.close()
+
+    def abort(self) -> None:
+        self.rows = []
+        _close_quietly(self.file)
 
     @property
     def count(self) -> int:

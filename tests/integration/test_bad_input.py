@@ -7,13 +7,20 @@
 - an adopted Energon dataset's truncated or corrupt shard: its samples are rejected as
   ``shard_unreadable`` and the shard left out (or, over the reject share, exit 2 naming the
   shard and the fix), the user's files untouched;
+- an adopted dataset whose split config, index or field map names a file outside its dir (an
+  absolute or ``..`` shard name, a shard linked out of the dir, a part name with ``/``) is
+  refused before anything is read (exit 2, naming the file and the entry), its files and
+  the outside dataset's untouched; a part over ``prepare.max_media_bytes`` rejects its
+  sample unread;
 - anything else that breaks on a user's file is one line naming it (exit 1), its traceback
   in the stage's log.
 """
 
 from __future__ import annotations
 
+import io
 import json
+import pickle
 from pathlib import Path
 
 import pytest
@@ -21,6 +28,7 @@ import yaml
 
 from packline.energon.chatml import SPLIT_CONFIG, ChatMLDataset
 from packline.energon.files import PACKLINE_METADATASET
+from pipelines.cli import main
 from stages.prepare import prepare_dataset
 from tests.conftest import make_config, png_bytes
 from tests.integration.chatml_dataset import (
@@ -35,6 +43,7 @@ from tests.integration.chatml_dataset import (
     write_shards,
 )
 from tests.integration.test_hardening import _cli
+from tests.machine import sha256_tree
 
 LENIENT = ("prepare.max_reject_fraction=1",)
 
@@ -281,21 +290,249 @@ def test_an_unreadable_shard_is_a_reason_and_the_users_files_are_untouched(tmp_p
 
 
 @pytest.mark.slow
-def test_an_unexpected_failure_on_a_users_file_is_one_line_naming_it(tmp_path: Path):
+def test_an_input_output_error_on_a_users_file_is_named_as_the_machines(tmp_path: Path):
     folder = tmp_path / "data"
     folder.mkdir()
-    # A file no read succeeds on (EIO): packline has no reason for it.
+    # A file no read succeeds on (EIO): the device's or file system's refusal, not a bug.
     (folder / "conversations.jsonl").symlink_to("/proc/self/mem")
     work = tmp_path / "work"
     result = _cli("stage", "prepare", f"work_dir={work}", f"data.source={folder}")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and "a bug in packline" not in result.stderr
+    err = " ".join(result.stderr.split())
+    assert f"reading {folder}/conversations.jsonl failed with an input/output error" in err
+    assert "fix: check the device (dmesg), or copy the file to a healthy one" in err
+    assert not (work / "prepare").exists() and not list(work.glob(".tmp-*"))
+
+
+def test_an_unexpected_failure_on_a_users_file_is_one_line_naming_it(tmp_path: Path):
+    """A bug (injected: ``tests/integration/bug_in_prepare.py``) is one line naming the
+    input and the log that holds its traceback, exit 1."""
+    import subprocess
+    import sys
+
+    from tests.machine import cli_env
+
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "conversations.jsonl").write_bytes(_line("a") + b"\n" + _line("b") + b"\n")
+    work = tmp_path / "work"
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.integration.bug_in_prepare", "stage", "prepare",
+         f"work_dir={work}", f"data.source={folder}", "prepare.num_workers=1"],
+        capture_output=True, text=True, env=cli_env(), timeout=600,
+    )  # fmt: skip
     assert result.returncode == 1, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(lines) == 1, result.stderr[-3000:]
     log = work / "logs" / "prepare.log"
     assert lines[0] == (
-        f"error: packline failed on data.source {folder}: OSError: [Errno 5] Input/output "
-        f"error — a bug in packline, please report it with the traceback in {log}"
+        f"error: packline failed on data.source {folder}: KeyError: 'injected' — a bug in "
+        f"packline, please report it with the traceback in {log}"
     )
     assert "Traceback (most recent call last)" in log.read_text()
     assert not (work / "prepare").exists() and not list(work.glob(".tmp-*"))
+
+
+# --- an adopted dataset's paths stay inside it; its parts are sized before they are read ---
+
+
+def _tiny_energon(root: Path, keys: tuple[str, ...]) -> Path:
+    """A one-shard Energon dataset in Bridge's layout (``train-0.tar``, one image a sample)."""
+    conversation = json.dumps([user("<image>What colour?"), reply("Red.")]).encode()
+    image = png_bytes((48, 48), "red")
+    write_shards(root, {"train-0.tar": [_sample(k, conversation, [image]) for k in keys]})
+    energon_prepare(root, ["train-0.tar"], {"train": "^train-0[.]tar$"})
+    write_bridge_yaml(root, STANDARD_FIELDS)
+    return root
+
+
+def _point_split_at(name: str):
+    """Damage: the train split part names ``name``, which the index counts too (as a
+    careless or hostile dataset would write it: before, prepare read that file)."""
+
+    def damage(root: Path, other: Path) -> None:
+        meta = root / ".nv-meta"
+        entry = name.format(other=other)
+        (meta / "split.yaml").write_text(yaml.safe_dump({"split_parts": {"train": [entry]}}))
+        info = json.loads((meta / ".info.json").read_text())
+        info["shard_counts"][entry] = 2
+        (meta / ".info.json").write_text(json.dumps(info))
+
+    return damage
+
+
+def _escaping_info(root: Path, other: Path) -> None:
+    info = json.loads((root / ".nv-meta" / ".info.json").read_text())
+    info["shard_counts"]["../other/train-0.tar"] = 2
+    (root / ".nv-meta" / ".info.json").write_text(json.dumps(info))
+
+
+def _linked_shard(root: Path, other: Path) -> None:
+    (root / "train-0.tar").unlink()
+    (root / "train-0.tar").symlink_to(other / "train-0.tar")
+
+
+def _field_map_path(root: Path, other: Path) -> None:
+    write_bridge_yaml(root, {**STANDARD_FIELDS, "imgs": "../other/jpgs"})
+
+
+def _linked_metadata(root: Path, other: Path) -> None:
+    (root / ".nv-meta" / "split.yaml").unlink()
+    (root / ".nv-meta" / "split.yaml").symlink_to(other / ".nv-meta" / "split.yaml")
+
+
+def _billion_shards(root: Path, other: Path) -> None:
+    split = {"split_parts": {"train": ["train-{0..999999999}.tar"]}}
+    (root / ".nv-meta" / "split.yaml").write_text(yaml.safe_dump(split))
+
+
+@pytest.mark.parametrize(
+    "damage, problems",
+    [
+        (
+            _point_split_at("{other}/train-0.tar"),
+            [
+                "{meta}/split.yaml: split_parts.train entry '{other}/train-0.tar' is an "
+                "absolute path; fix: name shards relative to the dataset dir, inside it (run "
+                "energon prepare on the dataset where its shards are)",
+                "{meta}/.info.json: shard_counts entry '{other}/train-0.tar' is an absolute path",
+            ],
+        ),
+        (
+            _point_split_at("../other/train-0.tar"),
+            [
+                "{meta}/split.yaml: split_parts.train entry '../other/train-0.tar' escapes the "
+                "dataset dir {root}; fix: name shards relative to the dataset dir",
+                "{meta}/.info.json: shard_counts entry '../other/train-0.tar' escapes the "
+                "dataset dir {root};",
+            ],
+        ),
+        (
+            _escaping_info,
+            [
+                "{meta}/.info.json: shard_counts entry '../other/train-0.tar' escapes the "
+                "dataset dir {root}; fix: name shards relative to the dataset dir",
+            ],
+        ),
+        (
+            _linked_shard,
+            [
+                "{meta}/split.yaml: split_parts.train entry 'train-0.tar' escapes the dataset "
+                "dir {root} (a symbolic link to {other}/train-0.tar); fix: copy the file into "
+                "the dataset dir in place of the link",
+                "{meta}/.info.json: shard_counts entry 'train-0.tar' escapes the dataset dir",
+            ],
+        ),
+        (
+            _field_map_path,
+            [
+                "{meta}/dataset.yaml: field_map imgs: '../other/jpgs' is a path, not a part "
+                "name (the suffix of a tar member after its key, e.g. jpgs or "
+                "conversation.json); fix: name the part only",
+            ],
+        ),
+        (
+            _linked_metadata,
+            [
+                "{root}: '.nv-meta/split.yaml' escapes the dataset dir {root} (a symbolic "
+                "link to {other}/.nv-meta/split.yaml)",
+            ],
+        ),
+        (
+            _billion_shards,
+            [
+                "{meta}/split.yaml and {meta}/.info.json name 1,000,000,001 shards and excludes "
+                "(brace patterns expanded), more than 1,000,000; fix: name the shards the "
+                "dataset holds",
+            ],
+        ),
+    ],
+    ids=[
+        "absolute-split-entry",
+        "dotdot-split-entry",
+        "info-entry",
+        "linked-shard",
+        "field-map",
+        "linked-metadata",
+        "brace-billion",
+    ],
+)
+def test_an_adopted_dataset_naming_a_file_outside_it_is_refused_before_reading(
+    tmp_path: Path, damage, problems, capsys
+):
+    """The CLI in this process (the refusal comes before any heavy work: a subprocess
+    would spend its time importing)."""
+    root = _tiny_energon(tmp_path / "ds", ("a", "b")).resolve()
+    other = _tiny_energon(tmp_path / "other", ("x", "y")).resolve()  # a valid one beside it
+    meta = root / ".nv-meta"
+    kept = {p: p.read_bytes() for p in [root / "train-0.tar", *meta.iterdir()] if p.is_file()}
+    damage(root, other)
+    before = sha256_tree(root), sha256_tree(other)
+    work = tmp_path / "work"
+
+    code = main(["stage", "prepare", f"work_dir={work}", f"data.source={root}"])
+    err = capsys.readouterr().err
+
+    assert code == 2, err[-3000:]
+    assert "Traceback" not in err
+    assert "prepare: the Energon dataset cannot be adopted" in err
+    lines = [line[4:] for line in err.splitlines() if line.startswith("  - ")]
+    assert len(lines) == len(problems), err[-3000:]
+    for line, problem in zip(lines, problems, strict=True):
+        assert line.startswith(problem.format(meta=meta, root=root, other=other)), line
+    assert (sha256_tree(root), sha256_tree(other)) == before
+    assert not (work / "prepare").exists()
+
+    # the fix: the dataset's own files back, each link replaced by the file it stood for
+    for path, data in kept.items():
+        path.unlink()
+        path.write_bytes(data)
+    assert main(["stage", "prepare", f"work_dir={work}", f"data.source={root}"]) == 0
+    assert _accepted_ids(work / "prepare") == {"train-0.tar/a", "train-0.tar/b"}
+    assert sha256_tree(other) == before[1]
+
+
+def test_an_adopted_part_over_max_media_bytes_is_rejected_unread(tmp_path: Path):
+    import random
+
+    from PIL import Image
+
+    root = tmp_path / "ds"
+    noise = random.Random(0).randbytes(64 * 64 * 3)  # PNG does not compress it
+    buffer = io.BytesIO()
+    Image.frombytes("RGB", (64, 64), noise).save(buffer, format="PNG")
+    big = buffer.getvalue()
+    small = png_bytes((48, 48), "red")
+    conversation = json.dumps([user("<image>What colour?"), reply("Red.")]).encode()
+    long_conversation = json.dumps([user("<image>" + "x" * 3000), reply("Red.")]).encode()
+    samples = [
+        _sample("ok", conversation, [small]),
+        _sample("big", conversation, [big]),
+        _sample("long", long_conversation, [small]),
+        _sample("after", conversation, [small]),
+    ]
+    write_shards(root, {"train-0.tar": samples})
+    energon_prepare(root, ["train-0.tar"], {"train": "^train-0[.]tar$"})
+    write_bridge_yaml(root, STANDARD_FIELDS)
+    before = sha256_tree(root)
+    cfg = make_config(
+        tmp_path / "work", f"data.source={root}", "prepare.max_media_bytes=2000", *LENIENT
+    )
+    out = prepare_dataset(cfg)
+    big_part = len(pickle.dumps([big]))
+    assert _rejects(out.out_dir) == {
+        "train-0.tar/big": (
+            "image_size_refused",
+            f"part 'jpgs' of train-0.tar/big: {big_part:,} bytes, over "
+            "prepare.max_media_bytes 2,000",
+        ),
+        "train-0.tar/long": (
+            "text_too_long",
+            f"part 'conversation.json' of train-0.tar/long: {len(long_conversation):,} "
+            "bytes, over prepare.max_media_bytes 2,000",
+        ),
+    }
+    assert _accepted_ids(out.out_dir) == {"train-0.tar/ok", "train-0.tar/after"}
+    assert sha256_tree(root) == before

@@ -1,0 +1,46 @@
+"""The checks of the CLI's own options (not the config's): an integer option out of its
+range is a usage error (exit 2, argparse's message), and an option one benchmark reads is
+refused on another."""
+
+from __future__ import annotations
+
+import argparse
+
+from schemas.errors import UserError
+
+
+def int_in(low: int, high: int | None = None):
+    """An argparse type: an integer in [low, high] (a usage error, exit 2, otherwise).
+
+    >>> int_in(0, 65535)("70000")
+    Traceback (most recent call last):
+    ...
+    argparse.ArgumentTypeError: 70000 is not in 0..65535
+    """
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low or (high is not None and value > high):
+            span = f"{low}..{high}" if high is not None else f">= {low}"
+            raise argparse.ArgumentTypeError(f"{value} is not in {span}")
+        return value
+
+    return parse
+
+
+#: The bench options that only one benchmark reads.
+BENCH_ONLY = {"samples": "data", "bridge_path": "cluster-memory"}
+
+
+def refuse_misplaced_bench_options(ns: argparse.Namespace) -> None:
+    """UserError (exit 2) naming each option given to a benchmark that does not read it."""
+    misplaced = [
+        f"--{opt.replace('_', '-')} applies to bench {what} only, not bench {ns.what}"
+        for opt, what in BENCH_ONLY.items()
+        if getattr(ns, opt) is not None and ns.what != what
+    ]
+    if misplaced:
+        raise UserError(misplaced, "bench: an option this benchmark does not read")
