@@ -106,21 +106,39 @@ def test_a_read_only_work_dir_is_named_and_left_as_it_was_then_reruns_read_write
     assert main(["stage", "prepare", f"work_dir={work}", *SMALL, "--force"]) == 0
 
 
-def test_a_source_this_user_may_not_read_is_named_before_anything_runs(tmp_path: Path):
+def test_a_source_this_user_may_not_read_and_a_work_dir_it_may_not_write_are_named(
+    tmp_path: Path,
+):
+    """As root without the capabilities that override file modes, as any user is."""
     folder = _noise_folder(tmp_path, rows=4, side=16)
+    before = sha256_tree(folder)
     rows = folder / "conversations.jsonl"
     rows.chmod(0)
-    work = tmp_path / "work"
-    args = ["stage", "prepare", f"work_dir={work}", f"data.source={folder}"]
-    result = run_cli([*args, "prepare.num_workers=1"], without_dac=True)
+    runs = tmp_path / "runs"
+    runs.mkdir(mode=0o555)  # not writable, even for its owner
+    work = runs / "work"
+    args = [
+        "stage",
+        "prepare",
+        f"work_dir={work}",
+        f"data.source={folder}",
+        "prepare.num_workers=1",
+    ]
+    result = run_cli(args, without_dac=True)
     assert result.returncode == 2, result.stderr[-3000:]
     err = _no_traceback(result)
     assert f"data.source: cannot read {rows} (permission denied for root)" in err
     assert "fix: make it readable for this user (chmod/chown)" in err
-    assert not work.exists()
     rows.chmod(0o644)
-    again = run_cli([*args, "prepare.num_workers=1"], without_dac=True)
+    result = run_cli(args, without_dac=True)
+    assert result.returncode == 2, result.stderr[-3000:]
+    err = _no_traceback(result)
+    assert f"permission denied writing {work} (as root); fix: make the work dir writable" in err
+    assert not work.exists() and sha256_tree(folder) == before
+    runs.chmod(0o755)
+    again = run_cli(args, without_dac=True)
     assert again.returncode == 0, again.stderr[-3000:]
+    assert sha256_tree(folder) == before
 
 
 def test_a_damaged_mlflow_store_is_named_by_every_command_that_opens_it_and_never_changed(
