@@ -54,12 +54,13 @@ def check_store(db: Path) -> None:
     the store comes here first (:func:`relocate_artifacts`)."""
     from schemas.errors import UserError
 
+    uri = f"{db.resolve().as_uri()}?mode=ro"
     try:
-        with contextlib.closing(
-            sqlite3.connect(f"{db.resolve().as_uri()}?mode=ro", uri=True)
-        ) as con:
+        with contextlib.closing(sqlite3.connect(uri, uri=True, timeout=60)) as con:
             verdict = con.execute("PRAGMA quick_check").fetchone()[0]
-    except sqlite3.DatabaseError as exc:
+    except sqlite3.OperationalError:
+        return  # locked by a writer, or not openable: not damage (MLflow says what it is)
+    except sqlite3.DatabaseError as exc:  # not a database, or a malformed one
         verdict = str(exc)
     if verdict == "ok":
         return
@@ -85,10 +86,12 @@ def relocate_artifacts(cfg: PipelineConfig) -> int:
     hold them (``experiments.artifact_location``, ``runs.artifact_uri``) in one transaction,
     for experiments whose location is some work dir's ``mlartifacts``.
     """
-    db = None if cfg.mlflow.tracking_uri else sqlite_path(tracking_uri(cfg))
+    db = sqlite_path(tracking_uri(cfg))
     if db is None or not db.is_file():
         return 0
-    check_store(db)
+    check_store(db)  # any sqlite store, the default one or a tracking_uri's
+    if cfg.mlflow.tracking_uri:
+        return 0  # not packline's default store: its locations are the user's
     new = artifact_root(cfg)
     with contextlib.closing(sqlite3.connect(db, timeout=60)) as con, con:
         tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
