@@ -91,11 +91,22 @@ class EncoderMode(Enum):
 
 
 class Attention(Enum):
-    """Attention of the language model in the local backend (the vision tower keeps sdpa)."""
+    """Attention of the language model in the local backend (the vision tower keeps sdpa);
+    ``packline/qwen/attention.py`` holds the kernels."""
 
+    auto = "auto"
+    """``varlen`` on a CUDA GPU that runs it (Ampere or later), else ``thd``."""
+    varlen = "varlen"
+    """PyTorch's variable-length flash kernel (``torch.nn.attention.varlen.varlen_attn``)
+    over the whole packed row, fed the packer's ``cu_seqlens``: one kernel per layer, Σ lᵢ²
+    work (as Megatron's THD layout). CUDA only; padded batches and generation use sdpa."""
     thd = "thd"
-    """Varlen: a packed row attends once per conversation (Σ lᵢ², as flash-attention's
-    varlen kernel and Megatron's THD layout); padded batches and generation use sdpa."""
+    """A packed row attends once per conversation (causal sdpa on each one's slice, Σ lᵢ²):
+    the CPU's varlen; padded batches and generation use sdpa."""
+    flex = "flex"
+    """HF's flex_attention with a document block mask built once per forward (compiled on
+    first use). On CPU PyTorch's FlexAttention has no backward: it evaluates, it does not
+    train there."""
     sdpa = "sdpa"
     """HF sdpa: a packed row gets a dense T×T block-diagonal mask (T² work per row; the
     ``flops/*`` counters still count attention per conversation, as thd runs it)."""

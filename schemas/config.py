@@ -467,9 +467,12 @@ class ModelConfig(_Section):
     """The model is a Mixture-of-Experts: the tiny model is built as Qwen3VLMoe; with
     ``train.backend: megatron`` the MoE overrides apply (EP, alltoall dispatcher, no MTP,
     no CUDA graphs, EP overlap off)."""
-    attention: Attention = Attention.thd
-    """Language-model attention of the local backend: ``thd`` (per conversation, the
-    default), ``sdpa`` or ``eager`` (dense masks); the logits agree within 1e-5."""
+    attention: Attention = Attention.auto
+    """Language-model attention of the local backend: ``auto`` (the default: ``varlen`` on
+    a CUDA GPU that runs it, else ``thd``), ``varlen`` (PyTorch's varlen flash kernel,
+    CUDA), ``thd`` (per conversation, the CPU's), ``flex`` (HF's flex_attention; no
+    backward on CPU), ``sdpa`` or ``eager`` (dense masks); the logits agree within 1e-5
+    (fp32)."""
 
 
 @dataclass(kw_only=True)

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from packline.packing.thd import IGNORE_INDEX, PackedBatch, check_text_positions
+from packline.qwen.attention import ROW_KWARG, PackedRow
 
 
 def check_packed_inputs(
@@ -81,6 +82,8 @@ def packed_forward(
         position_ids=position_ids,
         attention_mask=None,
         use_cache=False,
+        # the packer's boundaries, for the varlen kernels (packline.qwen.attention)
+        **{ROW_KWARG: PackedRow(batch.cu_seqlens_padded, batch.max_seqlen)},
     )
     return out.logits
 

@@ -8,10 +8,13 @@ import difflib
 
 import torch
 
+from packline.qwen.attention import resolve_attention, varlen_problem
 from packline.qwen.processor import processor_geometry, special_token_ids
 from packline.rules.inputs import Inputs
+from packline.train.distributed import rank_device
 from packline.train.setup import lora_target_matches
 from schemas.config import (
+    ExecutorKind,
     TrainBackend,
 )
 from schemas.guardrails import (
@@ -215,6 +218,35 @@ def _model_parallel(x: Inputs) -> list[Issue] | None:
             "change train.parallel.pipeline_parallel / expert_parallel",
         )
         for problem in found
+    ]
+
+
+@MODEL_RULES.rule(
+    "model.attention",
+    "model",
+    "model.attention runs on the device that trains (varlen: CUDA, Ampere or later; flex: "
+    "trains on CUDA only)",
+)
+def _attention_device(x: Inputs) -> list[Issue] | None:
+    cfg = x.cfg
+    if cfg.train.backend is not TrainBackend.local or cfg.executor.kind is ExecutorKind.slurm:
+        return None  # the train node's device is not this machine's
+    device = rank_device()
+    chosen = resolve_attention(cfg.model.attention.value, device)
+    x.facts["attention"] = {"configured": cfg.model.attention.value, "runs": chosen}
+    problem = None
+    if chosen == "varlen":
+        problem = varlen_problem(device)
+    elif chosen == "flex" and device.type != "cuda":
+        problem = f"torch {torch.__version__}'s FlexAttention has no backward on {device.type}"
+    if problem is None:
+        return []
+    return [
+        error(
+            "model.attention",
+            f"model.attention {chosen} cannot train here: {problem}",
+            "set model.attention=auto (varlen where it runs, thd elsewhere)",
+        )
     ]
 
 

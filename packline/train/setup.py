@@ -16,7 +16,7 @@ from packline.qwen.model import build_tiny_model, tiny_config
 from packline.shapes_answers import SHAPES_SCORER
 from packline.tracking import Tracker
 from packline.train.data import TrainStream
-from packline.train.distributed import broadcast_object, rank_world
+from packline.train.distributed import broadcast_object, rank_device, rank_world
 from packline.train.evaluate import Evaluator
 from packline.train.layout import LayoutGroups
 from packline.train.lora import peft_wrap
@@ -63,7 +63,7 @@ def build_model(cfg, processor):
         )
     else:
         model = build_tiny_model(processor, moe=cfg.model.moe, seed=cfg.train.seed)
-    return set_text_attention(model, cfg.model.attention.value)
+    return set_text_attention(model, cfg.model.attention.value, device=rank_device())
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """The test of record: packing is invisible to the model's math.
 
 Every conversation's logits inside a packed THD row equal its solo, unpadded run, for
-tiny dense and MoE Qwen3-VL models under sdpa, eager and packline_thd attention (fp32), on
+tiny dense and MoE Qwen3-VL models under sdpa, eager, packline_thd and HF's flex_attention
+(its document block mask, compiled on first use; fp32), on
 rows that mix multi-image, single-image, video (an odd sampled frame count, two videos, a
 video beside an image) and text-only conversations with alignment gaps and tail padding.
 """
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from packline.packing.thd import build_packed_batch, shifted_labels
-from packline.qwen.attention import THD_ATTENTION
+from packline.qwen.attention import THD_ATTENTION, set_text_attention
 from packline.qwen.encode import ConversationEncoder
 from packline.qwen.forward import packed_forward, token_hits, token_loss_sum
 from packline.qwen.model import build_tiny_model
@@ -125,12 +126,15 @@ def _solo(model, encoder, conv):
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
-@pytest.mark.parametrize("attn", ["sdpa", "eager", THD_ATTENTION])
+@pytest.mark.parametrize("attn", ["sdpa", "eager", THD_ATTENTION, "flex"])
 @pytest.mark.parametrize(
     ("alignment", "pad_to_max"), [(1, False), (8, True)], ids=["m1", "m8-fixed"]
 )
 def test_packed_logits_equal_solo_runs(encoder, convs, moe, attn, alignment, pad_to_max):
-    model = build_tiny_model(encoder.processor, moe=moe, attn=attn, seed=3)
+    if attn == "flex":  # HF refuses flex at construction for dense Qwen3-VL; it runs it
+        model = set_text_attention(build_tiny_model(encoder.processor, moe=moe, seed=3), "flex")
+    else:
+        model = build_tiny_model(encoder.processor, moe=moe, attn=attn, seed=3)
     batch = build_packed_batch(
         convs,
         seq_length=512,

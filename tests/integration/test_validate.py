@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 from transformers import LlamaConfig
 
 from packline.packing.selection import align_up
@@ -805,3 +806,22 @@ def test_the_slurm_rule_run_refuses_is_listed_by_validate(connected, capsys):
         connected, capsys, "executor.kind=slurm", "executor.slurm.nproc_per_node=2"
     )
     assert code == 0 and problems == []
+
+
+@pytest.mark.parametrize("attention", ["varlen", "flex"])
+def test_an_attention_that_cannot_train_on_this_machine_is_an_error(connected, capsys, attention):
+    """This machine has no GPU: varlen's flash kernel and flex's backward are CUDA's."""
+    code, problems, report = _validate(connected, capsys, f"model.attention={attention}")
+    assert code == 2
+    (problem,) = [p for p in problems if p.startswith("model.attention")]
+    why = (
+        "its flash kernel runs on CUDA only, not on cpu"
+        if attention == "varlen"
+        else f"torch {torch.__version__}'s FlexAttention has no backward on cpu"
+    )
+    assert problem == (
+        f"model.attention {attention} cannot train here: {why}; fix: set model.attention=auto "
+        "(varlen where it runs, thd elsewhere)"
+    )
+    code, _, report = _validate(connected, capsys, "model.attention=auto")
+    assert code == 0 and report["facts"]["attention"] == {"configured": "auto", "runs": "thd"}

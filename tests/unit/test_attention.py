@@ -115,3 +115,87 @@ def test_docstring_has_a_worked_example():  # pytest --doctest-modules runs it
     import doctest
 
     assert any(test.examples for test in doctest.DocTestFinder().find(attention))
+
+
+# --- the choice per device, and the varlen kernel's inputs --------------------------------------
+
+
+def test_auto_picks_thd_on_cpu_and_varlen_says_why_it_cannot_run_here(processor):
+    assert attention.resolve_attention("auto", "cpu") == "thd"
+    assert "runs on CUDA only, not on cpu" in attention.varlen_problem("cpu")
+    model = _model(processor, "auto")  # on the CPU
+    assert attention.text_attention(model) == "thd"
+    assert model.config.text_config._attn_implementation == THD_ATTENTION
+
+
+def _packed_row(processor):
+    """A real packed row: three conversations, alignment gaps, a fixed-width tail."""
+    from packline.packing.thd import EncodedConversation, build_packed_batch
+
+    convs = [
+        EncodedConversation(
+            key=k,
+            input_ids=torch.randint(10, 200, (n,)),
+            target_mask=torch.ones(n, dtype=torch.bool),
+            mrope=torch.arange(n).expand(3, n),
+        )
+        for k, n in (("a", 7), ("b", 3), ("c", 5))
+    ]
+    return build_packed_batch(convs, seq_length=24, alignment=4, pad_to_max_length=True)
+
+
+def test_varlen_inputs_are_the_packers_boundaries_and_give_thds_attention(processor):
+    """The row's cu_seqlens and longest segment reach the kernel as the packer made them
+    (no search of the positions); the [T, H, D] layout, run segment by segment as the
+    kernel runs it, gives thd's output (the kernel itself runs on a GPU only)."""
+    row_batch = _packed_row(processor)
+    row = attention.PackedRow(row_batch.cu_seqlens_padded, row_batch.max_seqlen)
+    assert row.cu_seqlens.tolist() == [0, 8, 12, 24] and row.max_seqlen == 12
+    assert row.bounds() == [(0, 8), (8, 12), (12, 24)]
+    heads, kv_heads, dim, length = 4, 2, 8, 24
+    query = torch.randn(1, heads, length, dim)
+    key, value = torch.randn(1, kv_heads, length, dim), torch.randn(1, kv_heads, length, dim)
+    q, k, v, cu, longest, extra = attention.varlen_inputs(query, key, value, row)
+    assert q.shape == (length, heads, dim) and cu is row.cu_seqlens and longest == 12
+    assert cu.dtype == torch.int32
+    kernel = attention._varlen_kernel()
+    if kernel is not None and kernel[2]:  # this torch's kernel takes GQA itself
+        assert k.shape == (length, kv_heads, dim) and extra.get("enable_gqa") is True
+    else:
+        assert k.shape == (length, heads, dim)
+    causal = {"window_size": (-1, 0)} if "window_size" in str(kernel) else {"is_causal": True}
+    assert {key: extra[key] for key in causal} == causal
+    k, v = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v))
+    by_segment = torch.cat(
+        [
+            torch.nn.functional.scaled_dot_product_attention(
+                q[s:e].transpose(0, 1), k[s:e].transpose(0, 1), v[s:e].transpose(0, 1),
+                is_causal=True,
+            ).transpose(0, 1)
+            for s, e in row.bounds()
+        ]
+    )  # fmt: skip
+
+    class Module(torch.nn.Module):
+        num_key_value_groups = heads // kv_heads
+        is_causal = True
+        training = False
+
+    thd, _ = attention.thd_attention_forward(
+        Module(), query, key, value, None, packline_row=row, position_ids=None
+    )
+    assert torch.allclose(by_segment.unsqueeze(0), thd, atol=1e-6)
+
+
+def test_flex_has_no_backward_on_cpu_in_this_torch(processor):
+    """The bound behind flex's CPU checks: its forward equals thd's (the packing test of
+    record runs it), a forward that will need a backward raises here, so LoRA gradients through flex are compared
+    on a GPU (``packline bench gpu``). When PyTorch adds a CPU backward this fails: then
+    compare the gradients here too."""
+    model = set_text_attention(build_tiny_model(processor, seed=1), "flex")
+    ids = torch.randint(10, 200, (1, 8))
+    positions = torch.tensor([0, 1, 2, 0, 1, 2, 3, 4]).view(1, 1, -1).expand(4, 1, -1)
+    with torch.no_grad():  # evaluation: runs
+        model(input_ids=ids, position_ids=positions, use_cache=False)
+    with pytest.raises(NotImplementedError, match="does not support backward on CPU"):
+        model(input_ids=ids, position_ids=positions, use_cache=False).logits.sum().backward()
