@@ -189,9 +189,9 @@ def test_varlen_inputs_are_the_packers_boundaries_and_give_thds_attention(proces
 
 def test_flex_has_no_backward_on_cpu_in_this_torch(processor):
     """The bound behind flex's CPU checks: its forward equals thd's (the packing test of
-    record runs it), a forward that will need a backward raises here, so LoRA gradients through flex are compared
-    on a GPU (``packline bench gpu``). When PyTorch adds a CPU backward this fails: then
-    compare the gradients here too."""
+    record runs it), a forward that will need a backward raises here, so LoRA gradients
+    through flex are compared on a GPU (``packline bench gpu``). When PyTorch adds a CPU
+    backward this fails: then compare the gradients here too."""
     model = set_text_attention(build_tiny_model(processor, seed=1), "flex")
     ids = torch.randint(10, 200, (1, 8))
     positions = torch.tensor([0, 1, 2, 0, 1, 2, 3, 4]).view(1, 1, -1).expand(4, 1, -1)
