@@ -18,6 +18,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from packline.qwen.generate import (
     DEFAULT_MAX_NEW_TOKENS,
     Prompt,
@@ -57,8 +59,8 @@ def load_base(cfg: PipelineConfig):
     if not path.is_dir():
         raise UserError([f"no processor at {path}; fix: run connect first (packline run CONFIG)"])
     processor = load_processor(path)
-    with quiet_libraries():
-        model = build_model(cfg, processor)
+    with quiet_libraries():  # fp32 whatever the run trained in: an exact merge, a CPU chat
+        model = build_model(cfg, processor, dtype=torch.float32)
     return set_text_attention(model, "sdpa").eval(), processor
 
 

@@ -648,7 +648,19 @@ class TrainConfig(_Section):
     """AdamW's decay of the squared gradient's running mean."""
     precision: Precision = Precision.auto
     """Backend local: ``auto`` (bf16 on a GPU that has it, fp32 on CPU), ``bf16`` or
-    ``fp32``; Megatron-Bridge takes its precision from its recipe."""
+    ``fp32``. With bf16 the frozen base is loaded in bf16 (no fp32 copy of it is ever made)
+    and its forwards run in bf16, while the LoRA adapters and AdamW's state stay fp32;
+    evaluation and generation run in the same dtype. Megatron-Bridge takes its precision
+    from its recipe."""
+    activation_checkpointing: bool = False
+    """Backend local: keep only each decoder layer's and vision block's inputs in the
+    forward and recompute the rest in the backward (torch's non-reentrant checkpoint):
+    activation memory of a row drops to about one layer's, for about a third more compute."""
+    loss_chunk_tokens: int = ranged(1024, ge=1)
+    """Backend local: row positions whose logits exist at once in the loss (the LM head runs
+    chunk by chunk and each chunk's logits are recomputed in the backward): no [T, vocab]
+    tensor is made. Qwen3-VL's vocabulary of 151,936 makes 1,024 positions 0.6 GB of fp32
+    logits."""
     seed: int = ranged(0, ge=0)
     """Seed of model init, data order and packing shuffles."""
     num_workers: int = ranged(0, ge=0)

@@ -119,6 +119,7 @@ def train_run(
             names.TAG_RANKS: str(trainer.world),
         }
     )
+    tracker.log_params({f"ran.{k}": v for k, v in trainer.what_ran().items()})
     outcome = trainer.train()
     whole = trainer.whole_model()  # every rank: the adapters are gathered when split (EP, PP)
     if not trainer.lead:
@@ -140,6 +141,7 @@ def train_run(
         ranks=outcome.ranks,
         chance=outcome.chance,
         chance_by_kind=outcome.chance_by_kind,
+        ran=outcome.ran,
     )
     # Under EP or PP too the adapter is the one-process PEFT adapter of the whole model.
     adapter = save_adapter(whole, run_dir / "adapter", cfg, summary, read_forecast(cfg), fp)

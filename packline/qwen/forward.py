@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from packline.packing.thd import IGNORE_INDEX, PackedBatch, check_text_positions
 from packline.qwen.attention import ROW_KWARG, PackedRow
@@ -132,3 +133,115 @@ def padded_forward(
         use_cache=False,
     )
     return out.logits
+
+
+# --- the loss without the full logits --------------------------------------------------------
+
+LOSS_CHUNK_TOKENS = 1024
+"""Row positions whose logits exist at once in the chunked loss (``train.loss_chunk_tokens``'
+default): Qwen3-VL's 151,936-token vocabulary makes that 0.6 GB of fp32 logits, where a whole
+4,096-token row would be 2.5 GB."""
+
+
+def _hf_parts(model) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(the model without its LM head, the LM head) of a Qwen3-VL, plain or PEFT-wrapped."""
+    hf = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return hf.model, hf.lm_head
+
+
+def _chunk_loss(lm_head: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor):
+    """Σ token cross-entropy (float64) of one chunk: its logits in fp32 live only here."""
+    logits = lm_head(hidden).float()
+    per_token = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="none")
+    return per_token.double().sum()
+
+
+def chunked_token_loss(
+    lm_head: torch.nn.Module,
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    chunk_tokens: int = LOSS_CHUNK_TOKENS,
+    with_hits: bool = False,
+) -> tuple[torch.Tensor, int, int]:
+    """(Σ token cross-entropy in float64, target tokens, top-1 hits when ``with_hits``) of
+    ``hidden`` [..., H] (the final norm's output) under ``lm_head``, ``chunk_tokens``
+    positions at a time: no [T, vocab] tensor exists, and with gradients each chunk's logits
+    are recomputed in the backward (a non-reentrant checkpoint) instead of kept. The same
+    sum as :func:`token_loss_sum` of the whole logits (labels already shifted)."""
+    flat_h = hidden.reshape(-1, hidden.shape[-1])
+    flat_y = labels.reshape(-1)
+    total = torch.zeros((), dtype=torch.float64, device=hidden.device)
+    hits = 0
+    for start in range(0, flat_y.numel(), chunk_tokens):
+        h, y = flat_h[start : start + chunk_tokens], flat_y[start : start + chunk_tokens]
+        if torch.is_grad_enabled() and h.requires_grad:
+            total = total + checkpoint(_chunk_loss, lm_head, h, y, use_reentrant=False)
+        else:
+            total = total + _chunk_loss(lm_head, h, y)
+        if with_hits:
+            with torch.no_grad():
+                hits += token_hits(lm_head(h).unsqueeze(0), y.unsqueeze(0))
+    return total, int((flat_y != IGNORE_INDEX).sum()), hits
+
+
+def packed_loss(
+    model,
+    batch: PackedBatch,
+    *,
+    image_token_id: int,
+    video_token_id: int | None = None,
+    chunk_tokens: int = LOSS_CHUNK_TOKENS,
+    with_hits: bool = False,
+) -> tuple[torch.Tensor, int, int]:
+    """:func:`chunked_token_loss` of a packed row, its conversations isolated as in
+    :func:`packed_forward` (same checks, same inputs), the LM head applied chunk by chunk."""
+    check_packed_inputs(
+        position_ids=batch.position_ids,
+        cu_seqlens_padded=batch.cu_seqlens_padded,
+        attention_mask=None,
+        use_cache=False,
+    )
+    body, lm_head = _hf_parts(model)
+    hidden = body(
+        input_ids=batch.input_ids,
+        pixel_values=batch.pixel_values,
+        image_grid_thw=batch.image_grid_thw,
+        pixel_values_videos=batch.pixel_values_videos,
+        video_grid_thw=batch.video_grid_thw,
+        mm_token_type_ids=batch.token_type_ids(image_token_id, video_token_id),
+        position_ids=batch.position_ids,
+        attention_mask=None,
+        use_cache=False,
+        **{ROW_KWARG: PackedRow(batch.cu_seqlens_padded, batch.max_seqlen)},
+    ).last_hidden_state
+    return chunked_token_loss(
+        lm_head, hidden, batch.labels, chunk_tokens=chunk_tokens, with_hits=with_hits
+    )
+
+
+def padded_loss(
+    model,
+    batch,
+    *,
+    image_token_id: int,
+    video_token_id: int | None = None,
+    chunk_tokens: int = LOSS_CHUNK_TOKENS,
+    with_hits: bool = False,
+) -> tuple[torch.Tensor, int, int]:
+    """:func:`chunked_token_loss` of right-padded rows (packing off), as
+    :func:`padded_forward` runs them."""
+    body, lm_head = _hf_parts(model)
+    hidden = body(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        pixel_values=batch.pixel_values,
+        image_grid_thw=batch.image_grid_thw,
+        pixel_values_videos=batch.pixel_values_videos,
+        video_grid_thw=batch.video_grid_thw,
+        mm_token_type_ids=batch.token_type_ids(image_token_id, video_token_id),
+        use_cache=False,
+    ).last_hidden_state
+    return chunked_token_loss(
+        lm_head, hidden, batch.labels, chunk_tokens=chunk_tokens, with_hits=with_hits
+    )

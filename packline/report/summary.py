@@ -115,6 +115,10 @@ class RunSummary:
     """Start to end of the run, evaluation and checkpoints included (None: unknown)."""
     run_id: str | None
     """The MLflow run (None outside MLflow)."""
+    ran: dict[str, str] = field(default_factory=dict)
+    """What trained (:meth:`packline.train.trainer.Trainer.what_ran`): the attention kernel
+    ``model.attention`` chose, the base's and the adapters' dtypes, activation checkpointing
+    and the sharding."""
     evals: list[EvalPoint] = field(default_factory=list)
     """Every evaluation in step order (for the seconds to reach an eval loss)."""
 
@@ -160,6 +164,7 @@ def summarize_run(
     chance_by_kind: Mapping[str, float] | None = None,
     wall_seconds: float | None = None,
     run_id: str | None = None,
+    ran: Mapping[str, str] | None = None,
 ) -> RunSummary:
     """The summary of one run from its step and eval records (each in any order, one
     record per step) and the facts the records do not carry.
@@ -265,6 +270,7 @@ def summarize_run(
         tflops_per_s=useful / seconds if seconds else 0.0,
         wall_seconds=wall_seconds,
         run_id=run_id,
+        ran=dict(ran or {}),
         evals=points,
     )
 

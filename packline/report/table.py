@@ -41,6 +41,12 @@ column shows packed ÷ unpacked of it)."""
 ROWS: tuple[Row, ...] = (
     ("steps", _steps, None, False),
     ("ranks · precision", lambda r: f"{r.ranks} · {r.precision}", None, False),
+    (
+        "attention · sharding",
+        lambda r: f"{r.ran.get('attention', '-')} · {r.ran.get('sharding', '-')}",
+        None,
+        False,
+    ),  # fmt: skip
     ("real tokens", lambda r: r.real_tokens, ",.0f", False),
     ("real tokens/s", lambda r: r.real_tokens_per_s, ",.0f", True),
     ("train seconds (Σ steps)", lambda r: r.train_seconds, ".1f", True),

@@ -59,6 +59,20 @@ def _start_end(start: float | None, end: float | None, fmt: str) -> str:
     return format(end, fmt) if start is None else f"{start:{fmt}} → {end:{fmt}}"
 
 
+def _what_ran(ran: dict[str, str]) -> list[str]:
+    """The model card's line on what trained (none for a summary without it)."""
+    if not ran:
+        return []
+    checkpointing = "on" if ran.get("activation_checkpointing") == "true" else "off"
+    return [
+        "",
+        f"What trained: `{ran.get('attention')}` attention, the base in "
+        f"{ran.get('base_dtype')} and the adapters in {ran.get('adapter_dtype')} (compute "
+        f"{ran.get('compute')}), activation checkpointing {checkpointing}, sharding: "
+        f"{ran.get('sharding')}.",
+    ]
+
+
 def model_card(cfg: PipelineConfig, run: RunSummary, forecast: dict[str, Any], fp: str) -> str:
     """The adapter's ``README.md``: what it was trained on and how, what packing did, the
     eval figures, the config's fingerprint, and how to load it."""
@@ -85,6 +99,7 @@ def model_card(cfg: PipelineConfig, run: RunSummary, forecast: dict[str, Any], f
         f"{', '.join(lora.target_modules) or 'no modules'}) trained by packline with sequence "
         f"packing {'on' if packed else 'off'}: {run.steps} optimizer steps at "
         f"{run.precision} on {run.ranks} rank(s), rows of {run.seq_length:,} tokens.",
+        *_what_ran(run.ran),
         "",
         "## Data",
         "",

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from packline.packing.thd import IGNORE_INDEX, PaddedBatch, to_device
-from packline.qwen.forward import packed_forward, padded_forward, token_loss_sum
+from packline.qwen.forward import LOSS_CHUNK_TOKENS, packed_loss, padded_loss
 from packline.qwen.moe import RouterRecorder, RouterStats, aux_loss
 from packline.train.distributed import (
     all_gather_object,
@@ -80,8 +80,10 @@ class Engine(ABC):
         video_token_id: int | None = None,
         bf16: bool = False,
         aux_loss_coef: float = 0.0,
+        loss_chunk_tokens: int = LOSS_CHUNK_TOKENS,
     ):
         self.model = model
+        self.loss_chunk_tokens = loss_chunk_tokens
         self.image_token_id = image_token_id
         self.video_token_id = video_token_id
         self.bf16 = bf16
@@ -102,7 +104,7 @@ class Engine(ABC):
         (plus the aux term of each, / ``global_micro``); gradients accumulate locally."""
         device = self.params[0].device
         loss_total = torch.zeros((), dtype=torch.float64, device=device)
-        forward = packed_forward if packed else padded_forward
+        loss_of = packed_loss if packed else padded_loss
         stats = None
         recording = self.recorder if self.recorder is not None else nullcontext()
         with recording:
@@ -111,13 +113,13 @@ class Engine(ABC):
                 if self.recorder is not None:
                     self.recorder.clear()
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.bf16):
-                    logits = forward(
+                    loss_sum, _, _ = loss_of(  # the LM head chunk by chunk: no [T, vocab]
                         self.model,
                         m,
                         image_token_id=self.image_token_id,
                         video_token_id=self.video_token_id,
+                        chunk_tokens=self.loss_chunk_tokens,
                     )
-                loss_sum, _ = token_loss_sum(logits, m.labels)
                 loss = loss_sum / global_targets
                 if self.recorder is not None and m.num_real_tokens:
                     mask = m.real_token_mask()

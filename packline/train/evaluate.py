@@ -14,7 +14,7 @@ import torch
 from packline.energon.loader import read_conversations, val_loader
 from packline.energon.packing import PackingSettings, make_encoder
 from packline.packing.thd import to_device
-from packline.qwen.forward import packed_forward, token_hits, token_loss_sum
+from packline.qwen.forward import packed_loss
 from packline.qwen.generate import generate_answer, sample_prompt
 
 
@@ -42,13 +42,16 @@ def eval_loss(
         batch = to_device(pack.batch, device)
         if not batch.num_conversations:
             continue
-        logits = packed_forward(
-            model, batch, image_token_id=image_token_id, video_token_id=video_token_id
+        loss, n, right = packed_loss(
+            model,
+            batch,
+            image_token_id=image_token_id,
+            video_token_id=video_token_id,
+            with_hits=True,
         )
-        loss, n = token_loss_sum(logits, batch.labels)
         total += loss.double().cpu()
         targets += n
-        hits += token_hits(logits, batch.labels)
+        hits += right
     if not targets:
         return float("nan"), float("nan"), 0
     return float(total / targets), hits / targets, targets

@@ -49,9 +49,31 @@ def model_config(cfg, processor):
     return tiny_config(processor, moe=cfg.model.moe)
 
 
-def build_model(cfg, processor):
-    """The configured Qwen3-VL: the tiny one (seeded), or a local checkpoint dir, its
-    language model on ``model.attention``."""
+def base_dtype(cfg, device: torch.device | None = None) -> torch.dtype:
+    """The frozen base's dtype on ``device`` (this rank's by default): bf16 when the run's
+    forwards are bf16 (``train.precision``, :func:`~packline.train.trainer.use_bf16`), else
+    fp32. The LoRA adapters stay fp32 either way (PEFT upcasts them)."""
+    bf16 = use_bf16(cfg.train.precision.value, device or rank_device())
+    return torch.bfloat16 if bf16 else torch.float32
+
+
+def enable_activation_checkpointing(model) -> None:
+    """Checkpoint every decoder layer and vision block of a HF model with torch's
+    non-reentrant checkpoint (transformers 5.24 names it ``activation_checkpointing_enable``,
+    earlier releases ``gradient_checkpointing_enable``)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def build_model(cfg, processor, *, dtype: torch.dtype | None = None):
+    """The configured Qwen3-VL: the tiny one (seeded), or a local checkpoint dir, loaded
+    straight in ``dtype`` (:func:`base_dtype` by default: a bf16 run never holds an fp32
+    copy of the checkpoint), its language model on ``model.attention`` and, with
+    ``train.activation_checkpointing``, every decoder layer and vision block checkpointed."""
+    dtype = dtype or base_dtype(cfg)
     if cfg.model.path:
         from transformers import AutoModelForImageTextToText
 
@@ -59,10 +81,12 @@ def build_model(cfg, processor):
             cfg.model.path,
             config=model_config(cfg, processor),
             local_files_only=True,
-            torch_dtype=torch.float32,
+            dtype=dtype,
         )
-    else:
-        model = build_tiny_model(processor, moe=cfg.model.moe, seed=cfg.train.seed)
+    else:  # random init in fp32 (the same weights for any dtype), then cast: it is tiny
+        model = build_tiny_model(processor, moe=cfg.model.moe, seed=cfg.train.seed).to(dtype)
+    if cfg.train.activation_checkpointing:
+        enable_activation_checkpointing(model)
     return set_text_attention(model, cfg.model.attention.value, device=rank_device())
 
 
@@ -245,7 +269,11 @@ def build_split_engine(cfg, processor, layout: ParallelLayout, *, packed: bool, 
     common = {"rank": rank, "groups": groups, **ids}
     if layout.pipeline == 1:
         engine = ExpertParallelEngine(
-            model, layout, aux_loss_coef=cfg.train.moe_aux_loss_coef, **common
+            model,
+            layout,
+            aux_loss_coef=cfg.train.moe_aux_loss_coef,
+            loss_chunk_tokens=cfg.train.loss_chunk_tokens,
+            **common,
         )
     else:
         runner = PipelineRunner(

@@ -91,6 +91,8 @@ class TrainerSettings:
     seed: int
     precision: str
     """``auto`` | ``bf16`` | ``fp32`` (see :func:`use_bf16`)."""
+    loss_chunk_tokens: int
+    """Row positions whose logits exist at once in the loss."""
     save_every: int
     """Checkpoint every N steps (0: only at the end)."""
     keep_last: int
@@ -121,6 +123,7 @@ class TrainerSettings:
             grad_clip=t.grad_clip,
             betas=(t.adam_beta1, t.adam_beta2),
             precision=t.precision.value,
+            loss_chunk_tokens=t.loss_chunk_tokens,
             seed=t.seed,
             save_every=t.save_every,
             keep_last=t.keep_last,
@@ -219,6 +222,8 @@ class RunOutcome:
     chance: float
     """Accuracy by guessing on the questions asked (nan without questions)."""
     chance_by_kind: dict[str, float]
+    ran: dict[str, str] = field(default_factory=dict)
+    """What trained (:meth:`Trainer.what_ran`)."""
 
 
 class Trainer:
@@ -271,6 +276,7 @@ class Trainer:
             video_token_id=video_token_id,
             bf16=self.bf16,
             aux_loss_coef=settings.moe_aux_loss_coef,
+            loss_chunk_tokens=settings.loss_chunk_tokens,
         )
         self.model = self.engine.model
         self.params = self.engine.params
@@ -309,6 +315,34 @@ class Trainer:
     def precision(self) -> str:
         """``bf16`` or ``fp32``: what ``train.precision`` resolved to on this device."""
         return "bf16" if self.bf16 else "fp32"
+
+    def what_ran(self) -> dict[str, str]:
+        """What this run trains with, as the run summary, the model card and MLflow's params
+        (``ran.*``) say it: the attention kernel ``model.attention`` chose, the dtypes of the
+        frozen base and of the adapters, activation checkpointing, and the sharding."""
+        from packline.qwen.attention import text_attention
+
+        frozen = next((p for p in self.model.parameters() if not p.requires_grad), None)
+        layout = self.layout
+        if layout.pipeline > 1:
+            sharding = f"pipeline parallel {layout.pipeline} stages"
+        elif layout.expert > 1:
+            sharding = f"expert parallel {layout.expert}"
+        elif layout.fsdp:
+            sharding = f"fsdp2 over {layout.data} ranks"
+        else:
+            sharding = f"data parallel {layout.data}" if layout.data > 1 else "none"
+        checkpointed = any(
+            getattr(m, "gradient_checkpointing", False) for m in self.model.modules()
+        )
+        return {
+            "attention": text_attention(self.model),
+            "base_dtype": str(frozen.dtype).removeprefix("torch.") if frozen is not None else "",
+            "adapter_dtype": str(self.params[0].dtype).removeprefix("torch."),
+            "compute": self.precision,
+            "activation_checkpointing": str(checkpointed).lower(),
+            "sharding": sharding,
+        }
 
     @property
     def ledger(self) -> Ledger:
@@ -375,6 +409,7 @@ class Trainer:
             precision=self.precision,
             chance=chance,
             chance_by_kind=self.chance_by_kind,
+            ran=self.what_ran(),
         )
 
     def whole_model(self):

@@ -42,6 +42,14 @@ def _summary(run: str) -> RunSummary:
         eval_by_kind=None,
         run_id=None,
         evals=[],
+        ran={
+            "attention": "thd",
+            "base_dtype": "float32",
+            "adapter_dtype": "float32",
+            "compute": "fp32",
+            "activation_checkpointing": "false",
+            "sharding": "none",
+        },
         fill=0.97,
         real_tokens_per_s=12345.0,
         tflops_useful=0.072,
@@ -88,6 +96,8 @@ def test_a_saved_adapter_travels(tmp_path: Path):
         "| executed FLOPs per epoch | 47.8 GFLOP | 155 GFLOP |",
         "eval loss: 2.5000 → 1.2500",
         "12.3k tokens/s",
+        "What trained: `thd` attention, the base in float32 and the adapters in float32 "
+        "(compute fp32), activation checkpointing off, sharding: none.",
         f"fingerprint `{'f' * 64}`",
         'PeftModel.from_pretrained(base, "path/to/this/adapter")',
     ):

@@ -228,6 +228,15 @@ def test_a_set_without_validation_rows_is_refused_unless_the_run_trains_without_
     run = work / "train" / "packed"
     assert not (run / "eval.jsonl").exists() and (run / "adapter" / "adapter_config.json").is_file()
     assert "- eval loss: not evaluated\n" in (run / "adapter" / "README.md").read_text()
+    ran = json.loads((run / "result.json").read_text())["ran"]  # what trained, said
+    assert ran == {
+        "attention": "thd",  # auto, on this CPU
+        "base_dtype": "float32",
+        "adapter_dtype": "float32",
+        "compute": "fp32",
+        "activation_checkpointing": "false",
+        "sharding": "none",
+    }
 
 
 def test_alignment_counts_in_the_overlength_check(connected, lengths, capsys):
