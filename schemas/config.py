@@ -656,6 +656,10 @@ class TrainConfig(_Section):
     """Backend local: keep only each decoder layer's and vision block's inputs in the
     forward and recompute the rest in the backward (torch's non-reentrant checkpoint):
     activation memory of a row drops to about one layer's, for about a third more compute."""
+    gpu_memory_gib: float | None = ranged(None, gt=0)
+    """Backend local: memory of one GPU of the train run (GiB), which validate's per-GPU
+    forecast of a step's peak must fit; ``null`` reads it from this machine's GPU (no check
+    where there is none)."""
     loss_chunk_tokens: int = ranged(1024, ge=1)
     """Backend local: row positions whose logits exist at once in the loss (the LM head runs
     chunk by chunk and each chunk's logits are recomputed in the backward): no [T, vocab]

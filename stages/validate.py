@@ -88,6 +88,8 @@ def validate_config(cfg: PipelineConfig, fp: str | None = None) -> StageResult:
         console.print(findings_table(findings, len(checks)))
     else:
         console.log(f"[green]validate: all {len(checks)} rules hold[/]")
+    if "memory" in inputs.facts:  # the train.memory rule's forecast
+        console.log(f"memory forecast of a training step: {inputs.facts['memory']['line']}")
     if errors:
         raise UserError(
             [f.text for f in errors],

@@ -12,6 +12,7 @@ from packline.qwen.attention import resolve_attention, varlen_problem
 from packline.qwen.processor import processor_geometry, special_token_ids
 from packline.rules.inputs import Inputs
 from packline.train.distributed import rank_device
+from packline.train.memory import GIB, StepShape, forecast_peak
 from packline.train.setup import lora_target_matches
 from schemas.config import (
     ExecutorKind,
@@ -326,3 +327,76 @@ def _wraps(module: torch.nn.Module) -> bool:
     from packline.train.setup import LORA_MODULE_TYPES
 
     return isinstance(module, LORA_MODULE_TYPES)
+
+
+def step_shapes(x: Inputs) -> list[StepShape]:
+    """The widest forward of each run the train stage runs, from connect's lengths: a packed
+    row of ``packing.seq_length`` (its images in the proportion of the sample richest in
+    them), and without packing a padded micro-batch of ``train.unpacked_micro_batch_size``
+    of the longest samples."""
+    cfg, lengths = x.cfg, x.lengths
+    visual = lengths["image_tokens"] + lengths["video_tokens"]
+    shapes = []
+    if cfg.trains_packed:
+        share = float((visual / lengths["total_tokens"]).max()) if len(lengths) else 0.0
+        tokens = cfg.packing.seq_length
+        visual_tokens = int(share * tokens)
+        shapes.append(StepShape(tokens, 4 * visual_tokens, visual_tokens))
+    if not cfg.packing.enabled or cfg.train.compare_packing:
+        rows = cfg.train.unpacked_micro_batch_size
+        longest = int(lengths["total_tokens"].max()) if len(lengths) else 0
+        visual_tokens = rows * (int(visual.max()) if len(lengths) else 0)
+        shapes.append(StepShape(rows * longest, 4 * visual_tokens, visual_tokens))
+    return shapes
+
+
+@MODEL_RULES.rule(
+    "train.memory",
+    "train",
+    "the per-GPU forecast of a training step's peak fits the GPU's memory",
+)
+def _memory(x: Inputs) -> list[Issue] | None:
+    cfg = x.cfg
+    if not x.model_ok or cfg.train.backend is not TrainBackend.local:
+        return None  # Bridge sizes its own runs
+    slurm = cfg.executor.kind is ExecutorKind.slurm
+    device = rank_device()
+    gpu = device.type == "cuda" or (slurm and cfg.executor.slurm.gpus_per_node > 0)
+    bf16 = cfg.train.precision.value == "bf16" or (cfg.train.precision.value == "auto" and gpu)
+    par = cfg.train.parallel
+    shards = train_world(cfg) // par.pipeline_parallel if par.fsdp else 1
+    forecasts = [
+        forecast_peak(
+            x.model_config,
+            shape,
+            base_bytes=2 if bf16 else 4,
+            compute_bytes=2 if bf16 else 4,
+            lora_rank=cfg.lora.rank,
+            lora_targets=list(cfg.lora.target_modules),
+            lora_expert_targets=list(cfg.lora.target_parameters),
+            checkpointing=cfg.train.activation_checkpointing,
+            loss_chunk_tokens=cfg.train.loss_chunk_tokens,
+            shards=shards,
+        )
+        for shape in step_shapes(x)
+    ]
+    if not forecasts:
+        return None
+    worst = max(forecasts, key=lambda f: f.total)
+    x.facts["memory"] = {**worst.parts_gib(), "line": worst.line()}
+    limit = cfg.train.gpu_memory_gib
+    if limit is None and device.type == "cuda" and not slurm:
+        limit = torch.cuda.get_device_properties(device).total_memory / GIB
+    if limit is None or worst.total / GIB <= limit:
+        return []
+    fixes = [] if cfg.train.activation_checkpointing else ["train.activation_checkpointing=true"]
+    fixes += ["a smaller packing.seq_length or train.unpacked_micro_batch_size"]
+    if not par.fsdp:
+        fixes.append("train.parallel.fsdp=true over several GPUs")
+    return [
+        error(
+            "train.gpu_memory_gib",
+            f"a training step needs about {worst.line()}; the GPU has {limit:.1f} GiB",
+            "set " + ", or ".join(fixes),
+        )
+    ]

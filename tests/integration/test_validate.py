@@ -834,3 +834,18 @@ def test_an_attention_that_cannot_train_on_this_machine_is_an_error(connected, c
     )
     code, _, report = _validate(connected, capsys, "model.attention=auto")
     assert code == 0 and report["facts"]["attention"] == {"configured": "auto", "runs": "thd"}
+
+
+def test_validate_prints_the_memory_forecast_and_refuses_a_gpu_it_exceeds(connected, capsys):
+    code, _, report = _validate(connected, capsys)
+    memory = report["facts"]["memory"]
+    assert code == 0 and memory["total"] > memory["weights"] > 0
+    assert memory["line"].startswith(f"{memory['total']:.2f} GiB per GPU: weights")
+    code, problems, _ = _validate(connected, capsys, "train.gpu_memory_gib=0.01")
+    assert code == 2
+    (problem,) = [p for p in problems if "a training step needs about" in p]
+    assert problem.endswith(
+        "the GPU has 0.0 GiB; fix: set train.activation_checkpointing=true, or a smaller "
+        "packing.seq_length or train.unpacked_micro_batch_size, or train.parallel.fsdp=true "
+        "over several GPUs"
+    )
