@@ -3,8 +3,9 @@
     packline run [CONFIG] [key=value ...] [--executor local|slurm] [--from STAGE] [--dryrun]
                  [--wait] [-v]
     packline stage NAME [CONFIG] [key=value ...] [--force] [--wait]
-    packline bench {packing,loader,train,data,cluster-memory} [key=value ...] [--json]
+    packline bench {packing,loader,train,data,cluster-memory,gpu} [key=value ...] [--json]
                    [--config PATH] [--work-dir DIR] [--samples N] [--bridge-path DIR]
+                   [--smoke] [--models LIST]
     packline compare [CONFIG] [key=value ...] [--experiment NAME] [--run RUN_ID]
     packline ui [CONFIG] [key=value ...] [--port N]
     packline chat [CONFIG] [key=value ...] [--image PATH | --video PATH] ["prompt" | --sample KEY]
@@ -28,7 +29,7 @@ from pathlib import Path
 
 import packline
 from packline.workdir import hold
-from pipelines.options import int_in, refuse_misplaced_bench_options
+from pipelines.options import gpu_bench_argv, int_in, refuse_misplaced_bench_options
 from schemas.config import STAGES, load_config
 from schemas.errors import InputCrash, UserError
 
@@ -103,6 +104,10 @@ def cmd_bench(ns: argparse.Namespace) -> int:
 
         sizes = {"num_samples": ns.samples} if ns.samples else {}
         bench_data(**common, **sizes)
+    elif ns.what == "gpu":  # runs alone, on torch/transformers/peft: packline/bench/gpu.py
+        from packline.bench.gpu import main as bench_gpu
+
+        return bench_gpu(gpu_bench_argv(ns))
     else:
         from pipelines.bench_train import bench_train
 
@@ -190,12 +195,13 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmarks, measured side by side in one run")
     b.add_argument(
         "what",
-        choices=["packing", "loader", "train", "data", "cluster-memory"],
+        choices=["packing", "loader", "train", "data", "cluster-memory", "gpu"],
         help="packing: fill, loader, selection; loader: the real loader's memory, throughput "
         "and overhead alone; train: training packing on vs off; data: prepare and connect "
         "samples/s with 1 and 2 workers, their memory at two dataset sizes; cluster-memory: "
         "a loader worker's memory with Bridge's own encoder and with packline's in Bridge "
-        "(needs Bridge's data path: make bench WHAT=cluster-memory)",
+        "(needs Bridge's data path: make bench WHAT=cluster-memory); gpu: packing on one GPU, "
+        "real Qwen3-VL sizes (also python -m packline.bench.gpu; docs/gpu.md)",
     )
     b.add_argument(
         "overrides",
@@ -206,17 +212,15 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", action="store_true", help="print JSON instead of a table")
     b.add_argument("--config", help="pipeline config of the default set (default: tiny_cpu)")
     b.add_argument("--work-dir", help="where the benchmark prepares and runs (default: runs/bench)")
-    b.add_argument(
-        "--samples",
-        type=int_in(1),
-        help="bench data: conversations of the large set (default 20,000; the small one is a "
-        "quarter of it)",
-    )
+    b.add_argument("--samples", type=int_in(1), help="bench data: conversations of the large "
+                   "set (default 20,000; the small one is a quarter of it)")  # fmt: skip
     b.add_argument(
         "--bridge-path",
         help="bench cluster-memory: a dir holding Megatron-Bridge's data path, put first on "
         "the measured processes' PYTHONPATH (default: the installed Bridge)",
     )
+    b.add_argument("--smoke", action="store_true", help="bench gpu: tiny sizes on the CPU")
+    b.add_argument("--models", help="bench gpu: comma-separated models (default: all)")
     b.set_defaults(fn=cmd_bench)
 
     g = sub.add_parser("config", help="the resolved config (YAML) and where each value came from")

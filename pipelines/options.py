@@ -32,7 +32,7 @@ def int_in(low: int, high: int | None = None):
 
 
 #: The bench options that only one benchmark reads.
-BENCH_ONLY = {"samples": "data", "bridge_path": "cluster-memory"}
+BENCH_ONLY = {"samples": "data", "bridge_path": "cluster-memory", "smoke": "gpu", "models": "gpu"}
 
 
 def refuse_misplaced_bench_options(ns: argparse.Namespace) -> None:
@@ -40,7 +40,14 @@ def refuse_misplaced_bench_options(ns: argparse.Namespace) -> None:
     misplaced = [
         f"--{opt.replace('_', '-')} applies to bench {what} only, not bench {ns.what}"
         for opt, what in BENCH_ONLY.items()
-        if getattr(ns, opt) is not None and ns.what != what
+        if getattr(ns, opt) not in (None, False) and ns.what != what
     ]
     if misplaced:
         raise UserError(misplaced, "bench: an option this benchmark does not read")
+
+
+def gpu_bench_argv(ns: argparse.Namespace) -> list[str]:
+    """``packline bench gpu``'s options as ``python -m packline.bench.gpu`` takes them."""
+    argv = ["--smoke"] if ns.smoke else []
+    argv += ["--json"] if ns.json else []
+    return argv + (["--models", ns.models] if ns.models else [])

@@ -176,9 +176,10 @@ def thd_attention_forward(
 
 @functools.cache
 def _varlen_kernel():
-    """``(varlen_attn, its keyword for causal attention, whether it takes GQA)``: PyTorch's
-    API differs between releases (2.10 takes ``is_causal``; 2.11 and later a
-    ``window_size`` where ``(-1, 0)`` is causal, and ``enable_gqa``); None without it."""
+    """``(varlen_attn, its keyword for causal attention, whether it takes GQA, whether it
+    takes a scale)``: PyTorch's API differs between releases (2.10 takes ``is_causal``;
+    2.11 and later a ``window_size`` where ``(-1, 0)`` is causal, and ``enable_gqa``); None
+    without it."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
@@ -190,7 +191,7 @@ def _varlen_kernel():
         causal = {"is_causal": True}
     else:
         return None
-    return varlen_attn, causal, "enable_gqa" in params
+    return varlen_attn, causal, "enable_gqa" in params, "scale" in params
 
 
 def varlen_problem(device: torch.device | str) -> str | None:
@@ -214,7 +215,7 @@ def varlen_inputs(query, key, value, row: PackedRow):
     keyword arguments."""
     kernel = _varlen_kernel()
     gqa = kernel is not None and kernel[2]
-    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))
     groups = q.shape[1] // k.shape[1]
     if groups > 1 and not gqa:
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
@@ -245,8 +246,12 @@ def varlen_attention_forward(
         raise ValueError(f"varlen attention runs without dropout, got {dropout}")
     row = _row_of(position_ids, kwargs.get(ROW_KWARG))
     q, k, v, cu, longest, extra = varlen_inputs(query, key, value, row)
-    varlen_attn = _varlen_kernel()[0]
-    out = varlen_attn(q, k, v, cu, cu, longest, longest, scale=scaling, **extra)
+    varlen_attn, _, _, takes_scale = _varlen_kernel()
+    if takes_scale:
+        extra["scale"] = scaling
+    elif scaling is not None and abs(scaling - q.shape[-1] ** -0.5) > 1e-12:
+        raise ValueError(f"this torch's varlen_attn takes no scale, and {scaling} is not 1/√d")
+    out = varlen_attn(q, k, v, cu, cu, longest, longest, **extra)
     return out.unsqueeze(0), None
 
 
