@@ -255,7 +255,7 @@ def flops_model_for(cfg, processor) -> FlopsModel:
     if cfg.model.path:
         from transformers import AutoConfig
 
-        config = AutoConfig.from_pretrained(cfg.model.path, local_files_only=True)
+        config = AutoConfig.from_pretrained(cfg.model.dir, local_files_only=True)
     elif cfg.model.name == "tiny":
         config = tiny_config(processor, moe=cfg.model.moe)
     else:

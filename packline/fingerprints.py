@@ -80,7 +80,7 @@ def _prepare(cfg: PipelineConfig) -> list[Any]:
 def _connect(cfg: PipelineConfig) -> list[Any]:
     from packline.megatron.overrides import max_num_frames
 
-    src = Path(cfg.processor.path).expanduser().resolve() if cfg.processor.path else None
+    src = cfg.processor.dir  # a dir, or a Hub repo's cached snapshot
     bridge = cfg.train.backend is TrainBackend.megatron  # measured as Bridge renders
     return [
         cfg.section_hash("processor"),
@@ -106,7 +106,7 @@ def _validate(cfg: PipelineConfig) -> list[Any]:
         "kind": d["executor"]["kind"],
         **{k: slurm[k] for k in ("nodes", "gpus_per_node", "nproc_per_node")},
     }
-    model_json = Path(cfg.model.path).expanduser() / "config.json" if cfg.model.path else None
+    model_json = cfg.model.dir / "config.json" if cfg.model.dir is not None else None
     model_hash = (
         hashlib.sha256(model_json.read_bytes()).hexdigest()
         if model_json is not None and model_json.is_file()
@@ -133,7 +133,7 @@ def _train(cfg: PipelineConfig) -> list[Any]:
         }
     # The checkpoint's files (path, size, mtime): a base rebuilt at the same path retrains,
     # and the old run's adapters are not resumed onto it.
-    model_dir = Path(cfg.model.path).expanduser() if cfg.model.path else None
+    model_dir = cfg.model.dir
     weights = hash_tree(model_dir) if model_dir is not None and model_dir.is_dir() else None
     return [settings, weights]
 

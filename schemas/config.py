@@ -42,6 +42,7 @@ from schemas.choices import (
 )
 from schemas.errors import UserError
 from schemas.guardrails import Check, Finding, config_findings
+from schemas.hub import local_dir, repo_id
 from schemas.paths import special_kind, unreadable
 from schemas.ranges import range_problems, ranged
 
@@ -340,8 +341,15 @@ class ProcessorConfig(_Section):
     KEY: ClassVar[str] = "processor"
 
     path: str | None = None
-    """A local HF Qwen3-VL processor dir; ``null`` builds the built-in tiny one
-    (byte-level BPE, vocab 4,096, patch 16, merge 2) deterministically."""
+    """A local HF Qwen3-VL processor dir, or a Hugging Face Hub repo id found in the local
+    Hugging Face cache (as ``model.path``); ``null`` builds the built-in tiny one (byte-level
+    BPE, vocab 4,096, patch 16, merge 2) deterministically."""
+
+    @property
+    def dir(self) -> Path | None:
+        """The processor's dir on this machine: ``path`` itself, or a Hub repo's cached
+        snapshot; None for the tiny one or a repo the cache lacks."""
+        return local_dir(self.path)
 
     # The visual geometry: what decides an image's token count. ``null`` keeps the processor
     # dir's value. connect writes the resolved values into the processor dir it measures with
@@ -366,11 +374,12 @@ class ProcessorConfig(_Section):
 
     def rules(self) -> list[str]:
         p: list[str] = []
-        if self.path is not None:
+        if self.path is not None and repo_id(self.path) is None:
             _check(
                 p,
                 Path(self.path).expanduser().is_dir(),
-                f"processor.path: {self.path!r} is not a directory",
+                f"processor.path: {self.path!r} is neither a directory nor a Hugging Face "
+                "Hub repo id; fix: point it at a processor dir, or a repo id (Org/Name)",
             )
         if self.min_pixels is not None and self.max_pixels is not None:
             _check(
@@ -462,7 +471,14 @@ class ModelConfig(_Section):
     name: str = "tiny"
     """``tiny`` builds a small random Qwen3-VL deterministically; else a label for ``path``."""
     path: str | None = None
-    """A local HF Qwen3-VL / Qwen3-VL-MoE checkpoint dir (``null`` with ``name: tiny``)."""
+    """A local HF Qwen3-VL / Qwen3-VL-MoE checkpoint dir, or a Hugging Face Hub repo id
+    (``Qwen/Qwen3-VL-2B-Instruct``) found in the local Hugging Face cache (``$HF_HOME``)
+    (``null`` with ``name: tiny``)."""
+    download: bool = False
+    """Let connect download ``model.path`` and ``processor.path`` repos the local Hugging
+    Face cache lacks (Hugging Face's own ``HF_HUB_OFFLINE=1`` forbids it all the same).
+    ``false`` (the default): nothing is downloaded, and a repo the cache lacks is refused
+    with the command that fetches it (``hf download Org/Name``)."""
     moe: bool = False
     """The model is a Mixture-of-Experts: the tiny model is built as Qwen3VLMoe; with
     ``train.backend: megatron`` the MoE overrides apply (EP, alltoall dispatcher, no MTP,
@@ -473,6 +489,12 @@ class ModelConfig(_Section):
     CUDA), ``thd`` (per conversation, the CPU's), ``flex`` (HF's flex_attention; no
     backward on CPU), ``sdpa`` or ``eager`` (dense masks); the logits agree within 1e-5
     (fp32)."""
+
+    @property
+    def dir(self) -> Path | None:
+        """The checkpoint's dir on this machine: ``path`` itself, or a Hub repo's cached
+        snapshot; None for the tiny model or a repo the cache lacks."""
+        return local_dir(self.path)
 
 
 @dataclass(kw_only=True)
@@ -819,10 +841,9 @@ class PipelineConfig(_Section):
             found["data.source"] = Path(self.data.source).expanduser().resolve()
         if (media := self.data.llava_media_dir()) is not None:
             found["data.media_dir"] = media
-        for section in (self.processor, self.model):
-            if section.path:
-                key = "processor.path" if section is self.processor else "model.path"
-                found[key] = Path(section.path).expanduser().resolve()
+        for key, ref in (("processor.path", self.processor.path), ("model.path", self.model.path)):
+            if (where := local_dir(ref)) is not None:
+                found[key] = where
         return found
 
     def to_dict(self) -> dict[str, Any]:

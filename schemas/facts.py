@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from schemas.hub import local_dir
+
 TINY_CONTEXT_LENGTH = 128_000
 """The built-in tiny Qwen3-VL's ``max_position_embeddings`` (Qwen3-VL's configs' default)."""
 
@@ -55,7 +57,10 @@ def context_length(model_path: str | None) -> int | None:
     says nothing readable."""
     if model_path is None:
         return TINY_CONTEXT_LENGTH
-    doc = _json(Path(model_path).expanduser() / "config.json")
+    where = local_dir(model_path)  # a dir, or a Hub repo's cached snapshot
+    if where is None:
+        return None
+    doc = _json(where / "config.json")
     if doc is None:
         return None
     text = doc.get("text_config") if isinstance(doc.get("text_config"), dict) else doc
@@ -114,7 +119,8 @@ class ImageBounds:
         if processor_path is None:
             own, source = dict(TINY_IMAGE), "the built-in tiny processor"
         else:
-            params = image_processor_params(processor_path)
+            where = local_dir(processor_path)
+            params = image_processor_params(where) if where is not None else None
             if params is None:
                 return None
             try:

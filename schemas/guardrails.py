@@ -477,6 +477,34 @@ def _data_placement(cfg: PipelineConfig) -> list[Issue]:
     return [error(*found) for found in data_placement_problems(cfg.work_path, STAGES, cfg.inputs())]
 
 
+@CONFIG_RULES.rule(
+    "config.hub",
+    "config",
+    "a Hugging Face Hub repo named by model.path or processor.path is in the local cache, "
+    "or model.download lets connect fetch it",
+)
+def _hub(cfg: PipelineConfig) -> list[Issue] | None:
+    from schemas.hub import cached, fetch_command, repo_id
+
+    repos = [(k, repo_id(v)) for k, v in (("model.path", cfg.model.path),
+                                          ("processor.path", cfg.processor.path))]  # fmt: skip
+    repos = [(k, r) for k, r in repos if r is not None]
+    if not repos:
+        return None
+    if cfg.model.download:
+        return []  # connect fetches what the cache lacks
+    return [
+        error(
+            key,
+            f"{key} {repo} is not in the local Hugging Face cache (HF_HOME), and packline "
+            "downloads nothing unless told to",
+            f"run `{fetch_command(repo)}`, or set model.download=true",
+        )
+        for key, repo in repos
+        if cached(repo) is None
+    ]
+
+
 @CONFIG_RULES.rule("config.work_dir", "config", "the work dir is a directory, or can be made one")
 def _work_dir(cfg: PipelineConfig) -> list[Issue]:
     from schemas.paths import work_dir_problem

@@ -12,6 +12,7 @@ from pathlib import Path
 from packline import metrics as names
 from packline.faults import machine_fault
 from packline.fingerprints import stage_fingerprint
+from packline.hub import fetch_missing
 from packline.progress import console, summary_table
 from packline.tracking import Tracker
 from packline.train.distributed import launched
@@ -123,10 +124,18 @@ def _crash(cfg: PipelineConfig, stage: str, exc: Exception) -> InputCrash:
     return InputCrash(where, f"{type(exc).__name__}: {exc}", str(log))
 
 
+#: stages that read the model and processor first: the Hub repos ``model.download`` lets
+#: packline fetch are fetched before the stage's fingerprint (which hashes their files)
+FETCHES = {"connect"}
+
+
 def _run_stage(
     cfg: PipelineConfig, name: str, *, force: bool, parent_run_id: str | None
 ) -> StageResult:
     stage_fn = REGISTRY[name]
+    if name in FETCHES:
+        for repo in fetch_missing(cfg):
+            console.log(f"fetched {repo} into the local Hugging Face cache")
     fp = stage_fingerprint(cfg, name)
     tags = {"packline.stage": name, "packline.skipped": "false"}
     if not force and is_up_to_date(cfg, name, fp):

@@ -517,7 +517,7 @@ def image_geometry(cfg: PipelineConfig) -> ImageGeometry:
     """The resize rule of the configured processor (the built-in tiny one by default), with
     the geometry fields the config sets (``processor.min_pixels`` ...) in place of the dir's."""
     if cfg.processor.path:
-        geometry = ImageGeometry.from_processor_dir(Path(cfg.processor.path).expanduser())
+        geometry = ImageGeometry.from_processor_dir(cfg.processor.dir)
     else:
         geometry = ImageGeometry()
     return geometry.with_overrides(**cfg.processor.geometry_overrides())
@@ -529,7 +529,7 @@ def video_geometry(cfg: PipelineConfig) -> VideoGeometry:
     ``processor_config.json``; the video processor's defaults when the dir has neither), the
     built-in tiny one's by default, with the patch sizes the config sets."""
     if cfg.processor.path:
-        path = Path(cfg.processor.path).expanduser()
+        path = cfg.processor.dir
         params: dict | None = None
         if (path / "video_preprocessor_config.json").is_file():
             params = json.loads((path / "video_preprocessor_config.json").read_text())
@@ -551,8 +551,19 @@ def _tiny_video_geometry() -> VideoGeometry:
 
 
 def processor_source(cfg: PipelineConfig) -> Path | None:
-    """The user's processor dir (``processor.path``), resolved; None for the tiny one."""
-    return Path(cfg.processor.path).expanduser().resolve() if cfg.processor.path else None
+    """The user's processor dir (``processor.path``: a dir, or a Hub repo's cached
+    snapshot), resolved; None for the tiny one. A repo the cache lacks is refused."""
+    if cfg.processor.path and cfg.processor.dir is None:
+        from schemas.hub import fetch_command
+
+        raise UserError(
+            [
+                f"processor.path {cfg.processor.path} is not in the local Hugging Face cache; "
+                f"fix: run `{fetch_command(cfg.processor.path)}`, or set model.download=true"
+            ],
+            "connect: no processor",
+        )
+    return cfg.processor.dir
 
 
 def materialize_processor(cfg: PipelineConfig, dest: Path) -> Path:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pandas as pd
@@ -75,8 +74,10 @@ def load_inputs(cfg: PipelineConfig, alignment: int | None = None) -> Inputs:
     )
     if (bridge_videos := connect_dir / BRIDGE_VIDEOS).is_file():
         inputs.bridge_videos = json.loads(bridge_videos.read_text())
-    model_dir = Path(cfg.model.path).expanduser() if cfg.model.path else None
-    if model_dir is not None and not model_dir.is_dir():
+    model_dir = cfg.model.dir  # a dir, or a Hub repo's cached snapshot
+    if cfg.model.path and model_dir is None:
+        inputs.model_config_problem = "a Hub repo the local Hugging Face cache lacks"
+    elif model_dir is not None and not model_dir.is_dir():
         inputs.model_config_problem = "not a directory"
     elif model_dir is not None and not (model_dir / "config.json").is_file():
         inputs.model_config_problem = "it holds no config.json"

@@ -42,7 +42,7 @@ def model_config(cfg, processor):
     if cfg.model.path:
         from transformers import AutoConfig
 
-        config = AutoConfig.from_pretrained(cfg.model.path, local_files_only=True)
+        config = AutoConfig.from_pretrained(cfg.model.dir, local_files_only=True)
         # An enabled cache breaks packed isolation (a non-VL config has no text_config).
         getattr(config, "text_config", config).use_cache = False
         return config
@@ -78,7 +78,7 @@ def build_model(cfg, processor, *, dtype: torch.dtype | None = None):
         from transformers import AutoModelForImageTextToText
 
         model = AutoModelForImageTextToText.from_pretrained(
-            cfg.model.path,
+            cfg.model.dir,  # a dir, or a Hub repo's cached snapshot
             config=model_config(cfg, processor),
             local_files_only=True,
             dtype=dtype,
