@@ -635,9 +635,11 @@ class ParallelConfig(_Section):
     """Local PP schedule: ``1f1b`` (needs global_batch_size / data-parallel ranks >= PP) or
     ``gpipe``."""
     fsdp: bool = False
-    """Local: shard the frozen base weights over a stage's data-parallel ranks with FSDP2
-    (transformers' engine). Implied by EP > 1 without PP (the engine splits the experts over
-    the FSDP ranks); not available with PP > 1."""
+    """Local: shard the model over a stage's data-parallel ranks with FSDP2. With EP 1,
+    packline's (``fully_shard`` per decoder layer, built on the meta device: the frozen base,
+    the adapters and AdamW each 1/N per GPU, one full copy in rank 0's host RAM). Implied by
+    EP > 1 without PP (transformers' engine splits the experts over the FSDP ranks and
+    shards the frozen rest); not available with PP > 1."""
 
 
 @dataclass(kw_only=True)
@@ -686,7 +688,7 @@ class TrainConfig(_Section):
     """Backend local: row positions whose logits exist at once in the loss (the LM head runs
     chunk by chunk and each chunk's logits are recomputed in the backward): no [T, vocab]
     tensor is made. Qwen3-VL's vocabulary of 151,936 makes 1,024 positions 0.6 GB of fp32
-    logits."""
+    logits. Not under EP or PP, whose engines run the whole logits."""
     seed: int = ranged(0, ge=0)
     """Seed of model init, data order and packing shuffles."""
     num_workers: int = ranged(0, ge=0)

@@ -4,8 +4,9 @@ the config's rules (``schemas/guardrails.py``) and validate check a layout befor
 starts; :mod:`packline.train.layout` builds its process groups.
 
 ``train.parallel`` (schemas/config.py) names the layout: ``pipeline_parallel`` P stages,
-``expert_parallel`` E (MoE experts split E ways inside each stage), ``fsdp`` (the frozen base
-weights sharded over a stage's data-parallel ranks, FSDP2 through transformers' engine).
+``expert_parallel`` E (MoE experts split E ways inside each stage), ``fsdp`` (the model
+sharded over a stage's data-parallel ranks with FSDP2: packline's with EP 1, transformers'
+engine with EP > 1).
 ``world`` ranks are arranged like transformers' and torch's device meshes, pipeline outermost:
 
     rank = stage * data + d          d = 0 .. data - 1, data = world / P

@@ -365,6 +365,7 @@ def _memory(x: Inputs) -> list[Issue] | None:
     bf16 = cfg.train.precision.value == "bf16" or (cfg.train.precision.value == "auto" and gpu)
     par = cfg.train.parallel
     shards = train_world(cfg) // par.pipeline_parallel if par.fsdp else 1
+    split = max(par.expert_parallel, par.pipeline_parallel)
     forecasts = [
         forecast_peak(
             x.model_config,
@@ -375,8 +376,10 @@ def _memory(x: Inputs) -> list[Issue] | None:
             lora_targets=list(cfg.lora.target_modules),
             lora_expert_targets=list(cfg.lora.target_parameters),
             checkpointing=cfg.train.activation_checkpointing,
-            loss_chunk_tokens=cfg.train.loss_chunk_tokens,
+            # EP's and PP's engines run the whole logits
+            loss_chunk_tokens=cfg.train.loss_chunk_tokens if split == 1 else shape.tokens,
             shards=shards,
+            sharded_adapters=par.expert_parallel == 1,  # packline's FSDP2 splits them too
         )
         for shape in step_shapes(x)
     ]

@@ -238,6 +238,17 @@ class AdapterState(Stateful):
                     view.copy_(state[key])
 
 
+def _placed_like(p: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``value`` (whole, on the CPU) where parameter ``p`` lives: on its device, and split
+    like it when ``p`` is an FSDP2 shard (a DTensor: this rank keeps its part)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    value = value.to(p.device)
+    if isinstance(p, DTensor):
+        return distribute_tensor(value, p.device_mesh, p.placements, src_data_rank=None)
+    return value
+
+
 class OptimizerState(Stateful):
     """The optimizer's per-parameter state (AdamW's ``exp_avg``, ``exp_avg_sq`` split like
     the weights, ``step`` per parameter) for the weights this rank holds, by layout-free
@@ -288,9 +299,9 @@ class OptimizerState(Stateful):
                 if scalar is not None and not (torch.is_tensor(scalar) and scalar.shape == p.shape):
                     st[field] = scalar
                     continue
-                value = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                value = torch.zeros(p.shape, dtype=p.dtype)  # whole, as saved
                 for key, view in h.views(name, value).items():
                     view.copy_(state[f"{key}:{field}"])
-                st[field] = value
+                st[field] = _placed_like(p, value)
             if st:
                 self.optimizer.state[p] = st

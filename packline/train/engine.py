@@ -29,13 +29,20 @@ and keeps the step's :class:`~packline.qwen.moe.RouterStats` over real tokens on
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
 
 from packline.packing.thd import IGNORE_INDEX, PaddedBatch, to_device
-from packline.qwen.forward import LOSS_CHUNK_TOKENS, packed_loss, padded_loss
+from packline.qwen.forward import (
+    LOSS_CHUNK_TOKENS,
+    packed_forward,
+    packed_loss,
+    padded_forward,
+    padded_loss,
+    token_loss_sum,
+)
 from packline.qwen.moe import RouterRecorder, RouterStats, aux_loss
 from packline.train.distributed import (
     all_gather_object,
@@ -104,7 +111,6 @@ class Engine(ABC):
         (plus the aux term of each, / ``global_micro``); gradients accumulate locally."""
         device = self.params[0].device
         loss_total = torch.zeros((), dtype=torch.float64, device=device)
-        loss_of = packed_loss if packed else padded_loss
         stats = None
         recording = self.recorder if self.recorder is not None else nullcontext()
         with recording:
@@ -113,13 +119,7 @@ class Engine(ABC):
                 if self.recorder is not None:
                     self.recorder.clear()
                 with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.bf16):
-                    loss_sum, _, _ = loss_of(  # the LM head chunk by chunk: no [T, vocab]
-                        self.model,
-                        m,
-                        image_token_id=self.image_token_id,
-                        video_token_id=self.video_token_id,
-                        chunk_tokens=self.loss_chunk_tokens,
-                    )
+                    loss_sum, _, _ = self.loss_of(m, packed=packed)
                 loss = loss_sum / global_targets
                 if self.recorder is not None and m.num_real_tokens:
                     mask = m.real_token_mask()
@@ -132,6 +132,23 @@ class Engine(ABC):
                 loss.backward()
                 loss_total += loss_sum.detach().double()
         return StepLoss(float(loss_total), stats)
+
+    def loss_of(self, m, *, packed: bool) -> tuple[torch.Tensor, int, int]:
+        """Σ token loss of micro-batch ``m`` (on the device), the LM head chunk by chunk: no
+        [T, vocab] tensor (:func:`~packline.qwen.forward.packed_loss`)."""
+        loss_of = packed_loss if packed else padded_loss
+        return loss_of(
+            self.model,
+            m,
+            image_token_id=self.image_token_id,
+            video_token_id=self.video_token_id,
+            chunk_tokens=self.loss_chunk_tokens,
+        )
+
+    def evaluating(self, model):
+        """A context for rank 0's evaluation of ``model`` (the whole one-process model):
+        where it is already placed, nothing to do."""
+        return nullcontext()
 
     # -- what the layout decides ------------------------------------------------------------
 
@@ -250,17 +267,95 @@ class SplitEngine(Engine):
         return [e[2] + e[3] for e in every]
 
 
+def _every_rank_alike(micro: list) -> list:
+    """``micro`` and as many idle micro-batches (one token, no target, outside the router
+    statistics) as make every rank run the same number: each forward is a collective (EP's
+    all-to-all, FSDP's gathers). Packing off lays a rank's conversations out in as many
+    padded micro-batches as they need, which differs between ranks."""
+    most = max(all_gather_object(len(micro)))
+    return [*micro, *(_idle_micro() for _ in range(most - len(micro)))]
+
+
 class ExpertParallelEngine(SplitEngine):
     """EP without PP: the forward and backward of :class:`Engine`, every rank together (in
-    each MoE layer tokens cross ranks to their experts and back). Packing off lays a rank's
-    conversations out in as many padded micro-batches as they need, which differs between
-    ranks: the ranks with fewer run idle ones (one token, no target, outside the router
-    statistics) so that every rank joins every exchange."""
+    each MoE layer tokens cross ranks to their experts and back), every rank running as many
+    micro-batches (:func:`_every_rank_alike`)."""
 
     def forward_backward(self, micro: list, **kwargs) -> StepLoss:
-        most = max(all_gather_object(len(micro)))
-        idle = [_idle_micro() for _ in range(most - len(micro))]
-        return super().forward_backward([*micro, *idle], **kwargs)
+        return super().forward_backward(_every_rank_alike(micro), **kwargs)
+
+    def loss_of(self, m, *, packed: bool) -> tuple[torch.Tensor, int, int]:
+        """Through the model's own forward, whole logits: transformers' engine made the HF
+        model the FSDP root, whose forward alone gathers the weights no decoder layer holds
+        (the chunked loss calls the body and the LM head directly, past that hook)."""
+        forward = packed_forward if packed else padded_forward
+        logits = forward(
+            self.model, m, image_token_id=self.image_token_id, video_token_id=self.video_token_id
+        )
+        loss_sum, targets = token_loss_sum(logits, m.labels)
+        return loss_sum, targets, 0
+
+
+class ShardedEngine(Engine):
+    """FSDP2 of a dense model (:mod:`packline.train.sharded`): every rank holds 1/N of the
+    weights and adapters, runs every forward together (FSDP gathers each unit's weights),
+    as many micro-batches on every rank (:func:`_every_rank_alike`); FSDP2 sums the
+    gradients into their shards in the backward, so there is nothing left to reduce."""
+
+    def __init__(self, model, layout: ParallelLayout, *, root, **kwargs):
+        super().__init__(model, layout, **kwargs)
+        self.root = root
+        """The FSDP2 root (:class:`~packline.train.sharded.LossRoot` around ``model``)."""
+
+    @property
+    def owns_whole_state(self) -> bool:
+        return False
+
+    def forward_backward(self, micro: list, **kwargs) -> StepLoss:
+        return super().forward_backward(_every_rank_alike(micro), **kwargs)
+
+    def loss_of(self, m, *, packed: bool) -> tuple[torch.Tensor, int, int]:
+        """Through the FSDP2 root, whose forward gathers the weights no inner unit holds."""
+        return self.root(
+            m,
+            packed=packed,
+            image_token_id=self.image_token_id,
+            video_token_id=self.video_token_id,
+            chunk_tokens=self.loss_chunk_tokens,
+        )
+
+    @contextmanager
+    def evaluating(self, model):
+        """Rank 0's one-process copy lives in host RAM (the GPU holds the shards): on the
+        GPU for the evaluation only, then back."""
+        device = self.params[0].device
+        model.to(device)
+        try:
+            yield
+        finally:
+            model.to("cpu")
+
+    def reduce_gradients(self) -> None:
+        """Nothing: FSDP2 reduce-scattered (summed) them in the backward."""
+
+    def clip(self, max_norm: float) -> float:
+        norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)  # over every shard
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+    def check_replicas(self, *, step: int) -> list[float]:
+        """Every rank's checksum of its shards: sharded, nothing is held twice to compare."""
+        from packline.train.distributed import weights_checksum
+
+        return all_gather_object(weights_checksum([p.to_local() for p in self.params]))
+
+    def local_state(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad}
+
+    def full_adapter_state(self) -> dict[str, torch.Tensor] | None:
+        from packline.train.sharded import full_tensors
+
+        full = full_tensors(self.model)  # every rank gathers its shards' part
+        return full if self.rank == 0 else None
 
 
 class PipelineEngine(SplitEngine):

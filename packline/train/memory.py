@@ -89,7 +89,7 @@ class MemoryForecast:
     """Per-GPU peak of a training step, by part (bytes)."""
 
     weights: int
-    """The frozen base (over ``shards`` ranks when sharded)."""
+    """The frozen base (over ``shards`` ranks when sharded, with what FSDP2 gathers)."""
     adapters: int
     """LoRA weights, their gradients and AdamW's two moments, fp32."""
     activations: int
@@ -169,6 +169,21 @@ def parameter_counts(config, targets: list[str], expert_targets: list[str], rank
     return total, lora
 
 
+def gathered_parameters(config) -> int:
+    """Parameters FSDP2 (:mod:`packline.train.sharded`) holds whole during a step besides
+    its shards: the root's (everything but the language model's decoder layers: embeddings,
+    LM head, final norm, the vision tower) and two decoder layers (the one running and the
+    next, prefetched)."""
+    from transformers import AutoModelForImageTextToText
+
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(config)
+    layers = list(model.model.language_model.layers)
+    in_layers = sum(p.numel() for layer in layers for p in layer.parameters())
+    total = sum(p.numel() for p in model.parameters())
+    return total - in_layers + 2 * max(sum(p.numel() for p in x.parameters()) for x in layers)
+
+
 def forecast_peak(
     config,
     shape: StepShape,
@@ -181,6 +196,7 @@ def forecast_peak(
     checkpointing: bool,
     loss_chunk_tokens: int,
     shards: int = 1,
+    sharded_adapters: bool = False,
 ) -> MemoryForecast:
     """The per-GPU peak memory of a LoRA training step of ``config`` on ``shape``.
 
@@ -192,7 +208,11 @@ def forecast_peak(
     elements per token and layer, which torch's MemTracker measures to within 0.3 % on the
     tiny model (``tests/unit/test_train_memory.py``); under bf16 autocast each of those is 2
     bytes but the norms' fp32 upcasts and the adapters' fp32 inputs, about ``14·h`` bytes
-    more (measured on CPU autocast)."""
+    more (measured on CPU autocast).
+
+    ``shards``: the ranks the frozen base is split over; under packline's FSDP2
+    (``sharded_adapters``, which splits the adapters and AdamW too) a rank also holds
+    :func:`gathered_parameters` whole during the step."""
     text, vision = _text_vision(config)
     h = text.hidden_size
     head_dim = getattr(text, "head_dim", None) or h // text.num_attention_heads
@@ -227,9 +247,15 @@ def forecast_peak(
         per_patch = (6 * hv + 2 * iv) * compute_bytes
         out = shape.visual_tokens * vision.out_hidden_size * (1 + deepstack) * compute_bytes
         vision_bytes = shape.vision_patches * per_patch + out
+    shards = max(shards, 1)
+    weights = total_params * base_bytes // shards
+    adapters = lora_params * 16
+    if sharded_adapters and shards > 1:
+        weights += gathered_parameters(config) * base_bytes * (shards - 1) // shards
+        adapters //= shards
     return MemoryForecast(
-        weights=total_params * base_bytes // max(shards, 1),
-        adapters=lora_params * 16,
+        weights=weights,
+        adapters=adapters,
         activations=activations,
         recompute=recompute,
         activations_per_token=per_token,

@@ -57,6 +57,22 @@ def base_dtype(cfg, device: torch.device | None = None) -> torch.dtype:
     return torch.bfloat16 if bf16 else torch.float32
 
 
+def meta_model(cfg, processor):
+    """The configured model with its LoRA adapters, every module made on the meta device
+    (no memory, no weights read): what FSDP2 shards before a rank allocates its part
+    (:mod:`packline.train.sharded`)."""
+    from transformers import AutoModelForImageTextToText
+
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(
+            model_config(cfg, processor), dtype=base_dtype(cfg)
+        )
+    if cfg.train.activation_checkpointing:
+        enable_activation_checkpointing(model)
+    model = set_text_attention(model, cfg.model.attention.value, device=rank_device())
+    return apply_lora(model, cfg.lora)
+
+
 def enable_activation_checkpointing(model) -> None:
     """Checkpoint every decoder layer and vision block of a HF model with torch's
     non-reentrant checkpoint (transformers 5.24 names it ``activation_checkpointing_enable``,
@@ -226,7 +242,7 @@ def build_trainer(
 
 
 def build_split_engine(cfg, processor, layout: ParallelLayout, *, packed: bool, device, ids):
-    """The engine of a split layout (EP and/or PP) on this rank, and rank 0's one-process
+    """The engine of a split layout (FSDP2, EP and/or PP) on this rank, and rank 0's one-process
     model for evaluation and export (None elsewhere). Every rank builds the same seeded
     model; rank 0 also builds the one-process PEFT model, whose adapters it broadcasts as the
     initial values, so a split run starts exactly where one process starts."""
@@ -251,6 +267,9 @@ def build_split_engine(cfg, processor, layout: ParallelLayout, *, packed: bool, 
     )
     if problems:
         raise ValueError("train.parallel cannot run: " + "; ".join(problems))
+    common = {"rank": rank, "groups": groups, **ids}
+    if layout.fsdp and layout.expert == 1 and layout.pipeline == 1:  # FSDP2 alone
+        return _sharded_engine(cfg, processor, layout, device, common)
     whole = initial = None
     if rank == 0:  # the one-process model: its adapters are where the split run starts
         torch.manual_seed(cfg.train.seed)
@@ -266,7 +285,6 @@ def build_split_engine(cfg, processor, layout: ParallelLayout, *, packed: bool, 
     if device is not None:
         model = model.to(device)
     load_full_adapter_state(model, initial)  # sliced to this rank's experts
-    common = {"rank": rank, "groups": groups, **ids}
     if layout.pipeline == 1:
         engine = ExpertParallelEngine(
             model,
@@ -290,6 +308,31 @@ def build_split_engine(cfg, processor, layout: ParallelLayout, *, packed: bool, 
         engine = PipelineEngine(runner, layout, **common)
     if whole is not None and device is not None:
         whole = whole.to(device)
+    return engine, whole
+
+
+def _sharded_engine(cfg, processor, layout: ParallelLayout, device, common: dict):
+    """FSDP2 without EP or PP (:mod:`packline.train.sharded`): rank 0 builds the one-process
+    model (the only full copy, kept in host RAM to evaluate and export with), every rank
+    its shards of the same model built on the meta device, filled from rank 0's."""
+    from packline.train.distributed import init_from_env
+    from packline.train.engine import ShardedEngine
+    from packline.train.sharded import shard_model
+
+    init_from_env()
+    whole = None
+    if common["rank"] == 0:
+        torch.manual_seed(cfg.train.seed)
+        whole = apply_lora(build_model(cfg, processor), cfg.lora)
+    model, root = shard_model(meta_model(cfg, processor), whole, device or rank_device())
+    engine = ShardedEngine(
+        model,
+        layout,
+        root=root,
+        aux_loss_coef=cfg.train.moe_aux_loss_coef,
+        loss_chunk_tokens=cfg.train.loss_chunk_tokens,
+        **common,
+    )
     return engine, whole
 
 

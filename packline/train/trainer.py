@@ -435,7 +435,8 @@ class Trainer:
         result = None
         model = self.whole_model() if self.evaluator is not None else None
         if self.lead and self.evaluator is not None:
-            result = self.evaluator.evaluate(model)
+            with self.engine.evaluating(model):
+                result = self.evaluator.evaluate(model)
             metrics = {
                 names.EVAL_LOSS: result.loss,
                 names.EVAL_TOKEN_ACCURACY: result.token_accuracy,
