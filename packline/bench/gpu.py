@@ -96,7 +96,7 @@ def bench_config(name: str):
     :data:`MOE_LAYERS` layers), or ``smoke``, a tiny one of the same architecture."""
     from transformers import Qwen3VLConfig
 
-    from packline.qwen.real_configs import real_config
+    from packline.qwen.real_configs import TINY_TEXT, TINY_VISION, real_config
 
     if name != "smoke":
         config = real_config(name)
@@ -106,31 +106,8 @@ def bench_config(name: str):
     ids = {"image_token_id": 4000, "video_token_id": 4001}
     ids |= {"vision_start_token_id": 4002, "vision_end_token_id": 4003}
     return Qwen3VLConfig(
-        text_config=dict(
-            vocab_size=4096,
-            hidden_size=128,
-            intermediate_size=256,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=32,
-            use_cache=False,
-            rope_parameters={
-                "rope_type": "default",
-                "rope_theta": 5e6,
-                "mrope_section": [6, 5, 5],
-                "mrope_interleaved": True,
-            },
-        ),
-        vision_config=dict(
-            depth=2,
-            hidden_size=64,
-            intermediate_size=128,
-            num_heads=4,
-            out_hidden_size=128,
-            num_position_embeddings=256,
-            deepstack_visual_indexes=[0, 1],
-        ),
+        text_config={**TINY_TEXT, "vocab_size": 4096},
+        vision_config=TINY_VISION,
         tie_word_embeddings=False,
         **ids,
     )

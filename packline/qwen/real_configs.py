@@ -36,6 +36,8 @@ from __future__ import annotations
 
 from transformers import Qwen3VLConfig, Qwen3VLMoeConfig
 
+from schemas.facts import TINY_CONTEXT_LENGTH
+
 _SHARED_TEXT = dict(
     head_dim=128,
     vocab_size=151936,
@@ -137,3 +139,44 @@ def real_config(name: str) -> Qwen3VLConfig | Qwen3VLMoeConfig:
         vision_config={**_SHARED_VISION, **spec["vision"]},
         tie_word_embeddings=spec["tie_word_embeddings"],
     )
+
+
+# -- the tiny model: the embedded default's sizes (its vocabulary and patch geometry come
+# from the processor, packline.qwen.model.tiny_config), and packline bench gpu --smoke's --
+
+TINY_TEXT = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=TINY_CONTEXT_LENGTH,
+    use_cache=False,  # an enabled cache disables packed-sequence detection (see forward.py)
+    rope_parameters={
+        "rope_type": "default",
+        "rope_theta": 5e6,
+        "mrope_section": [6, 5, 5],  # sums to head_dim / 2
+        "mrope_interleaved": True,
+    },
+)
+TINY_MOE = dict(
+    num_experts=8,
+    num_experts_per_tok=2,
+    # Neither 2 * 48 nor 48 equals hidden_size 128, so each expert weight's shape differs
+    # from its transpose: a checkpoint in the other expert layout fails to load, or is
+    # transposed right by HF's shape check, instead of loading transposed in silence
+    # (transformers #47031; 64 made gate_up_proj square).
+    moe_intermediate_size=48,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+)
+TINY_VISION = dict(
+    depth=2,
+    hidden_size=64,
+    intermediate_size=128,
+    num_heads=4,
+    out_hidden_size=128,  # = text hidden size
+    num_position_embeddings=256,
+    deepstack_visual_indexes=[0, 1],
+)
