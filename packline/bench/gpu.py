@@ -507,7 +507,7 @@ def table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def run(settings: BenchSettings, *, as_json: bool = False, out=sys.stdout) -> list[dict[str, Any]]:
+def run(settings: BenchSettings, *, as_json: bool = False, out=None) -> list[dict[str, Any]]:
     """Benchmark every model of ``settings`` on this machine's GPU (the CPU for a smoke
     run) and print the table, or the JSON."""
     device = (

@@ -4,8 +4,10 @@
 (which follows every tensor's storage, by module and by kind: parameters, gradients,
 activations, optimizer state, on any device, the CPU included) and returns the step's peak
 by kind. MemTracker installs a gradient hook on every parameter of each module it sees,
-which a frozen parameter refuses (a LoRA model's base is frozen): :class:`FrozenAwareTracker`
-lets those through without one (they never get a gradient to count).
+which a frozen parameter refuses (a LoRA model's base is frozen): the tracker made here
+lets those through without one (they never get a gradient to count). MemTracker is imported
+only to measure: its import pulls ``torch.utils.flop_counter``, which warns on every CUDA build
+without triton ("flop counting will not work for triton kernels") into the run's console.
 """
 
 from __future__ import annotations
@@ -16,19 +18,22 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from torch.distributed._tools.mem_tracker import MemTracker
 
 _NO_HOOK = SimpleNamespace(remove=lambda: None)
 
 
-class FrozenAwareTracker(MemTracker):
+def _frozen_aware_tracker():
     """torch's MemTracker for a model with frozen parameters (see the module docstring)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
 
-    def track_model(self, model: torch.nn.Module) -> None:
-        for param in model.parameters():
-            if not param.requires_grad:
-                self._param_to_grad_hook_handles[param] = (_NO_HOOK, _NO_HOOK)
-        self.track_external(model)
+    class FrozenAwareTracker(MemTracker):
+        def track_model(self, model: torch.nn.Module) -> None:
+            for param in model.parameters():
+                if not param.requires_grad:
+                    self._param_to_grad_hook_handles[param] = (_NO_HOOK, _NO_HOOK)
+            self.track_external(model)
+
+    return FrozenAwareTracker()
 
 
 class _Forward(torch.nn.Module):
@@ -51,7 +56,7 @@ def measured_peak(
     its backward, by kind (``Parameter``, ``Gradient``, ``Activation``, ``Temp``,
     ``Optstate``, ``Other`` and ``Total``), summed over devices; ``extra``: optimizers or
     tensors made outside the step to count too."""
-    tracker = FrozenAwareTracker()
+    tracker = _frozen_aware_tracker()
     whole = _Forward(model, forward)
     tracker.track_model(whole)
     if extra:
