@@ -218,6 +218,9 @@ class SplitEngine(Engine):
     def owns_whole_state(self) -> bool:
         return False
 
+    def evaluating(self, model):
+        return _visiting(model, self.params[0].device)
+
     def reduce_gradients(self) -> None:
         from packline.train.expert_parallel import reduce_adapter_grads
 
@@ -265,6 +268,17 @@ class SplitEngine(Engine):
                     "identically on every copy"
                 )
         return [e[2] + e[3] for e in every]
+
+
+@contextmanager
+def _visiting(model, device: torch.device):
+    """Rank 0's one-process copy of a split layout lives in host RAM (the GPU holds this
+    rank's part): on ``device`` for the evaluation only, then back."""
+    model.to(device)
+    try:
+        yield
+    finally:
+        model.to("cpu")
 
 
 def _every_rank_alike(micro: list) -> list:
@@ -324,16 +338,8 @@ class ShardedEngine(Engine):
             chunk_tokens=self.loss_chunk_tokens,
         )
 
-    @contextmanager
     def evaluating(self, model):
-        """Rank 0's one-process copy lives in host RAM (the GPU holds the shards): on the
-        GPU for the evaluation only, then back."""
-        device = self.params[0].device
-        model.to(device)
-        try:
-            yield
-        finally:
-            model.to("cpu")
+        return _visiting(model, self.params[0].device)
 
     def reduce_gradients(self) -> None:
         """Nothing: FSDP2 reduce-scattered (summed) them in the backward."""

@@ -51,10 +51,12 @@ padded rows equal packed ones under EP as on one rank (~1e-6); clipping and one 
 equal one process stepping the same gradients (8e-8); a rank whose experts get no token
 trains (zero gradients, still reduced); a no-grad forward and ``generate()`` (all ranks
 together) give one process's logits and tokens. Untested: GPU / nccl (nothing hard-codes
-gloo: the group is torchrun's, the meshes use this rank's accelerator and the model is moved
-to it), bf16 autocast, and PEFT's ``save_pretrained`` of this model (it does not know the
-expert adapters: export through a one-process model loaded with
-:func:`merge_adapter_states`).
+gloo: the group is torchrun's, the meshes use this rank's accelerator, every weight but the
+expert stacks is moved to it before the split and each stack visits it once, whole, to leave
+this rank's slice: :func:`place_but_experts`), bf16 autocast, and PEFT's ``save_pretrained``
+of this model (it does not know the expert adapters: export through a one-process model
+loaded with :func:`merge_adapter_states`; rank 0 keeps that one in host RAM and takes it to
+the GPU only to evaluate).
 
 Rules for callers: every forward (and backward) under EP is a collective — all ranks of an
 expert-parallel group run the same number of them, so a padded (unpacked) step whose ranks
@@ -108,8 +110,10 @@ def distribute_experts(model: nn.Module, layout: ParallelLayout, groups=None) ->
         raise ValueError(
             f"layout is for {layout.world} ranks but the process group has {dist.get_world_size()}"
         )
-    device = _device()
-    model = model.to(device)
+    plan = _vl_fsdp_plan(model)
+    if plan is not None:  # before any plan is resolved (transformers warns of its default's)
+        model.fsdp_plan = plan
+    place_but_experts(model, _device(), expert_stacks(model, layout))
     if layout.pipeline == 1:
         return _distribute_with_engine(model, layout)
     if groups is None:
@@ -117,6 +121,50 @@ def distribute_experts(model: nn.Module, layout: ParallelLayout, groups=None) ->
 
         groups = LayoutGroups(layout)
     return _distribute_stage_experts(model, layout, groups.mesh)
+
+
+def expert_stacks(model: nn.Module, layout: ParallelLayout) -> set[str]:
+    """Names of the 3-D expert parameters transformers' EP plan splits over ``layout.expert``
+    ranks (empty without EP)."""
+    if layout.expert == 1:
+        return set()
+    params = {n for n, _ in model.named_parameters()}
+    return {name for name in _ep_plan(model, layout) if name in params}
+
+
+def _ep_plan(model: nn.Module, layout: ParallelLayout) -> dict[str, str]:
+    """The model's resolved EP plan for ``layout.expert`` ranks (its own DistributedConfig
+    mesh is never built), limited to the modules and parameters ``model`` holds."""
+    from transformers.distributed import DistributedConfig
+
+    _, ep_plan, _ = model._resolve_parallel_plans(
+        DistributedConfig(fsdp_size=layout.expert, ep_size=layout.expert)
+    )
+    present = {n for n, _ in model.named_modules()} | {n for n, _ in model.named_parameters()}
+    return {name: style for name, style in ep_plan.items() if name in present}
+
+
+def place_but_experts(model: nn.Module, device: torch.device, experts: set[str]) -> None:
+    """Move every parameter and buffer of ``model`` to ``device`` except the expert stacks
+    named in ``experts``, which stay in host RAM: the split then takes each stack to the
+    device one at a time (``distribute_tensor`` moves it whole, keeps this rank's slice as a
+    copy of its own and frees the rest), so a GPU holds its own experts, never all of them
+    (Qwen3-VL-30B-A3B's experts are ~95 % of its weights)."""
+    moved: dict[int, nn.Parameter] = {}  # a tied weight stays one parameter
+    with torch.no_grad():
+        for module_name, module in model.named_modules():
+            prefix = f"{module_name}." if module_name else ""
+            for name, param in list(module._parameters.items()):
+                if param is None or prefix + name in experts or param.device == device:
+                    continue
+                if id(param) not in moved:
+                    moved[id(param)] = nn.Parameter(
+                        param.to(device), requires_grad=param.requires_grad
+                    )
+                module._parameters[name] = moved[id(param)]
+            for name, buffer in list(module._buffers.items()):
+                if buffer is not None and buffer.device != device:
+                    module._buffers[name] = buffer.to(device)
 
 
 def _device() -> torch.device:
@@ -134,9 +182,6 @@ def _distribute_with_engine(model: nn.Module, layout: ParallelLayout) -> nn.Modu
     config = DistributedConfig(
         fsdp_size=layout.data, ep_size=layout.expert if layout.expert > 1 else None
     )
-    plan = _vl_fsdp_plan(model)
-    if plan is not None:
-        model.fsdp_plan = plan
     config, _, mesh_manager = cls.prepare_distribute_model(config)
     return cls.maybe_distribute_model(model, config, mesh_manager)
 
@@ -163,18 +208,11 @@ def _distribute_stage_experts(model: nn.Module, layout: ParallelLayout, mesh) ->
     """``layout.pipeline > 1``: ``apply_expert_parallelism`` on the expert-parallel group of
     this rank's stage (``mesh["ep"]``, the layout's mesh: ranks ``stage·data + copy·E + e``,
     e = 0..E-1), no FSDP."""
-    from transformers.distributed import DistributedConfig
     from transformers.distributed.expert_parallel import apply_expert_parallelism
 
     if layout.expert == 1:
         return model
-    # The model's resolved EP plan (its own DistributedConfig mesh is never built).
-    _, ep_plan, _ = model._resolve_parallel_plans(
-        DistributedConfig(fsdp_size=layout.expert, ep_size=layout.expert)
-    )
-    present = {n for n, _ in model.named_modules()} | {n for n, _ in model.named_parameters()}
-    ep_plan = {name: style for name, style in ep_plan.items() if name in present}
-    return apply_expert_parallelism(model, mesh["ep"], mesh["tp"], ep_plan)
+    return apply_expert_parallelism(model, mesh["ep"], mesh["tp"], _ep_plan(model, layout))
 
 
 # -- the experts' LoRA ----------------------------------------------------------------------

@@ -306,9 +306,7 @@ def build_split_engine(cfg, processor, layout: ParallelLayout, *, packed: bool, 
             bf16=ids["bf16"],
         )
         engine = PipelineEngine(runner, layout, **common)
-    if whole is not None and device is not None:
-        whole = whole.to(device)
-    return engine, whole
+    return engine, whole  # in host RAM: the engine takes it to the GPU to evaluate
 
 
 def _sharded_engine(cfg, processor, layout: ParallelLayout, device, common: dict):

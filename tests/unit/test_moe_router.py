@@ -439,3 +439,25 @@ def test_hf_loads_the_hub_expert_layout_right_only_when_shapes_tell(
     assert torch.equal(back.down_proj, experts.down_proj)
     same = torch.equal(back.gate_up_proj, experts.gate_up_proj)
     assert same is (moe_intermediate_size == 48)
+
+
+def test_ep_keeps_the_expert_stacks_in_host_ram_and_places_the_rest(encoder):
+    """Before the split, every weight but the expert stacks goes to the rank's device; the
+    stacks stay on the host for the split to take this rank's slice of each (here the
+    device is ``meta``, so what moved is plain to see without a GPU)."""
+    from packline.train.expert_parallel import expert_stacks, place_but_experts
+    from schemas.layout import ParallelLayout
+
+    model = build_tiny_model(encoder.processor, moe=True, seed=3)
+    stacks = expert_stacks(model, ParallelLayout(world=2, expert=2, fsdp=True))
+    n_layers = model.config.text_config.num_hidden_layers
+    assert stacks == {
+        f"model.language_model.layers.{i}.mlp.experts.{p}"
+        for i in range(n_layers)
+        for p in ("gate_up_proj", "down_proj")
+    }
+    assert expert_stacks(model, ParallelLayout(world=2)) == set()
+    place_but_experts(model, torch.device("meta"), stacks)
+    where = {n: p.device.type for n, p in model.named_parameters()}
+    assert {n for n, d in where.items() if d == "cpu"} == stacks
+    assert all(b.device.type == "meta" for b in model.buffers())
