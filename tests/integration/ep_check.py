@@ -130,6 +130,14 @@ def run_case(E: int, ctx: dict, *, unpacked: bool) -> dict:
         "E": E,
         "world": world,
         "same_default_group": dist.distributed_c10d._get_default_group() is default_group,
+        # each expert stack's local part is a copy of its own, not a view of the whole stack
+        "expert_local_bytes": sorted(
+            {
+                (p.to_local().untyped_storage().nbytes(), p.to_local().numel() * p.element_size())
+                for n, p in model.named_parameters()
+                if ".experts." in n and hasattr(p, "to_local")
+            }
+        ),
     }
     initial = ep.merge_adapter_states(all_gather_object(ep.local_adapter_state(model)))
     ep.load_full_adapter_state(model, full)

@@ -83,6 +83,9 @@ def _assert_equals_one_process(case: dict) -> None:
     assert case["initial_equals_peft"], where  # same seed, same adapters as PEFT
     assert case["roundtrip_exact"], where  # load_full_adapter_state -> merge
     assert not case["dense_params_dtensor"] and case["num_expert_params"] == 8, where
+    # a rank holds its experts' bytes only, not the whole stack behind a view
+    held = case["expert_local_bytes"]
+    assert held and all(storage == part for storage, part in held), (where, held)
     assert abs(case["loss_packed"] - case["loss_reference"]) <= LOSS_ABS, where
     grads = case["grads_packed_vs_reference"]
     assert grads["max_rel"] <= GRAD_REL, (where, grads)
