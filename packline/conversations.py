@@ -496,6 +496,11 @@ class MediaSource:
         """The WebDataset key of the row with id ``sid``: :func:`key_for_id`."""
         return key_for_id(sid)
 
+    def name(self, ref: Any) -> Any:
+        """How the row's reject and record name the medium ``ref``: the reference itself
+        (a path, an index), unless it is the bytes themselves."""
+        return ref
+
 
 @dataclass
 class FolderMedia(MediaSource):
@@ -573,8 +578,9 @@ class InlineMedia(MediaSource):
         return items[ref]
 
 
-def _load_image(media: MediaSource, rel: Any, sid: str, geometry: ImageGeometry) -> ImageRef:
-    data, _ = media.read(rel, sid, "image")
+def _load_image(media: MediaSource, ref: Any, sid: str, geometry: ImageGeometry) -> ImageRef:
+    data, _ = media.read(ref, sid, "image")
+    rel = media.name(ref)
     try:
         width, height = read_image_size(data)
         ext, orientation = _decode_fully(data)
@@ -589,9 +595,10 @@ def _load_image(media: MediaSource, rel: Any, sid: str, geometry: ImageGeometry)
     )
 
 
-def _load_video(media: MediaSource, rel: Any, sid: str, limits: VideoLimits) -> VideoRef:
+def _load_video(media: MediaSource, ref: Any, sid: str, limits: VideoLimits) -> VideoRef:
     """Decode the whole video once and check it against the processor and the limits."""
-    data, suffix = media.read(rel, sid, "video")
+    data, suffix = media.read(ref, sid, "video")
+    rel = media.name(ref)
     try:
         header = probe_video(data)
     except VideoError as exc:

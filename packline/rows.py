@@ -29,7 +29,8 @@ from packline.progress import console
 from packline.qwen.processor import image_geometry, video_geometry
 from packline.qwen.vision import ImageGeometry, VideoGeometry
 from packline.sources import NotUtf8, jsonl_rows, llava_records, resolve_source
-from schemas.config import PipelineConfig, SourceKind, TrainBackend
+from packline.sources.parquet import EmbeddedMedia, ParquetRow, parquet_rows
+from schemas.config import PipelineConfig, SourceKind, TrainBackend, parquet_files
 from schemas.errors import UserError
 from schemas.tables import REJECT_REASONS
 
@@ -72,6 +73,8 @@ class RowContext:
     max_text_chars: int = 0
     #: the Energon dataset adopted in place (``packline.energon.chatml.ChatMLDataset``)
     dataset: Any = None
+    #: media over this many bytes are refused unread (``prepare.max_media_bytes``)
+    media_max_bytes: int = 1 << 30
 
     def parse(self, record: Any, media: MediaSource | None) -> ConversationRow:
         """``record`` checked with these settings (:func:`parse_record`)."""
@@ -127,6 +130,9 @@ def check_rows(chunk: list[tuple[int, Any]]) -> list[Accepted | Refused]:
         try:
             if isinstance(payload, NotUtf8):
                 raise Rejected("text_not_utf8", payload.detail)
+            if isinstance(payload, ParquetRow):
+                out.append(_parquet_row(ctx, position, payload))
+                continue
             if ctx.kind is SourceKind.llava:
                 record = llava_record(payload)
             else:
@@ -144,6 +150,21 @@ def check_rows(chunk: list[tuple[int, Any]]) -> list[Accepted | Refused]:
             continue
         out.append(accepted_row(position, row, ctx.frames))
     return out
+
+
+def _parquet_row(ctx: RowContext, position: int, row: ParquetRow) -> Accepted | Refused:
+    """A Parquet row checked as a folder's is, its media read by
+    :class:`~packline.sources.parquet.EmbeddedMedia`; a reject's detail begins with the
+    row's file, row group and row."""
+    try:
+        if row.rejected is not None:
+            raise row.rejected
+        media = EmbeddedMedia(Path(row.folder), max_bytes=ctx.media_max_bytes)
+        parsed = ctx.parse(row.record, media)
+    except Rejected as rej:
+        rej = Rejected(rej.reason, f"{row.where}: {rej.detail}", rej.id)
+        return Refused(reject_record(position, rej))
+    return accepted_row(position, parsed, ctx.frames)
 
 
 def reject_record(position: int, rej: Rejected) -> dict[str, object]:
@@ -233,7 +254,8 @@ def row_context(cfg: PipelineConfig) -> RowContext:
     """The checks' settings for ``cfg``'s source."""
     kind = cfg.data.kind
     media = None
-    if kind is not SourceKind.energon:  # an adopted dataset's samples carry their media
+    if kind in (SourceKind.folder, SourceKind.llava, SourceKind.synthetic):
+        # an adopted dataset's samples carry their media; a Parquet row says where its are
         media = FolderMedia(media_dir(cfg), max_bytes=cfg.prepare.max_media_bytes)
     return RowContext(
         kind=kind,
@@ -244,19 +266,25 @@ def row_context(cfg: PipelineConfig) -> RowContext:
         val_fraction=cfg.prepare.val_fraction,
         frames=video_geometry(cfg) if writesbridge_frame_parts(cfg) else None,
         max_text_chars=cfg.prepare.max_text_chars,
+        media_max_bytes=cfg.prepare.max_media_bytes,
     )
 
 
 def source_rows(
     cfg: PipelineConfig, source: Path, on_offset
-) -> tuple[Path, Iterator[tuple[int, Any]]]:
-    """The file the rows come from and the ``(position, payload)`` stream of its rows."""
+) -> tuple[Path, int, Iterator[tuple[int, Any]]]:
+    """What the rows come from (the file, or ``data.source`` for Parquet files), the bytes
+    to read in all and the ``(position, payload)`` stream of its rows."""
     if cfg.data.kind is SourceKind.llava:
-        return source, llava_records(source, on_offset)
+        return source, source.stat().st_size, llava_records(source, on_offset)
+    if cfg.data.kind is SourceKind.parquet:
+        files = parquet_files(cfg.data.source)
+        size = sum(f.stat().st_size for f in files)
+        return Path(cfg.data.source), size, parquet_rows(files, on_offset)
     jsonl = source / "conversations.jsonl"
     if not jsonl.is_file():
         raise UserError([f"{jsonl} does not exist"], "prepare: no conversations")
-    return jsonl, jsonl_rows(jsonl, on_offset)
+    return jsonl, jsonl.stat().st_size, jsonl_rows(jsonl, on_offset)
 
 
 class Tally:

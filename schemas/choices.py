@@ -69,6 +69,11 @@ class SourceKind(Enum):
     energon = "energon"
     """An existing Energon dataset (a dir with ``.nv-meta/dataset.yaml``) in
     Megatron-Bridge's ChatML layout, adopted in place: its shards are read, never rewritten."""
+    parquet = "parquet"
+    """Parquet files (one file, a glob, or a folder of them: a Hugging Face dataset's
+    layout), read a row group at a time: rows in one of the layouts of
+    :mod:`packline.sources.layouts`, images and videos as bytes, HF ``Image`` structs or
+    paths relative to the file's folder."""
 
 
 class OverlengthPolicy(Enum):

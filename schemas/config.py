@@ -9,6 +9,7 @@ breaks) is collected and reported together as one :class:`UserError`. Past
 from __future__ import annotations
 
 import difflib
+import glob
 import hashlib
 import json
 import math
@@ -121,7 +122,8 @@ def source_kind(source: str) -> SourceKind | None:
     - ``synthetic``: the built-in set;
     - a dir with ``.nv-meta/dataset.yaml``: an Energon dataset, adopted in place;
     - a dir with ``conversations.jsonl``: a conversation folder;
-    - a ``.json`` file: a LLaVA-style list of records.
+    - a ``.json`` file: a LLaVA-style list of records;
+    - Parquet files: one, a glob of them or a folder holding them (:func:`parquet_files`).
 
     >>> source_kind("synthetic").value
     'synthetic'
@@ -136,10 +138,35 @@ def source_kind(source: str) -> SourceKind | None:
             return SourceKind.energon
         if (path / "conversations.jsonl").is_file():
             return SourceKind.folder
-        return None
     if path.is_file() and path.suffix.lower() == ".json":
         return SourceKind.llava
+    if parquet_files(source):
+        return SourceKind.parquet
     return None
+
+
+PARQUET = ".parquet"
+
+
+def parquet_files(source: str) -> list[Path]:
+    """The Parquet files ``data.source`` names, in the order prepare reads them: the file
+    itself, a glob's matches (``data/*.parquet``, ``**`` recursing) or a folder's
+    ``*.parquet`` files and those of its subfolders (a Hugging Face dataset's
+    ``data/train-00000-of-00002.parquet``...), sorted by path; [] when it names none.
+
+    >>> parquet_files("/nowhere/*.parquet")
+    []
+    """
+    path = Path(source).expanduser()
+    if glob.has_magic(source):
+        found = sorted(Path(p) for p in glob.glob(str(path), recursive=True))
+    elif path.is_dir():
+        if (path / "conversations.jsonl").exists() or (path / ".nv-meta").exists():
+            return []  # a conversation folder or an Energon dataset, whatever else it holds
+        found = sorted(path.rglob(f"*{PARQUET}"))
+    else:
+        found = [path]
+    return [p.resolve() for p in found if p.suffix.lower() == PARQUET and p.is_file()]
 
 
 def source_problem(source: str) -> str | None:
@@ -155,8 +182,8 @@ def source_problem(source: str) -> str | None:
         return None
     path = Path(source).expanduser()
     fix = (
-        "fix: point data.source at a conversation folder, a LLaVA-style .json file or an "
-        "Energon dataset dir"
+        "fix: point data.source at a conversation folder, a LLaVA-style .json file, "
+        "Parquet files or an Energon dataset dir"
     )
     if (special := special_kind(path)) is not None:
         return f"data.source: {path} is {special}, not a folder or a file; {fix}"
@@ -170,13 +197,15 @@ def source_problem(source: str) -> str | None:
     if kind is None:
         return (
             f"data.source: {source!r} is neither 'synthetic', a folder with "
-            "conversations.jsonl, a LLaVA-style .json file nor an Energon dataset (a dir with "
+            "conversations.jsonl, a LLaVA-style .json file, Parquet files (a file, a glob "
+            "or a folder of *.parquet) nor an Energon dataset (a dir with "
             ".nv-meta/dataset.yaml)"
         )
     read = {
         SourceKind.folder: [path, rows],
         SourceKind.llava: [path],
         SourceKind.energon: [path, path / ".nv-meta", path / ".nv-meta" / "dataset.yaml"],
+        SourceKind.parquet: parquet_files(source),
     }[kind]
     for item in read:
         if (why := unreadable(item)) is not None:
@@ -198,7 +227,9 @@ class DataConfig(_Section):
     and the media it names (paths relative to the folder); a LLaVA-style ``.json`` file (one
     list of records with ``image``/``images`` and ``conversations``); or an existing Energon
     dataset in Megatron-Bridge's ChatML layout (a dir with ``.nv-meta/dataset.yaml``), which
-    prepare adopts in place without rewriting a shard."""
+    prepare adopts in place without rewriting a shard; or Parquet files (one file, a glob
+    such as ``data/*.parquet``, or a folder of them, as a Hugging Face dataset keeps them),
+    images embedded as bytes or HF ``Image`` structs (``docs/data.md``)."""
     media_dir: str | None = None
     """LLaVA-style JSON source: the folder its image and video paths are relative to;
     ``null`` → the JSON file's own folder."""
@@ -840,7 +871,10 @@ class PipelineConfig(_Section):
         the built-in set), a LLaVA file's media dir, the processor and model dirs."""
         found: dict[str, Path] = {}
         if self.data.source != "synthetic":
-            found["data.source"] = Path(self.data.source).expanduser().resolve()
+            path = Path(self.data.source).expanduser()
+            while glob.has_magic(str(path)):  # a glob: the dir its matches lie under
+                path = path.parent
+            found["data.source"] = path.resolve()
         if (media := self.data.llava_media_dir()) is not None:
             found["data.media_dir"] = media
         for key, ref in (("processor.path", self.processor.path), ("model.path", self.model.path)):

@@ -143,7 +143,11 @@ def shell_problems(config: dict[str, Any], work: Path) -> list[tuple[str, str, s
         if value is None or (setting == "data.source" and value == "synthetic"):
             continue
         path = Path(str(value)).expanduser()
-        why = unsafe_reason(str(path)) or unsafe_reason(str(path.resolve()))
+        written, used = str(path), str(path.resolve())
+        if setting == "data.source":  # a glob (Parquet files) is Python's, never a shell's:
+            # data.source travels in the config file only, on no command line
+            written, used = (re.sub(r"[*?\[\]]", "", text) for text in (written, used))
+        why = unsafe_reason(written) or unsafe_reason(used)
         if why is not None:
             found.append(
                 (setting, f"{setting} {str(value)!r}: {why}", f"move it to a path that {_FIX}")

@@ -41,6 +41,10 @@ REJECT_REASONS = [
     "text_not_utf8",  # text that is not UTF-8: an undecodable byte, a lone surrogate escape
     "text_too_long",  # more characters of text than prepare.max_text_chars
     "shard_unreadable",  # an adopted Energon dataset's shard that cannot be read as a tar
+    "image_null",  # a Parquet row's image entry holds neither bytes nor a path
+    "video_null",  # a Parquet row's video entry holds neither bytes nor a path
+    "missing_column",  # a Parquet row lacks what its layout needs (its conversation column)
+    "wrong_type",  # a Parquet column of the wrong type (a conversation that is not a list)
 ]
 
 
@@ -79,7 +83,9 @@ class RejectsModel(pa.DataFrameModel):
     """One rejected row of the source, with why."""
 
     line: Series[int] = pa.Field(ge=1)
-    """1-based line number in conversations.jsonl."""
+    """1-based line number in conversations.jsonl (a LLaVA file's record, an adopted
+    dataset's sample, a Parquet source's row counted over its files; the detail of a Parquet
+    row's reject begins with its file, row group and row)."""
     id: Series[str] = pa.Field(nullable=True)
     reason: Series[str] = pa.Field(isin=REJECT_REASONS)
     detail: Series[str]

@@ -103,8 +103,10 @@ def prepare_dataset(cfg: PipelineConfig, fp: str | None = None) -> StageResult:
         rejects = sinks.enter_context(RejectSink(out / "rejects.jsonl"))
         with progress() as bar:
             task = bar.add_task("prepare rows", total=None)
-            path, rows = source_rows(cfg, source, lambda offset: bar.update(task, completed=offset))
-            bar.update(task, total=path.stat().st_size, description=f"prepare {path.name}")
+            path, size, rows = source_rows(
+                cfg, source, lambda offset: bar.update(task, completed=offset)
+            )
+            bar.update(task, total=size, description=f"prepare {path.name}")
             checked = ordered_map(
                 check_rows,
                 chunked(rows, ROWS_PER_TASK),

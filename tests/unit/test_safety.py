@@ -71,6 +71,19 @@ def test_every_unsafe_setting_is_refused_at_once_with_its_setting_and_fix(tmp_pa
     assert not any("container_mounts[0]" in p for p in problems)
 
 
+def test_a_glob_in_data_source_is_no_shell_but_the_rest_still_is(tmp_path: Path):
+    """data.source travels in the config file only; its glob is Python's (Parquet files)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "d").mkdir()
+    pq.write_table(pa.table({"conversations": [[]]}), tmp_path / "d" / "train-0.parquet")
+    cfg = load_config(None, [f"work_dir={tmp_path / 'w'}", f"data.source={tmp_path}/d/*.parq?et"])
+    assert cfg.data.kind.value == "parquet"
+    problems = _problems(f"work_dir={tmp_path / 'w'}", f"data.source={tmp_path}/d;x/*.parquet")
+    assert any(p.startswith("data.source ") and "';' at character" in p for p in problems)
+
+
 def test_a_bad_name_is_reported_once_not_again_as_its_work_dir():
     problems = _problems("name=a b")
     assert [p.split(" ", 1)[0] for p in problems] == ["name"]

@@ -1,0 +1,179 @@
+"""Parquet files as a source (``data.source``: a file, a glob or a folder of them;
+:func:`schemas.config.parquet_files` lists them): read one row group at a time, a slice of
+rows at a time, so memory stays flat in the number of rows. Each row becomes a
+:class:`ParquetRow`: the row in the form :func:`packline.conversations.parse_record` reads
+(:mod:`packline.sources.layouts`), its address (file, row group, row) for ``rejects.jsonl``
+and the folder its media paths are relative to. Images and videos may be bytes, Hugging
+Face ``Image``/``Video`` structs (``{"bytes", "path"}``) or paths
+(:class:`EmbeddedMedia`); embedded bytes go to the shards as they are, no temp file.
+
+A file that is not Parquet, is truncated or cannot be read stops the stage as bad input
+naming the file (:class:`~packline.sources.SourceError`); a file whose columns name no known
+layout likewise, with the columns found and the fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from packline.conversations import FolderMedia, MediaSource, Rejected
+from packline.sources import SourceError
+from packline.sources.layouts import layout_of, layout_problem, to_record
+
+#: Rows converted to Python objects at a time (a slice of a row group).
+ROWS_PER_SLICE = 64
+
+
+@dataclass(frozen=True)
+class ParquetRow:
+    """One row of a Parquet source: ``record`` in parse_record's form, or ``rejected``
+    when its layout already refused it; ``where`` its file, row group and row."""
+
+    where: str
+    folder: str
+    record: dict[str, Any] | None = None
+    rejected: Rejected | None = None
+
+
+def _media_name(ref: Any) -> str:
+    """How a reject names an embedded image or video: its path, else its size."""
+    if isinstance(ref, dict):
+        if ref.get("path"):
+            return str(ref["path"])
+        data = ref.get("bytes")
+        return f"<{len(data):,} embedded bytes>" if data is not None else "<null>"
+    if isinstance(ref, (bytes, bytearray)):
+        return f"<{len(ref):,} embedded bytes>"
+    return str(ref)
+
+
+_SNIFF = ((b"\x1aE\xdf\xa3", "webm"), (b"RIFF", "avi"), (b"OggS", "ogv"))
+
+
+def _video_suffix(data: bytes) -> str:
+    """A video's file suffix from its first bytes (``""`` when unknown)."""
+    if data[4:8] == b"ftyp":
+        return "mov" if data[8:10] == b"qt" else "mp4"
+    return next((ext for magic, ext in _SNIFF if data.startswith(magic)), "")
+
+
+@dataclass
+class EmbeddedMedia(MediaSource):
+    """A Parquet row's media: bytes, an HF ``{"bytes", "path"}`` struct (its bytes when
+    present, else its path) or a path relative to the file's folder (read as a folder's
+    file is: :class:`~packline.conversations.FolderMedia`). A null entry is
+    ``<kind>_null``; bytes over ``max_bytes`` are ``<kind>_size_refused``."""
+
+    folder: Path
+    max_bytes: int = 1 << 30
+
+    def read(self, ref: Any, sid: str, kind: str) -> tuple[bytes, str]:
+        path = None
+        data = ref
+        if isinstance(ref, dict):
+            data, path = ref.get("bytes"), ref.get("path")
+            if data is None and path:
+                return FolderMedia(self.folder, self.max_bytes).read(path, sid, kind)
+        elif isinstance(ref, str):
+            return FolderMedia(self.folder, self.max_bytes).read(ref, sid, kind)
+        if data is None:
+            raise Rejected(f"{kind}_null", f"the {kind} entry holds neither bytes nor a path", sid)
+        if not isinstance(data, (bytes, bytearray)):
+            raise Rejected(
+                "wrong_type",
+                f"the {kind} entry is a {type(data).__name__}, not bytes or a path",
+                sid,
+            )
+        if len(data) > self.max_bytes:
+            raise Rejected(
+                f"{kind}_size_refused",
+                f"{_media_name(ref)}: over prepare.max_media_bytes {self.max_bytes:,}",
+                sid,
+            )
+        suffix = Path(path).suffix.lower().lstrip(".") if path else ""
+        if kind == "video" and not suffix:
+            suffix = _video_suffix(data)
+        return bytes(data), suffix
+
+    def name(self, ref: Any) -> str:
+        return _media_name(ref)
+
+
+def _open(path: Path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise SourceError(f"{path}: not a readable Parquet file ({exc})") from None
+
+
+def check_files(files: list[Path]) -> dict[Path, str]:
+    """Each file's layout, read from its schema alone; a file that is not Parquet or names
+    no known layout stops the stage (:class:`SourceError`), every such file said at once."""
+    layouts: dict[Path, str] = {}
+    problems = []
+    for path in files:
+        try:
+            columns = _open(path).schema_arrow.names
+        except SourceError as exc:
+            problems.append(str(exc))
+            continue
+        if (layout := layout_of(columns)) is None:
+            problems.append(layout_problem(columns, str(path)))
+        else:
+            layouts[path] = layout
+    if problems:
+        raise SourceError("\n".join(problems))
+    return layouts
+
+
+def parquet_rows(
+    files: list[Path], on_offset: Callable[[int], None] | None = None
+) -> Iterator[tuple[int, ParquetRow]]:
+    """``(position, row)`` of every row of ``files`` in order (positions 1-based, counted
+    over the files); ``on_offset`` gets the bytes read so far: the files read whole, and
+    the compressed row groups of the one being read (over the files' total size, for a
+    progress bar)."""
+    import pyarrow as pa
+
+    layouts = check_files(files)
+    position = 0
+    base = 0  # the bytes of the files read whole
+    for path in files:
+        done = base
+        pf = _open(path)
+        folder = str(path.parent)
+        meta = pf.metadata
+        for group in range(meta.num_row_groups):
+            try:
+                table = pf.read_row_group(group)
+            except (pa.ArrowException, OSError) as exc:
+                raise SourceError(
+                    f"{path}: row group {group} cannot be read ({exc}); the file is truncated "
+                    "or corrupt: write it again"
+                ) from None
+            for start in range(0, table.num_rows, ROWS_PER_SLICE):
+                for offset, row in enumerate(table.slice(start, ROWS_PER_SLICE).to_pylist()):
+                    position += 1
+                    index = start + offset
+                    where = f"{path.name} row group {group} row {index}"
+                    default_id = f"{path.stem}-g{group}-r{index}"
+                    try:
+                        record = to_record(row, layouts[path], default_id=default_id)
+                    except Rejected as rej:
+                        yield position, ParquetRow(where, folder, rejected=rej)
+                        continue
+                    yield position, ParquetRow(where, folder, record)
+            chunks = meta.row_group(group)
+            done += sum(chunks.column(i).total_compressed_size for i in range(chunks.num_columns))
+            if on_offset is not None:
+                on_offset(done)
+            del table
+        base += path.stat().st_size
+        if on_offset is not None:
+            on_offset(base)

@@ -1,0 +1,266 @@
+"""Parquet files as a source: the same conversations written as a folder and as Parquet
+files in each of the row layouts (images embedded as Hugging Face ``Image`` structs) give
+shards with the same samples; bad rows are rejected with their reason and address; a file
+that is not Parquet, or names no known layout, stops the stage naming it; the source files
+are never changed."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tarfile
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from schemas.errors import UserError
+from stages.prepare import prepare_dataset
+from tests.conftest import make_config, png_bytes
+
+IMAGE = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+COLOURS = ("red", "green", "blue", "yellow", "purple", "orange")
+COMMON = ("prepare.val_fraction=0", "prepare.max_reject_fraction=1", "prepare.samples_per_shard=4")
+
+
+def _conversations() -> list[dict]:
+    """Six conversations: one or two images each (one text-only), question and answer."""
+    out = []
+    for i, colour in enumerate(COLOURS):
+        n = 0 if i == 5 else 1 + i % 2
+        images = [png_bytes((48 + 8 * i + 4 * k, 40), colour) for k in range(n)]
+        out.append(
+            {"id": f"c{i}", "q": f"What colour is picture {i}?", "a": colour, "images": images}
+        )
+    return out
+
+
+def _folder(root: Path, convs: list[dict]) -> Path:
+    folder = root / "folder"
+    (folder / "img").mkdir(parents=True)
+    lines = []
+    for c in convs:
+        names = []
+        for k, data in enumerate(c["images"]):
+            name = f"img/{c['id']}-{k}.png"
+            (folder / name).write_bytes(data)
+            names.append(name)
+        turns = [{"role": "user", "content": c["q"]}, {"role": "assistant", "content": c["a"]}]
+        lines.append(json.dumps({"id": c["id"], "images": names, "conversations": turns}))
+    (folder / "conversations.jsonl").write_text("\n".join(lines) + "\n")
+    return folder
+
+
+def _struct(data: bytes, name: str | None = None) -> dict:
+    return {"bytes": data, "path": name}
+
+
+def _rows(layout: str, convs: list[dict]) -> tuple[list[dict], pa.Schema]:
+    """The conversations as table rows in ``layout``, with the schema ``datasets`` gives."""
+    images = pa.list_(IMAGE)
+    if layout == "messages":
+        part = pa.struct([("type", pa.string()), ("text", pa.string())])
+        turn = pa.struct([("role", pa.string()), ("content", pa.list_(part))])
+        schema = pa.schema([("id", pa.string()), ("messages", pa.list_(turn)), ("images", images)])
+        rows = [
+            {
+                "id": c["id"],
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "image", "text": None} for _ in c["images"]]
+                        + [{"type": "text", "text": c["q"]}],
+                    },
+                    {"role": "assistant", "content": [{"type": "text", "text": c["a"]}]},
+                ],
+                "images": [_struct(d) for d in c["images"]],
+            }
+            for c in convs
+        ]
+    elif layout == "conversations":  # ShareGPT / LLaVA
+        turn = pa.struct([("from", pa.string()), ("value", pa.string())])
+        schema = pa.schema(
+            [("id", pa.string()), ("conversations", pa.list_(turn)), ("images", images)]
+        )
+        rows = [
+            {
+                "id": c["id"],
+                "conversations": [
+                    {"from": "human", "value": c["q"]},
+                    {"from": "gpt", "value": c["a"]},
+                ],
+                "images": [_struct(d) for d in c["images"]],
+            }
+            for c in convs
+        ]
+    elif layout == "texts":  # the_cauldron
+        pair = pa.struct(
+            [("user", pa.string()), ("assistant", pa.string()), ("source", pa.string())]
+        )
+        schema = pa.schema([("images", images), ("texts", pa.list_(pair))])
+        rows = [
+            {
+                "images": [_struct(d) for d in c["images"]],
+                "texts": [{"user": c["q"], "assistant": c["a"], "source": "test"}],
+            }
+            for c in convs
+        ]
+    else:  # LLaVA-OneVision: one image, or none
+        turn = pa.struct([("from", pa.string()), ("value", pa.string())])
+        schema = pa.schema(
+            [("id", pa.string()), ("image", IMAGE), ("conversations", pa.list_(turn))]
+        )
+        rows = [
+            {
+                "id": c["id"],
+                "image": _struct(c["images"][0]) if c["images"] else None,
+                "conversations": [
+                    {"from": "human", "value": c["q"]},
+                    {"from": "gpt", "value": c["a"]},
+                ],
+            }
+            for c in convs
+            if len(c["images"]) == 1
+        ]
+    return rows, schema
+
+
+def _write(path: Path, rows: list[dict], schema: pa.Schema, row_group_size: int = 2) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), path, row_group_size=row_group_size)
+    return path
+
+
+def _samples(out: Path) -> list[tuple[str, list[bytes]]]:
+    """Each sample of the shards, in order: its conversation (as JSON) and its images' bytes."""
+    samples: dict[str, dict] = {}
+    for shard in sorted(out.glob("*.tar")):
+        with tarfile.open(shard) as tar:
+            for m in tar.getmembers():
+                key, _, part = m.name.partition(".")
+                samples.setdefault(key, {})[part] = tar.extractfile(m).read()
+    out_list = []
+    for parts in samples.values():
+        doc = json.loads(parts["json"])
+        images = [parts[p] for p in sorted(p for p in parts if p.startswith("img"))]
+        out_list.append((json.dumps(doc["conversation"], sort_keys=True), images))
+    return out_list
+
+
+def _sha(paths: list[Path]) -> dict[Path, str]:
+    return {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in paths}
+
+
+def test_every_layout_gives_the_folder_samples(tmp_path: Path):
+    convs = _conversations()
+    folder = prepare_dataset(
+        make_config(tmp_path / "w-folder", f"data.source={_folder(tmp_path, convs)}", *COMMON)
+    )
+    expected = _samples(folder.out_dir)
+    assert len(expected) == 6
+    for layout in ("messages", "conversations", "texts", "onevision"):
+        rows, schema = _rows(layout, convs)
+        # the rows over two files in a folder, row groups of two rows
+        files = [
+            _write(tmp_path / layout / "data" / f"train-0000{k}-of-00002.parquet", part, schema)
+            for k, part in enumerate((rows[:3], rows[3:]))
+        ]
+        before = _sha(files)
+        result = prepare_dataset(
+            make_config(tmp_path / f"w-{layout}", f"data.source={tmp_path / layout}", *COMMON)
+        )
+        assert result.summary["source_kind"] == "parquet"
+        assert result.metrics["prepare/rows_rejected"] == 0, layout
+        got = _samples(result.out_dir)
+        if layout == "onevision":  # its rows hold one image each
+            want = [s for s in expected if len(s[1]) == 1]
+        else:
+            want = expected
+        assert got == want, layout
+        assert _sha(files) == before  # the source is only read
+    # a file given by name, and a glob, read the same rows
+    one = tmp_path / "conversations" / "data" / "train-00000-of-00002.parquet"
+    by_name = prepare_dataset(make_config(tmp_path / "w-one", f"data.source={one}", *COMMON))
+    assert _samples(by_name.out_dir) == expected[:3]
+    pattern = tmp_path / "messages" / "data" / "*.parquet"
+    by_glob = prepare_dataset(make_config(tmp_path / "w-glob", f"data.source={pattern}", *COMMON))
+    assert _samples(by_glob.out_dir) == expected
+
+
+def test_rows_without_an_id_get_a_stable_one_from_their_address(tmp_path: Path):
+    rows, schema = _rows("texts", _conversations())
+    path = _write(tmp_path / "src" / "cauldron.parquet", rows, schema)
+    result = prepare_dataset(make_config(tmp_path / "w", f"data.source={path}", *COMMON))
+    import pandas as pd
+
+    ids = pd.read_parquet(result.out_dir / "manifest.parquet")["id"].tolist()
+    assert ids == [f"cauldron-g{i // 2}-r{i % 2}" for i in range(6)]
+
+
+def test_a_changed_file_changes_prepare_fingerprint(tmp_path: Path):
+    from packline.fingerprints import stage_fingerprint
+
+    rows, schema = _rows("messages", _conversations())
+    path = _write(tmp_path / "src" / "data" / "train.parquet", rows, schema)
+    cfg = make_config(tmp_path / "w", f"data.source={tmp_path / 'src'}")
+    before = stage_fingerprint(cfg, "prepare")
+    assert stage_fingerprint(cfg, "prepare") == before
+    _write(path, rows[:-1], schema)  # one row fewer
+    assert stage_fingerprint(cfg, "prepare") != before
+
+
+def test_bad_rows_are_rejected_with_reason_and_address(tmp_path: Path):
+    convs = _conversations()
+    rows, schema = _rows("conversations", convs)
+    (tmp_path / "src" / "pics").mkdir(parents=True)
+    (tmp_path / "src" / "pics" / "a.png").write_bytes(png_bytes((40, 40), "red"))
+    turns = rows[0]["conversations"]
+    rows += [
+        {"id": "null", "conversations": turns, "images": [_struct(None)]},
+        {"id": "garbage", "conversations": turns, "images": [_struct(b"not an image")]},
+        {"id": "by-path", "conversations": turns, "images": [_struct(None, "pics/a.png")]},
+        {"id": "missing", "conversations": turns, "images": [_struct(None, "pics/nope.png")]},
+        {"id": "escape", "conversations": turns, "images": [_struct(None, "../outside.png")]},
+        {"id": "no-turns", "conversations": None, "images": []},
+        {"id": "c0", "conversations": turns, "images": [_struct(convs[0]["images"][0])]},
+    ]
+    path = _write(tmp_path / "src" / "mixed.parquet", rows, schema, row_group_size=5)
+    before = _sha([path])
+    result = prepare_dataset(make_config(tmp_path / "w", f"data.source={path}", *COMMON))
+    rejects = [
+        json.loads(line) for line in (result.out_dir / "rejects.jsonl").read_text().splitlines()
+    ]
+    by_id = {r["id"]: r for r in rejects}
+    assert {i: r["reason"] for i, r in by_id.items()} == {
+        "null": "image_null",
+        "garbage": "image_unreadable",
+        "missing": "missing_image",
+        "escape": "image_path_unsafe",
+        "no-turns": "missing_column",
+        "c0": "duplicate_id",
+    }
+    # the reject names the file, row group and row; rejects.jsonl's line counts the rows
+    assert by_id["null"]["detail"].startswith("mixed.parquet row group 1 row 1: ")
+    assert by_id["null"]["line"] == 7
+    assert "<12 embedded bytes>" in by_id["garbage"]["detail"]
+    assert result.metrics["prepare/rows_accepted"] == 7  # six conversations and by-path
+    assert _sha([path]) == before
+
+
+def test_a_broken_file_or_an_unknown_layout_stops_prepare_naming_it(tmp_path: Path):
+    rows, schema = _rows("conversations", _conversations())
+    good = _write(tmp_path / "a" / "good.parquet", rows, schema)
+    truncated = tmp_path / "a" / "truncated.parquet"
+    truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    with pytest.raises(UserError) as err:
+        prepare_dataset(make_config(tmp_path / "w1", f"data.source={tmp_path / 'a'}", *COMMON))
+    assert f"{truncated}: not a readable Parquet file" in str(err.value)
+
+    other = pa.table({"prompt": ["hi"], "response": ["hello"]})
+    pq.write_table(other, tmp_path / "b.parquet")
+    with pytest.raises(UserError) as err:
+        prepare_dataset(make_config(tmp_path / "w2", f"data.source={tmp_path / 'b.parquet'}"))
+    text = str(err.value)
+    assert "has the columns ['prompt', 'response']" in text and "fix: rename" in text
+    assert not (tmp_path / "w2" / "prepare").exists()  # nothing half-published
