@@ -21,7 +21,7 @@ from typing import Any
 
 import packline
 from packline.qwen.processor import image_geometry, tiny_processor_key, video_geometry
-from schemas.config import PipelineConfig, SourceKind, TrainBackend, parquet_files
+from schemas.config import PipelineConfig, SourceKind, TrainBackend
 
 #: Bumped when the layout of prepare's outputs changes, so older outputs are rebuilt.
 PREPARE_LAYOUT_VERSION = 3  # 3: videos (<key>.vid<k>.<ext>, "videos" headers, video columns)
@@ -63,7 +63,7 @@ def _prepare(cfg: PipelineConfig) -> list[Any]:
         st = path.stat()
         source = [f"{path}:{st.st_size}:{st.st_mtime_ns}", hash_tree(cfg.data.llava_media_dir())]
     elif kind is SourceKind.parquet:  # each file; the media paths are relative to its folder
-        files = parquet_files(cfg.data.source)
+        files = cfg.data.parquet_files()
         source = [f"{p}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files]
     elif kind is not SourceKind.synthetic:
         source = [hash_tree(Path(cfg.data.source).expanduser().resolve())]

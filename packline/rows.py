@@ -30,7 +30,7 @@ from packline.qwen.processor import image_geometry, video_geometry
 from packline.qwen.vision import ImageGeometry, VideoGeometry
 from packline.sources import NotUtf8, jsonl_rows, llava_records, resolve_source
 from packline.sources.parquet import EmbeddedMedia, ParquetRow, parquet_rows
-from schemas.config import PipelineConfig, SourceKind, TrainBackend, parquet_files
+from schemas.config import PipelineConfig, SourceKind, TrainBackend
 from schemas.errors import UserError
 from schemas.tables import REJECT_REASONS
 
@@ -278,9 +278,10 @@ def source_rows(
     if cfg.data.kind is SourceKind.llava:
         return source, source.stat().st_size, llava_records(source, on_offset)
     if cfg.data.kind is SourceKind.parquet:
-        files = parquet_files(cfg.data.source)
+        files = cfg.data.parquet_files()
         size = sum(f.stat().st_size for f in files)
-        return Path(cfg.data.source), size, parquet_rows(files, on_offset)
+        root = source if source.is_dir() else files[0].parent
+        return Path(cfg.data.source), size, parquet_rows(files, on_offset, root)
     jsonl = source / "conversations.jsonl"
     if not jsonl.is_file():
         raise UserError([f"{jsonl} does not exist"], "prepare: no conversations")

@@ -13,6 +13,7 @@ import glob
 import hashlib
 import json
 import math
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -43,7 +44,7 @@ from schemas.choices import (
 )
 from schemas.errors import UserError
 from schemas.guardrails import Check, Finding, config_findings
-from schemas.hub import local_dir, repo_id
+from schemas.hub import cached, fetch_command, local_dir, repo_id
 from schemas.paths import special_kind, unreadable
 from schemas.ranges import range_problems, ranged
 
@@ -140,7 +141,7 @@ def source_kind(source: str) -> SourceKind | None:
             return SourceKind.folder
     if path.is_file() and path.suffix.lower() == ".json":
         return SourceKind.llava
-    if parquet_files(source):
+    if repo_id(source) is not None or parquet_files(source):  # a Hub dataset: Parquet files
         return SourceKind.parquet
     return None
 
@@ -148,16 +149,25 @@ def source_kind(source: str) -> SourceKind | None:
 PARQUET = ".parquet"
 
 
-def parquet_files(source: str) -> list[Path]:
+def parquet_files(source: str, subset: str | None = None) -> list[Path]:
     """The Parquet files ``data.source`` names, in the order prepare reads them: the file
-    itself, a glob's matches (``data/*.parquet``, ``**`` recursing) or a folder's
+    itself, a glob's matches (``data/*.parquet``, ``**`` recursing), a folder's
     ``*.parquet`` files and those of its subfolders (a Hugging Face dataset's
-    ``data/train-00000-of-00002.parquet``...), sorted by path; [] when it names none.
+    ``data/train-00000-of-00002.parquet``...), or those of a Hub dataset repo id's snapshot
+    in the local Hugging Face cache; of a folder or a repo, ``subset`` (a dataset's config)
+    names the subfolder read. Sorted by path; [] when it names none.
 
     >>> parquet_files("/nowhere/*.parquet")
     []
     """
     path = Path(source).expanduser()
+    if (repo := repo_id(source)) is not None:
+        snapshot = cached(repo, "dataset")
+        if snapshot is None:
+            return []
+        path = snapshot
+    if subset:
+        path = path / subset
     if glob.has_magic(source):
         found = sorted(Path(p) for p in glob.glob(str(path), recursive=True))
     elif path.is_dir():
@@ -166,10 +176,12 @@ def parquet_files(source: str) -> list[Path]:
         found = sorted(path.rglob(f"*{PARQUET}"))
     else:
         found = [path]
-    return [p.resolve() for p in found if p.suffix.lower() == PARQUET and p.is_file()]
+    # absolute, links kept: a Hub snapshot's files are links to blobs named by their hash,
+    # and a file's name says its split
+    return [Path(os.path.abspath(p)) for p in found if p.suffix.lower() == PARQUET and p.is_file()]
 
 
-def source_problem(source: str) -> str | None:
+def source_problem(source: str, subset: str | None = None) -> str | None:
     """Why ``data.source`` names nothing packline can read (what it is instead, and the
     fix), None when it names a source this user can read.
 
@@ -194,6 +206,19 @@ def source_problem(source: str) -> str | None:
             "whole, its size first; fix: write the rows to a regular file"
         )
     kind = source_kind(source)
+    if (repo := repo_id(source)) is not None:
+        if cached(repo, "dataset") is None:
+            return (
+                f"data.source {source!r}: a Hugging Face dataset the local cache ($HF_HOME) "
+                f"lacks; fix: run `{fetch_command(repo, 'dataset')}` where the Hub can be "
+                "reached, or set data.download: true"
+            )
+        if not parquet_files(source, subset):
+            where = f" under {subset!r}" if subset else ""
+            return (
+                f"data.source {source!r}: its cached snapshot holds no Parquet files{where}; "
+                "fix: name the dataset's config as data.subset, or fetch its Parquet files"
+            )
     if kind is None:
         return (
             f"data.source: {source!r} is neither 'synthetic', a folder with "
@@ -205,7 +230,7 @@ def source_problem(source: str) -> str | None:
         SourceKind.folder: [path, rows],
         SourceKind.llava: [path],
         SourceKind.energon: [path, path / ".nv-meta", path / ".nv-meta" / "dataset.yaml"],
-        SourceKind.parquet: parquet_files(source),
+        SourceKind.parquet: parquet_files(source, subset),
     }[kind]
     for item in read:
         if (why := unreadable(item)) is not None:
@@ -233,6 +258,13 @@ class DataConfig(_Section):
     media_dir: str | None = None
     """LLaVA-style JSON source: the folder its image and video paths are relative to;
     ``null`` → the JSON file's own folder."""
+    subset: str | None = None
+    """Parquet folder or Hub dataset: the subfolder to read (a dataset's config, e.g.
+    ``vqav2`` of ``HuggingFaceM4/the_cauldron``); ``null``: every Parquet file."""
+    download: bool = False
+    """Let prepare download a Hub dataset ``data.source`` names when the local Hugging Face
+    cache lacks it (``HF_HUB_OFFLINE=1`` forbids it all the same). ``false`` (the default):
+    nothing is downloaded, and such a source is refused with the command that fetches it."""
     num_train: int = ranged(2000, ge=1)
     """Synthetic set: number of training conversations."""
     num_val: int = ranged(200, ge=0)
@@ -252,6 +284,10 @@ class DataConfig(_Section):
             raise ValueError(f"data.source {self.source!r} names nothing packline reads")
         return kind
 
+    def parquet_files(self) -> list[Path]:
+        """The Parquet files a Parquet source names (:func:`parquet_files`)."""
+        return parquet_files(self.source, self.subset)
+
     def llava_media_dir(self) -> Path | None:
         """The folder a LLaVA file's media paths are relative to, resolved: ``media_dir``,
         else the file's own folder; None for the other sources."""
@@ -262,7 +298,10 @@ class DataConfig(_Section):
     def rules(self) -> list[str]:
         p: list[str] = []
         kind = source_kind(self.source)
-        if (problem := source_problem(self.source)) is not None:
+        repo = repo_id(self.source)
+        if repo is not None and self.download and cached(repo, "dataset") is None:
+            pass  # a Hub dataset the cache lacks: prepare fetches it
+        elif (problem := source_problem(self.source, self.subset)) is not None:
             p.append(problem)
         if self.media_dir is not None:
             _check(
@@ -870,7 +909,10 @@ class PipelineConfig(_Section):
         """The user's inputs this config reads, by setting, resolved: the source (unless
         the built-in set), a LLaVA file's media dir, the processor and model dirs."""
         found: dict[str, Path] = {}
-        if self.data.source != "synthetic":
+        if (repo := repo_id(self.data.source)) is not None:
+            if (snapshot := cached(repo, "dataset")) is not None:
+                found["data.source"] = snapshot
+        elif self.data.source != "synthetic":
             path = Path(self.data.source).expanduser()
             while glob.has_magic(str(path)):  # a glob: the dir its matches lie under
                 path = path.parent

@@ -26,13 +26,13 @@ def repo_id(ref: str | None) -> str | None:
     return ref if _REPO.fullmatch(ref) else None
 
 
-def cached(repo: str) -> Path | None:
-    """The snapshot dir of ``repo`` in the local Hugging Face cache (its ``main``), or None
-    when the cache lacks it; nothing is downloaded."""
+def cached(repo: str, repo_type: str = "model") -> Path | None:
+    """The snapshot dir of ``repo`` (a ``model`` or a ``dataset`` repo) in the local Hugging
+    Face cache (its ``main``), or None when the cache lacks it; nothing is downloaded."""
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(repo, local_files_only=True))
+        return Path(snapshot_download(repo, repo_type=repo_type, local_files_only=True))
     except Exception:  # noqa: BLE001 - huggingface_hub's "not in the cache" has several types
         return None
 
@@ -48,6 +48,11 @@ def local_dir(ref: str | None) -> Path | None:
     return Path(ref).expanduser().resolve()
 
 
-def fetch_command(repo: str) -> str:
-    """The command that puts ``repo`` into the local cache (``huggingface_hub``'s CLI)."""
-    return f"hf download {repo}"
+def fetch_command(repo: str, repo_type: str = "model") -> str:
+    """The command that puts ``repo`` into the local cache (``huggingface_hub``'s CLI).
+
+    >>> fetch_command("HuggingFaceM4/the_cauldron", "dataset")
+    'hf download --repo-type dataset HuggingFaceM4/the_cauldron'
+    """
+    kind = "" if repo_type == "model" else f"--repo-type {repo_type} "
+    return f"hf download {kind}{repo}"

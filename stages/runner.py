@@ -124,9 +124,10 @@ def _crash(cfg: PipelineConfig, stage: str, exc: Exception) -> InputCrash:
     return InputCrash(where, f"{type(exc).__name__}: {exc}", str(log))
 
 
-#: stages that read the model and processor first: the Hub repos ``model.download`` lets
-#: packline fetch are fetched before the stage's fingerprint (which hashes their files)
-FETCHES = {"connect"}
+#: stages that read Hub repos first: the dataset ``data.download`` lets packline fetch
+#: (prepare), the model and processor ``model.download`` lets it fetch (connect), each before
+#: the stage's fingerprint (which hashes their files)
+FETCHES = {"prepare", "connect"}
 
 
 def _run_stage(
@@ -134,7 +135,7 @@ def _run_stage(
 ) -> StageResult:
     stage_fn = REGISTRY[name]
     if name in FETCHES:
-        for repo in fetch_missing(cfg):
+        for repo in fetch_missing(cfg, name):
             console.log(f"fetched {repo} into the local Hugging Face cache")
     fp = stage_fingerprint(cfg, name)
     tags = {"packline.stage": name, "packline.skipped": "false"}

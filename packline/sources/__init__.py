@@ -194,7 +194,7 @@ def resolve_source(cfg: PipelineConfig) -> Path:
     every row and the media it names — before it is marked complete and renamed into place;
     a copy found incomplete is generated again)."""
     if cfg.data.kind is not SourceKind.synthetic:
-        return Path(cfg.data.source).expanduser().resolve()
+        return cfg.inputs()["data.source"]  # a Hub dataset's cached snapshot, a glob's dir
     from packline.faults import discard_partial
     from packline.progress import console, progress
     from packline.synthetic import shapes_dataset_problem, write_shapes_dataset

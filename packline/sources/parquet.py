@@ -14,6 +14,7 @@ layout likewise, with the columns found and the fix.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,16 +133,66 @@ def check_files(files: list[Path]) -> dict[Path, str]:
     return layouts
 
 
+#: A split's names in Hugging Face's file names (``train-00000-of-00002.parquet``,
+#: ``validation.parquet``, ``<config>/test/0000.parquet``), as packline's splits.
+SPLIT_NAMES = {"train": "train", "training": "train", "validation": "val", "valid": "val"}
+SPLIT_NAMES |= {"val": "val", "dev": "val", "test": "test"}
+
+
+def named_split(path: Path, root: Path) -> str | None:
+    """The split a file's name (or a folder between ``root`` and it) names: ``train``,
+    ``val`` or ``test``; None when none does.
+
+    >>> named_split(Path("/d/data/train-00000-of-00002.parquet"), Path("/d"))
+    'train'
+    >>> named_split(Path("/d/vqav2/validation/0000.parquet"), Path("/d"))
+    'val'
+    >>> named_split(Path("/dev/x/mine.parquet"), Path("/dev/x")) is None
+    True
+    """
+    try:
+        inside = path.relative_to(root)
+    except ValueError:
+        inside = Path(path.name)
+    for name in (path.stem, *reversed(inside.parent.parts)):
+        head = re.split(r"[-_.]", name.lower(), maxsplit=1)[0]
+        if head in SPLIT_NAMES:
+            return SPLIT_NAMES[head]
+    return None
+
+
+def file_splits(files: list[Path], root: Path) -> dict[Path, str | None]:
+    """Each file's split by its name (:func:`named_split`), when the files hold a held-out
+    split: a ``test`` file is read as ``val`` when no file names a validation split, and left
+    out (``"skip"``) when one does. A file naming none, and every file of a source with
+    training files only, keeps its rows' own ``split`` (else ``prepare.val_fraction`` by the
+    hash of their id).
+
+    >>> file_splits([Path("/d/train-0.parquet"), Path("/d/test-0.parquet")], Path("/d"))
+    {PosixPath('/d/train-0.parquet'): 'train', PosixPath('/d/test-0.parquet'): 'val'}
+    >>> file_splits([Path("/d/train-0.parquet")], Path("/d"))
+    {PosixPath('/d/train-0.parquet'): None}
+    """
+    named = {path: named_split(path, root) for path in files}
+    if not {"val", "test"} & set(named.values()):
+        return dict.fromkeys(files)
+    has_val = "val" in named.values()
+    return {p: ("skip" if has_val else "val") if s == "test" else s for p, s in named.items()}
+
+
 def parquet_rows(
-    files: list[Path], on_offset: Callable[[int], None] | None = None
+    files: list[Path], on_offset: Callable[[int], None] | None = None, root: Path | None = None
 ) -> Iterator[tuple[int, ParquetRow]]:
     """``(position, row)`` of every row of ``files`` in order (positions 1-based, counted
     over the files); ``on_offset`` gets the bytes read so far: the files read whole, and
     the compressed row groups of the one being read (over the files' total size, for a
-    progress bar)."""
+    progress bar). A file's name may give its rows their split (:func:`file_splits`;
+    ``root``: the folder the source names)."""
     import pyarrow as pa
 
     layouts = check_files(files)
+    splits = file_splits(files, root or files[0].parent)
+    files = [path for path in files if splits[path] != "skip"]
     position = 0
     base = 0  # the bytes of the files read whole
     for path in files:
@@ -165,6 +216,8 @@ def parquet_rows(
                     default_id = f"{path.stem}-g{group}-r{index}"
                     try:
                         record = to_record(row, layouts[path], default_id=default_id)
+                        if splits[path] is not None:
+                            record.setdefault("split", splits[path])
                     except Rejected as rej:
                         yield position, ParquetRow(where, folder, rejected=rej)
                         continue

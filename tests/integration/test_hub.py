@@ -26,22 +26,28 @@ pytestmark = pytest.mark.slow
 REPO = "packline/tiny-base"
 
 
-def _cache_with_tiny_base(home: Path) -> Path:
-    """``home``/hub holding :data:`REPO` as ``huggingface_hub`` caches a download; returns
-    its snapshot dir."""
-    repo = home / "hub" / ("models--" + REPO.replace("/", "--"))
+def cache_repo(home: Path, repo_id: str, files: dict[str, bytes], kind: str = "model") -> Path:
+    """``home``/hub holding ``repo_id`` (a ``model`` or ``dataset`` repo) with ``files``
+    (path in the repo → bytes) as ``huggingface_hub`` caches a download: blobs by hash, a
+    snapshot of links into them, ``refs/main``; returns the snapshot dir."""
+    repo = home / "hub" / (f"{kind}s--" + repo_id.replace("/", "--"))
     commit = "0123456789abcdef0123456789abcdef01234567"
     snapshot = repo / "snapshots" / commit
     (repo / "blobs").mkdir(parents=True)
-    snapshot.mkdir(parents=True)
-    for src in sorted(TINY_BASE.iterdir()):
-        data = src.read_bytes()
+    for name, data in sorted(files.items()):
         blob = repo / "blobs" / hashlib.sha256(data).hexdigest()
         blob.write_bytes(data)
-        (snapshot / src.name).symlink_to(os.path.relpath(blob, snapshot))
+        link = snapshot / name
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(os.path.relpath(blob, link.parent))
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(commit)
     return snapshot
+
+
+def _cache_with_tiny_base(home: Path) -> Path:
+    """``home``/hub holding :data:`REPO`, the shipped tiny base; its snapshot dir."""
+    return cache_repo(home, REPO, {src.name: src.read_bytes() for src in TINY_BASE.iterdir()})
 
 
 _SCRIPT = """

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -15,6 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from schemas.config import PROJECT_ROOT
 from schemas.errors import UserError
 from stages.prepare import prepare_dataset
 from tests.conftest import make_config, png_bytes
@@ -264,3 +268,59 @@ def test_a_broken_file_or_an_unknown_layout_stops_prepare_naming_it(tmp_path: Pa
     text = str(err.value)
     assert "has the columns ['prompt', 'response']" in text and "fix: rename" in text
     assert not (tmp_path / "w2" / "prepare").exists()  # nothing half-published
+
+
+def _cli(home: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PACKLINE_WORK_LOCK")}
+    env.update(HF_HOME=str(home), HF_HUB_OFFLINE="1")  # read at huggingface_hub's import
+    return subprocess.run(
+        [sys.executable, "-m", "pipelines.cli", *args],
+        capture_output=True, text=True, env=env, cwd=PROJECT_ROOT, timeout=600,
+    )  # fmt: skip
+
+
+def test_a_hub_dataset_id_is_read_from_the_local_cache_with_its_splits(tmp_path: Path):
+    """A dataset repo in a temp HF_HOME, in huggingface_hub's cache layout: its
+    train/validation files give packline's splits; the_cauldron-style configs are
+    subfolders (data.subset); a repo the cache lacks is refused with the command that
+    fetches it, and data.download=true under HF_HUB_OFFLINE fails naming it too."""
+    from tests.integration.test_hub import cache_repo
+
+    rows, schema = _rows("texts", _conversations())
+
+    def parquet(part: list[dict]) -> bytes:
+        sink = pa.BufferOutputStream()
+        pq.write_table(pa.Table.from_pylist(part, schema=schema), sink)
+        return sink.getvalue().to_pybytes()
+
+    home = tmp_path / "hf"
+    cache_repo(
+        home,
+        "acme/cauldron",
+        {
+            "README.md": b"# a dataset card\n",
+            "colours/train-00000-of-00001.parquet": parquet(rows[:4]),
+            "colours/validation-00000-of-00001.parquet": parquet(rows[4:]),
+            "other/train-00000-of-00001.parquet": parquet(rows[:1]),
+        },
+        kind="dataset",
+    )
+    work = tmp_path / "w"
+    done = _cli(home, "stage", "prepare", f"work_dir={work}", "data.source=acme/cauldron",
+                "data.subset=colours", "mlflow.enabled=false")  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    import pandas as pd
+
+    manifest = pd.read_parquet(work / "prepare" / "manifest.parquet")
+    assert manifest["split"].tolist() == ["train"] * 4 + ["val"] * 2
+    assert manifest["id"].tolist()[-1] == "validation-00000-of-00001-g0-r1"
+
+    missing = _cli(home, "stage", "prepare", f"work_dir={tmp_path / 'w2'}", "data.source=acme/nope")
+    assert missing.returncode == 2
+    err = " ".join(missing.stderr.split())
+    assert "fix: run `hf download --repo-type dataset acme/nope`" in err, err
+    fetch = _cli(home, "stage", "prepare", f"work_dir={tmp_path / 'w3'}", "data.source=acme/nope",
+                 "data.download=true")  # fmt: skip
+    assert fetch.returncode == 2, fetch.stderr[-3000:]
+    err = " ".join(fetch.stderr.split())
+    assert "data.source acme/nope could not be downloaded" in err and "Traceback" not in err
