@@ -281,7 +281,8 @@ def source_rows(
         files = cfg.data.parquet_files()
         size = sum(f.stat().st_size for f in files)
         root = source if source.is_dir() else files[0].parent
-        return Path(cfg.data.source), size, parquet_rows(files, on_offset, root)
+        rows = parquet_rows(files, on_offset, root, cfg.data.columns)
+        return Path(cfg.data.source), size, rows
     jsonl = source / "conversations.jsonl"
     if not jsonl.is_file():
         raise UserError([f"{jsonl} does not exist"], "prepare: no conversations")

@@ -147,6 +147,12 @@ def source_kind(source: str) -> SourceKind | None:
 
 
 PARQUET = ".parquet"
+#: What ``data.columns`` may map a table's columns to: the three conversation layouts
+#: (:mod:`packline.sources.layouts`), the media, the id, the split and a system prompt.
+DATA_COLUMNS = (
+    "messages", "conversations", "texts", "images", "image", "videos", "video", "id", "split",
+    "system",
+)  # fmt: skip
 
 
 def parquet_files(source: str, subset: str | None = None) -> list[Path]:
@@ -261,6 +267,12 @@ class DataConfig(_Section):
     subset: str | None = None
     """Parquet folder or Hub dataset: the subfolder to read (a dataset's config, e.g.
     ``vqav2`` of ``HuggingFaceM4/the_cauldron``); ``null``: every Parquet file."""
+    columns: dict[str, str] = field(default_factory=dict)
+    """Parquet source: packline's name → the table's column, for tables that name them
+    otherwise (as LLaMA-Factory's ``dataset_info`` or axolotl's field mapping), e.g.
+    ``{conversations: dialog, images: pictures, id: uid, system: system_prompt}``. Names:
+    ``messages``, ``conversations`` or ``texts`` (the layout), ``images``/``image``,
+    ``videos``/``video``, ``id``, ``split`` and ``system`` (a system prompt put first)."""
     download: bool = False
     """Let prepare download a Hub dataset ``data.source`` names when the local Hugging Face
     cache lacks it (``HF_HUB_OFFLINE=1`` forbids it all the same). ``false`` (the default):
@@ -303,6 +315,17 @@ class DataConfig(_Section):
             pass  # a Hub dataset the cache lacks: prepare fetches it
         elif (problem := source_problem(self.source, self.subset)) is not None:
             p.append(problem)
+        for name in self.columns:
+            _check(
+                p,
+                name in DATA_COLUMNS,
+                f"data.columns: {name!r} is none of packline's names {list(DATA_COLUMNS)}",
+            )
+        _check(
+            p,
+            not self.columns or kind is SourceKind.parquet,
+            "data.columns maps the columns of a Parquet source only",
+        )
         if self.media_dir is not None:
             _check(
                 p,

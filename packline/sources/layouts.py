@@ -13,7 +13,9 @@
 
 Arrow gives a list of structs the union of its items' fields, the missing ones as null
 (``{"type": "text", "text": "Hi", "image": None}``): a null field is taken as absent. A row
-without an ``id`` column gets ``<file stem>-g<row group>-r<row>``, stable across runs.
+without an ``id`` column gets ``<file stem>-g<row group>-r<row>``, stable across runs. A
+``system`` column (a system prompt) becomes the first turn. ``data.columns`` maps a table's
+own column names to these (:mod:`packline.sources.parquet`).
 
     >>> row = {"texts": [{"user": "Colour?", "assistant": "Red.", "source": "x"}],
     ...        "images": [{"bytes": b"...", "path": None}]}
@@ -43,13 +45,16 @@ def layout_of(columns: Iterable[str]) -> str | None:
     return next((layout for layout in LAYOUTS if layout in names), None)
 
 
-def layout_problem(columns: Iterable[str], where: str) -> str:
-    """Why a table with these columns cannot be read, and what to do."""
+def layout_problem(columns: Iterable[str], where: str, lists: Iterable[str] = ()) -> str:
+    """Why a table with these columns cannot be read, and the mapping to write (``lists``:
+    its list columns, the likely conversation)."""
+    guess = next(iter(lists), "<column>")
     return (
         f"{where} has the columns {sorted(columns)}: none names a conversation packline "
-        f"reads ({', '.join(LAYOUTS)}); fix: rename the conversation column to one of them "
-        "(messages: OpenAI/HF chat parts; conversations: ShareGPT/LLaVA turns; texts: "
-        "the_cauldron's user/assistant pairs), the images to 'images'"
+        f"reads ({', '.join(LAYOUTS)}); fix: map the conversation column with data.columns, "
+        f"e.g. data.columns={{conversations: {guess}}} (messages: OpenAI/HF chat parts; "
+        "conversations: ShareGPT/LLaVA turns; texts: the_cauldron's user/assistant pairs), "
+        "and the images likewise (images: <column>)"
     )
 
 
@@ -130,6 +135,11 @@ def to_record(row: dict[str, Any], layout: str, *, default_id: str) -> dict[str,
                 for name, role in (("user", "user"), ("assistant", "assistant"))
                 if name in pair
             ]
+    system = row.get("system")
+    if system is not None:
+        if not isinstance(system, str):
+            raise Rejected("wrong_type", f"'system' must be text, got {type(system).__name__}", sid)
+        turns = [{"role": "system", "content": system}, *turns]
     record: dict[str, Any] = {
         "id": row["id"] if row.get("id") is not None else default_id,
         "conversations": turns,

@@ -113,19 +113,37 @@ def _open(path: Path):
         raise SourceError(f"{path}: not a readable Parquet file ({exc})") from None
 
 
-def check_files(files: list[Path]) -> dict[Path, str]:
-    """Each file's layout, read from its schema alone; a file that is not Parquet or names
-    no known layout stops the stage (:class:`SourceError`), every such file said at once."""
+def _renamed(names: list[str], columns: dict[str, str]) -> list[str]:
+    """A table's column names under ``data.columns`` (packline's name → the table's): a
+    mapped column takes packline's name, a column already holding that name gives it up."""
+    taken = {table: name for name, table in columns.items()}
+    return [taken.get(n, f"{n} (unused)" if n in columns else n) for n in names]
+
+
+def check_files(files: list[Path], columns: dict[str, str] | None = None) -> dict[Path, str]:
+    """Each file's layout, read from its schema alone (its columns renamed by
+    ``data.columns``); a file that is not Parquet, lacks a mapped column or names no known
+    layout stops the stage (:class:`SourceError`), every such file said at once."""
+    columns = columns or {}
     layouts: dict[Path, str] = {}
     problems = []
     for path in files:
         try:
-            columns = _open(path).schema_arrow.names
+            schema = _open(path).schema_arrow
         except SourceError as exc:
             problems.append(str(exc))
             continue
-        if (layout := layout_of(columns)) is None:
-            problems.append(layout_problem(columns, str(path)))
+        absent = {name: col for name, col in columns.items() if col not in schema.names}
+        if absent:
+            problems.append(
+                f"{path}: data.columns names {absent} but the file has no such column (its "
+                f"columns: {schema.names}); fix: map each name to one of them"
+            )
+            continue
+        names = _renamed(schema.names, columns)
+        if (layout := layout_of(names)) is None:
+            lists = [f.name for f in schema if str(f.type).startswith(("list", "large_list"))]
+            problems.append(layout_problem(schema.names, str(path), lists))
         else:
             layouts[path] = layout
     if problems:
@@ -181,16 +199,20 @@ def file_splits(files: list[Path], root: Path) -> dict[Path, str | None]:
 
 
 def parquet_rows(
-    files: list[Path], on_offset: Callable[[int], None] | None = None, root: Path | None = None
+    files: list[Path],
+    on_offset: Callable[[int], None] | None = None,
+    root: Path | None = None,
+    columns: dict[str, str] | None = None,
 ) -> Iterator[tuple[int, ParquetRow]]:
     """``(position, row)`` of every row of ``files`` in order (positions 1-based, counted
     over the files); ``on_offset`` gets the bytes read so far: the files read whole, and
     the compressed row groups of the one being read (over the files' total size, for a
     progress bar). A file's name may give its rows their split (:func:`file_splits`;
-    ``root``: the folder the source names)."""
+    ``root``: the folder the source names); ``columns``: ``data.columns``."""
     import pyarrow as pa
 
-    layouts = check_files(files)
+    columns = dict(columns or {})
+    layouts = check_files(files, columns)
     splits = file_splits(files, root or files[0].parent)
     files = [path for path in files if splits[path] != "skip"]
     position = 0
@@ -208,6 +230,8 @@ def parquet_rows(
                     f"{path}: row group {group} cannot be read ({exc}); the file is truncated "
                     "or corrupt: write it again"
                 ) from None
+            if columns:
+                table = table.rename_columns(_renamed(table.column_names, columns))
             for start in range(0, table.num_rows, ROWS_PER_SLICE):
                 for offset, row in enumerate(table.slice(start, ROWS_PER_SLICE).to_pylist()):
                     position += 1

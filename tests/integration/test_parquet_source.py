@@ -261,13 +261,62 @@ def test_a_broken_file_or_an_unknown_layout_stops_prepare_naming_it(tmp_path: Pa
         prepare_dataset(make_config(tmp_path / "w1", f"data.source={tmp_path / 'a'}", *COMMON))
     assert f"{truncated}: not a readable Parquet file" in str(err.value)
 
-    other = pa.table({"prompt": ["hi"], "response": ["hello"]})
+    other = pa.table({"prompt": ["hi"], "dialog": [[{"from": "human", "value": "hi"}]]})
     pq.write_table(other, tmp_path / "b.parquet")
     with pytest.raises(UserError) as err:
         prepare_dataset(make_config(tmp_path / "w2", f"data.source={tmp_path / 'b.parquet'}"))
     text = str(err.value)
-    assert "has the columns ['prompt', 'response']" in text and "fix: rename" in text
+    assert "has the columns ['dialog', 'prompt']" in text
+    assert "fix: map the conversation column with data.columns, e.g. " in text
+    assert "data.columns={conversations: dialog}" in text  # its list column, named
     assert not (tmp_path / "w2" / "prepare").exists()  # nothing half-published
+    with pytest.raises(UserError, match=r"names \{'images': 'pics'\} but the file has no such"):
+        prepare_dataset(
+            make_config(
+                tmp_path / "w3",
+                f"data.source={tmp_path / 'b.parquet'}",
+                "data.columns={conversations: dialog, images: pics}",
+            )
+        )
+
+
+def test_columns_named_otherwise_are_mapped_and_a_system_prompt_goes_first(tmp_path: Path):
+    convs = _conversations()
+    rows, _ = _rows("conversations", convs)
+    turn = pa.struct([("from", pa.string()), ("value", pa.string())])
+    schema = pa.schema(
+        [("uid", pa.string()), ("dialog", pa.list_(turn)), ("pictures", pa.list_(IMAGE)),
+         ("sys", pa.string()), ("conversations", pa.string())]
+    )  # fmt: skip
+    mapped = [
+        {"uid": r["id"], "dialog": r["conversations"], "pictures": r["images"],
+         "sys": "Answer in one word.", "conversations": "not the conversation"}
+        for r in rows
+    ]  # fmt: skip
+    path = _write(tmp_path / "src" / "mine.parquet", mapped, schema)
+    result = prepare_dataset(
+        make_config(
+            tmp_path / "w",
+            f"data.source={path}",
+            "data.columns={id: uid, conversations: dialog, images: pictures, system: sys}",
+            *COMMON,
+        )
+    )
+    assert result.metrics["prepare/rows_rejected"] == 0
+    import pandas as pd
+
+    assert pd.read_parquet(result.out_dir / "manifest.parquet")["id"].tolist() == [
+        c["id"] for c in convs
+    ]
+    folder = prepare_dataset(
+        make_config(tmp_path / "w-folder", f"data.source={_folder(tmp_path, convs)}", *COMMON)
+    )
+    system = {"role": "system", "content": [{"type": "text", "text": "Answer in one word."}]}
+    want = [
+        (json.dumps([system, *json.loads(conv)], sort_keys=True), images)
+        for conv, images in _samples(folder.out_dir)
+    ]
+    assert _samples(result.out_dir) == want
 
 
 def _cli(home: Path, *args: str) -> subprocess.CompletedProcess:
@@ -324,3 +373,16 @@ def test_a_hub_dataset_id_is_read_from_the_local_cache_with_its_splits(tmp_path:
     assert fetch.returncode == 2, fetch.stderr[-3000:]
     err = " ".join(fetch.stderr.split())
     assert "data.source acme/nope could not be downloaded" in err and "Traceback" not in err
+
+
+def test_data_columns_names_are_checked_at_load(tmp_path: Path):
+    from schemas.config import load_config
+
+    rows, schema = _rows("texts", _conversations())
+    path = _write(tmp_path / "a.parquet", rows, schema)
+    with pytest.raises(UserError) as err:
+        load_config(None, [f"data.source={path}", "data.columns={pictures: images}"])
+    assert "data.columns: 'pictures' is none of packline's names" in str(err.value)
+    with pytest.raises(UserError) as err:
+        load_config(None, ["data.columns={images: pics}"])  # the built-in set
+    assert "data.columns maps the columns of a Parquet source only" in str(err.value)
