@@ -1,7 +1,9 @@
 """``packline bench data``: prepare and connect on a set of 20,000 conversations (the
 built-in set at that size), with 1 and 2 workers side by side in one run, their peak RSS at
-two dataset sizes, the projected time of 10⁶ samples per core, and connect's peak RSS with
-one more conversation, of ``prepare.max_text_chars`` characters, beside the small set's.
+two dataset sizes, the projected time of 10⁶ samples per core, connect's peak RSS with
+one more conversation, of ``prepare.max_text_chars`` characters, beside the small set's, and
+prepare on the same rows as a Parquet file with the media embedded (a Hugging Face dataset's
+form) beside the folder, at both sizes.
 
 Each stage runs as its own process (``packline stage NAME --force``, as a user or a SLURM
 task runs it) on the same rows: the large set's folder once generated, a small set made of
@@ -61,6 +63,51 @@ def _first_rows(source: Path, dest: Path, samples: int) -> Path:
     with (source / "conversations.jsonl").open() as f:
         rows = [line for _, line in zip(range(samples), f, strict=False)]
     (dest / "conversations.jsonl").write_text("".join(rows))
+    return dest
+
+
+def _as_parquet(folder: Path, dest: Path, rows_per_group: int = 100) -> Path:
+    """``folder``'s rows as one Parquet file of ``dest`` (``conversations`` layout), each
+    image's and video's bytes embedded as Hugging Face's ``Image`` / ``Video`` structs in
+    row groups of ``rows_per_group`` (``datasets``' default for media), written a group at a
+    time: what prepare reads from a Hugging Face dataset."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = dest / "data" / "train-00000-of-00001.parquet"
+    if path.is_file():
+        return dest
+    media = pa.list_(pa.struct([("bytes", pa.binary()), ("path", pa.string())]))
+    turn = pa.struct([("role", pa.string()), ("content", pa.string())])
+    schema = pa.schema(
+        [("id", pa.string()), ("conversations", pa.list_(turn)), ("images", media),
+         ("videos", media), ("split", pa.string())]
+    )  # fmt: skip
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+
+    def embedded(names: list[str]) -> list[dict[str, Any]]:
+        return [{"bytes": (folder / n).read_bytes(), "path": Path(n).name} for n in names]
+
+    with pq.ParquetWriter(tmp, schema) as writer, (folder / "conversations.jsonl").open() as f:
+        group: list[dict[str, Any]] = []
+        for line in f:
+            row = json.loads(line)
+            group.append(
+                {
+                    "id": str(row["id"]),
+                    "conversations": row["conversations"],
+                    "images": embedded(row.get("images", [])),
+                    "videos": embedded(row.get("videos", [])),
+                    "split": row.get("split"),
+                }
+            )
+            if len(group) == rows_per_group:
+                writer.write_table(pa.Table.from_pylist(group, schema=schema))
+                group = []
+        if group:
+            writer.write_table(pa.Table.from_pylist(group, schema=schema))
+    tmp.rename(path)
     return dest
 
 
@@ -141,14 +188,21 @@ def bench_data(
         small = _first_rows(large, root / f"first{small_samples}", small_samples)
         max_chars = load_config(config, overrides).prepare.max_text_chars
         long_row = _with_long_row(small, root / f"first{small_samples}-long", max_chars)
+        console.log("bench data: the same rows as Parquet, images and videos embedded")
+        large_pq = _as_parquet(large, root / "parquet")
+        small_pq = _as_parquet(small, root / f"first{small_samples}-parquet")
         plan = [
             (large, 1, "large-w1", ""),
             (large, 2, "large-w2", ""),
             (small, 2, "small-w2", ""),
             (long_row, 2, "small-long-w2", "long_row"),
+            (large_pq, 2, "parquet-large-w2", "parquet"),
+            (small_pq, 2, "parquet-small-w2", "parquet"),
         ]
         for stage in ("prepare", "connect"):
             for source, workers, name, variant in plan:
+                if stage == "connect" and variant == "parquet":
+                    continue  # connect reads the same shards
                 args = [*overrides, f"data.source={source}"]
                 run = _run_stage(stage, root / name, config, args, workers, variant)
                 console.log(
@@ -178,7 +232,7 @@ def print_data_tables(out: Console, result: dict[str, Any]) -> None:
         table.add_column(col, justify="left" if col == "stage" else "right")
     for r in result["runs"]:
         table.add_row(
-            r["stage"] + (" + long row" if r["variant"] == "long_row" else ""),
+            r["stage"] + {"long_row": " + long row", "parquet": " (Parquet)"}.get(r["variant"], ""),
             f"{r['samples']:,}",
             str(r["workers"]),
             f"{r['seconds']:.1f}",
@@ -187,13 +241,15 @@ def print_data_tables(out: Console, result: dict[str, Any]) -> None:
         )
     out.print(table)
     table = Table(title="side by side")
-    for col in ("stage", "2 vs 1 workers", "ms/sample/core", "10⁶ samples/core", "RSS growth"):
+    columns = ("stage", "2 vs 1 workers", "vs folder", "ms/sample/core", "10⁶ samples/core")
+    for col in (*columns, "RSS growth"):
         table.add_column(col, justify="left" if col == "stage" else "right")
     for stage, f in result["figures"].items():
         rss = f.get("rss_mib", {})
         table.add_row(
             stage,
             f"{f['speedup_2_vs_1']:.2f}x" if "speedup_2_vs_1" in f else "-",
+            f"{f['vs_folder']:.2f}x" if "vs_folder" in f else "-",
             f"{f['ms_per_sample_per_core']:.2f}" if "ms_per_sample_per_core" in f else "-",
             f"{f['projected_hours_1e6_per_core']:.2f} h"
             if "projected_hours_1e6_per_core" in f

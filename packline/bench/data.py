@@ -29,6 +29,9 @@ from typing import Any
 
 #: The peak RSS at the large size may exceed the small size's by at most this share.
 RSS_GROWTH_TARGET = 0.10
+#: Another source of the same rows (Parquet, media embedded) prepares at least this fast
+#: relative to the folder.
+VS_FOLDER_TARGET = 1.0
 #: The dataset size the projection is for.
 PROJECTED_SAMPLES = 1_000_000
 #: One conversation at ``prepare.max_text_chars`` (longer ones prepare rejects) may add at
@@ -51,7 +54,7 @@ class StageRun:
     #: peak RSS of the stage's whole process tree (workers included), MiB
     peak_rss_mib: float
     #: "" for the size and worker runs; "long_row": the small set plus one conversation at
-    #: prepare.max_text_chars
+    #: prepare.max_text_chars; "parquet": the same rows as a Parquet file, media embedded
     variant: str = ""
 
     @property
@@ -68,9 +71,9 @@ def data_figures(runs: list[StageRun], *, large: int, small: int) -> dict[str, A
     worker count at both sizes with its relative growth."""
     out: dict[str, Any] = {}
     long_rows = {r.stage: r for r in runs if r.variant == "long_row"}
-    runs = [r for r in runs if not r.variant]
-    for stage in dict.fromkeys(r.stage for r in runs):
-        mine = [r for r in runs if r.stage == stage]
+    runs = [r for r in runs if r.variant != "long_row"]
+    for stage in dict.fromkeys(_source_stage(r) for r in runs):
+        mine = [r for r in runs if _source_stage(r) == stage]
         at_large = {r.workers: r for r in mine if r.samples == large}
         at_small = {r.workers: r for r in mine if r.samples == small}
         rates = {str(w): round(r.samples_per_s, 1) for w, r in sorted(at_large.items())}
@@ -98,7 +101,20 @@ def data_figures(runs: list[StageRun], *, large: int, small: int) -> dict[str, A
                 "added": round(with_long - base, 1),
             }
         out[stage] = figures
+    for stage, f in out.items():  # a source beside the folder, same rows, same workers
+        base, _, variant = stage.partition(".")
+        if variant and base in out:
+            mine, folder = f["samples_per_s"], out[base]["samples_per_s"]
+            if shared := sorted(set(mine) & set(folder), key=int):
+                w = shared[-1]
+                f["vs_folder"] = round(mine[w] / folder[w], 3)
+                f["vs_folder_workers"] = int(w)
     return out
+
+
+def _source_stage(run: StageRun) -> str:
+    """The figures' key of a run: its stage, ``.<variant>`` for another source's runs."""
+    return f"{run.stage}.{run.variant}" if run.variant else run.stage
 
 
 def data_targets(figures: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -115,6 +131,14 @@ def data_targets(figures: dict[str, Any]) -> dict[str, dict[str, Any]]:
         for stage, f in figures.items()
         if "rss_growth" in f
     }
+    for stage, f in figures.items():
+        if "vs_folder" in f:
+            targets[f"{stage}.vs_folder"] = {
+                "held": f["vs_folder"] >= VS_FOLDER_TARGET,
+                "value": f["vs_folder"],
+                "rule": f"samples/s ≥ {VS_FOLDER_TARGET:g}x the folder's, same rows, "
+                f"{f['vs_folder_workers']} workers",
+            }
     if "long_row_rss_mib" in figures.get("connect", {}):
         added = figures["connect"]["long_row_rss_mib"]["added"]
         targets["connect.long_row_rss"] = {
