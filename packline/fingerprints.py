@@ -62,8 +62,8 @@ def _prepare(cfg: PipelineConfig) -> list[Any]:
         path = Path(cfg.data.source).expanduser().resolve()
         st = path.stat()
         source = [f"{path}:{st.st_size}:{st.st_mtime_ns}", hash_tree(cfg.data.llava_media_dir())]
-    elif kind is SourceKind.parquet:  # each file; the media paths are relative to its folder
-        files = cfg.data.parquet_files()
+    elif kind in (SourceKind.parquet, SourceKind.arrow):  # each file (media: relative to it)
+        files = cfg.data.table_files()
         source = [f"{p}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files]
     elif kind is not SourceKind.synthetic:
         source = [hash_tree(Path(cfg.data.source).expanduser().resolve())]

@@ -29,7 +29,9 @@ from packline.progress import console
 from packline.qwen.processor import image_geometry, video_geometry
 from packline.qwen.vision import ImageGeometry, VideoGeometry
 from packline.sources import NotUtf8, jsonl_rows, llava_records, resolve_source
-from packline.sources.parquet import EmbeddedMedia, ParquetRow, parquet_rows
+from packline.sources.arrow import ARROW
+from packline.sources.parquet import PARQUET
+from packline.sources.tables import EmbeddedMedia, TableRow, table_rows
 from schemas.config import PipelineConfig, SourceKind, TrainBackend
 from schemas.errors import UserError
 from schemas.tables import REJECT_REASONS
@@ -130,8 +132,8 @@ def check_rows(chunk: list[tuple[int, Any]]) -> list[Accepted | Refused]:
         try:
             if isinstance(payload, NotUtf8):
                 raise Rejected("text_not_utf8", payload.detail)
-            if isinstance(payload, ParquetRow):
-                out.append(_parquet_row(ctx, position, payload))
+            if isinstance(payload, TableRow):
+                out.append(_table_row(ctx, position, payload))
                 continue
             if ctx.kind is SourceKind.llava:
                 record = llava_record(payload)
@@ -152,10 +154,10 @@ def check_rows(chunk: list[tuple[int, Any]]) -> list[Accepted | Refused]:
     return out
 
 
-def _parquet_row(ctx: RowContext, position: int, row: ParquetRow) -> Accepted | Refused:
-    """A Parquet row checked as a folder's is, its media read by
-    :class:`~packline.sources.parquet.EmbeddedMedia`; a reject's detail begins with the
-    row's file, row group and row."""
+def _table_row(ctx: RowContext, position: int, row: TableRow) -> Accepted | Refused:
+    """A table's row (Parquet, Arrow) checked as a folder's is, its media read by
+    :class:`~packline.sources.tables.EmbeddedMedia`; a reject's detail begins with the
+    row's file, chunk and row."""
     try:
         if row.rejected is not None:
             raise row.rejected
@@ -255,7 +257,7 @@ def row_context(cfg: PipelineConfig) -> RowContext:
     kind = cfg.data.kind
     media = None
     if kind in (SourceKind.folder, SourceKind.llava, SourceKind.synthetic):
-        # an adopted dataset's samples carry their media; a Parquet row says where its are
+        # an adopted dataset's samples carry their media; a table's row says where its are
         media = FolderMedia(media_dir(cfg), max_bytes=cfg.prepare.max_media_bytes)
     return RowContext(
         kind=kind,
@@ -277,11 +279,12 @@ def source_rows(
     to read in all and the ``(position, payload)`` stream of its rows."""
     if cfg.data.kind is SourceKind.llava:
         return source, source.stat().st_size, llava_records(source, on_offset)
-    if cfg.data.kind is SourceKind.parquet:
-        files = cfg.data.parquet_files()
+    if cfg.data.kind in (SourceKind.parquet, SourceKind.arrow):
+        files = cfg.data.table_files()
         size = sum(f.stat().st_size for f in files)
         root = source if source.is_dir() else files[0].parent
-        rows = parquet_rows(files, on_offset, root, cfg.data.columns)
+        fmt = ARROW if cfg.data.kind is SourceKind.arrow else PARQUET
+        rows = table_rows(files, fmt, on_offset, root, cfg.data.columns)
         return Path(cfg.data.source), size, rows
     jsonl = source / "conversations.jsonl"
     if not jsonl.is_file():

@@ -69,6 +69,10 @@ class SourceKind(Enum):
     energon = "energon"
     """An existing Energon dataset (a dir with ``.nv-meta/dataset.yaml``) in
     Megatron-Bridge's ChatML layout, adopted in place: its shards are read, never rewritten."""
+    arrow = "arrow"
+    """A folder ``datasets``' ``save_to_disk`` wrote (``dataset_dict.json`` and a folder per
+    split, or one split's ``state.json``): its Arrow files, split by split, read as Parquet
+    rows are."""
     parquet = "parquet"
     """Parquet files (one file, a glob, or a folder of them: a Hugging Face dataset's
     layout), read a row group at a time: rows in one of the layouts of

@@ -124,7 +124,9 @@ def source_kind(source: str) -> SourceKind | None:
     - a dir with ``.nv-meta/dataset.yaml``: an Energon dataset, adopted in place;
     - a dir with ``conversations.jsonl``: a conversation folder;
     - a ``.json`` file: a LLaVA-style list of records;
-    - Parquet files: one, a glob of them or a folder holding them (:func:`parquet_files`).
+    - Parquet files: one, a glob of them or a folder holding them (:func:`parquet_files`),
+      or a Hub dataset id;
+    - a folder ``datasets``' ``save_to_disk`` wrote (:func:`arrow_files`).
 
     >>> source_kind("synthetic").value
     'synthetic'
@@ -139,6 +141,8 @@ def source_kind(source: str) -> SourceKind | None:
             return SourceKind.energon
         if (path / "conversations.jsonl").is_file():
             return SourceKind.folder
+        if arrow_files(source):
+            return SourceKind.arrow
     if path.is_file() and path.suffix.lower() == ".json":
         return SourceKind.llava
     if repo_id(source) is not None or parquet_files(source):  # a Hub dataset: Parquet files
@@ -185,6 +189,32 @@ def parquet_files(source: str, subset: str | None = None) -> list[Path]:
     # absolute, links kept: a Hub snapshot's files are links to blobs named by their hash,
     # and a file's name says its split
     return [Path(os.path.abspath(p)) for p in found if p.suffix.lower() == PARQUET and p.is_file()]
+
+
+def arrow_files(source: str) -> list[Path]:
+    """The Arrow files of a folder ``datasets``' ``save_to_disk`` wrote, in the order
+    prepare reads them: a ``DatasetDict``'s splits as ``dataset_dict.json`` lists them, each
+    split's files as its ``state.json`` does (a single ``Dataset``: its own ``state.json``);
+    [] when ``source`` is no such folder (or its files are missing).
+
+    >>> arrow_files("/nowhere")
+    []
+    """
+    path = Path(source).expanduser()
+    splits = [path]
+    try:
+        if (path / "dataset_dict.json").is_file():
+            names = json.loads((path / "dataset_dict.json").read_text())["splits"]
+            splits = [path / str(name) for name in names]
+        found = []
+        for split in splits:
+            state = json.loads((split / "state.json").read_text())
+            found += [split / str(f["filename"]) for f in state["_data_files"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    if not found or not all(f.is_file() for f in found):
+        return []
+    return [Path(os.path.abspath(f)) for f in found]
 
 
 def source_problem(source: str, subset: str | None = None) -> str | None:
@@ -237,6 +267,7 @@ def source_problem(source: str, subset: str | None = None) -> str | None:
         SourceKind.llava: [path],
         SourceKind.energon: [path, path / ".nv-meta", path / ".nv-meta" / "dataset.yaml"],
         SourceKind.parquet: parquet_files(source, subset),
+        SourceKind.arrow: [path, *arrow_files(source)],
     }[kind]
     for item in read:
         if (why := unreadable(item)) is not None:
@@ -258,9 +289,10 @@ class DataConfig(_Section):
     and the media it names (paths relative to the folder); a LLaVA-style ``.json`` file (one
     list of records with ``image``/``images`` and ``conversations``); or an existing Energon
     dataset in Megatron-Bridge's ChatML layout (a dir with ``.nv-meta/dataset.yaml``), which
-    prepare adopts in place without rewriting a shard; or Parquet files (one file, a glob
-    such as ``data/*.parquet``, or a folder of them, as a Hugging Face dataset keeps them),
-    images embedded as bytes or HF ``Image`` structs (``docs/data.md``)."""
+    prepare adopts in place without rewriting a shard; Parquet files (one file, a glob such
+    as ``data/*.parquet``, a folder of them, or a Hugging Face dataset id read from the
+    local cache); or a folder ``datasets``' ``save_to_disk`` wrote (Arrow). Parquet and
+    Arrow images may be embedded as bytes or HF ``Image`` structs (``docs/data.md``)."""
     media_dir: str | None = None
     """LLaVA-style JSON source: the folder its image and video paths are relative to;
     ``null`` → the JSON file's own folder."""
@@ -268,7 +300,7 @@ class DataConfig(_Section):
     """Parquet folder or Hub dataset: the subfolder to read (a dataset's config, e.g.
     ``vqav2`` of ``HuggingFaceM4/the_cauldron``); ``null``: every Parquet file."""
     columns: dict[str, str] = field(default_factory=dict)
-    """Parquet source: packline's name → the table's column, for tables that name them
+    """Parquet or Arrow source: packline's name → the table's column, for tables that name them
     otherwise (as LLaMA-Factory's ``dataset_info`` or axolotl's field mapping), e.g.
     ``{conversations: dialog, images: pictures, id: uid, system: system_prompt}``. Names:
     ``messages``, ``conversations`` or ``texts`` (the layout), ``images``/``image``,
@@ -296,9 +328,14 @@ class DataConfig(_Section):
             raise ValueError(f"data.source {self.source!r} names nothing packline reads")
         return kind
 
-    def parquet_files(self) -> list[Path]:
-        """The Parquet files a Parquet source names (:func:`parquet_files`)."""
-        return parquet_files(self.source, self.subset)
+    def table_files(self) -> list[Path]:
+        """The files of a table source: Parquet (:func:`parquet_files`) or Arrow
+        (:func:`arrow_files`); [] for the other sources."""
+        if self.kind is SourceKind.arrow:
+            return arrow_files(self.source)
+        if self.kind is SourceKind.parquet:
+            return parquet_files(self.source, self.subset)
+        return []
 
     def llava_media_dir(self) -> Path | None:
         """The folder a LLaVA file's media paths are relative to, resolved: ``media_dir``,
@@ -323,8 +360,8 @@ class DataConfig(_Section):
             )
         _check(
             p,
-            not self.columns or kind is SourceKind.parquet,
-            "data.columns maps the columns of a Parquet source only",
+            not self.columns or kind in (SourceKind.parquet, SourceKind.arrow),
+            "data.columns maps the columns of a Parquet or Arrow source only",
         )
         if self.media_dir is not None:
             _check(

@@ -385,4 +385,63 @@ def test_data_columns_names_are_checked_at_load(tmp_path: Path):
     assert "data.columns: 'pictures' is none of packline's names" in str(err.value)
     with pytest.raises(UserError) as err:
         load_config(None, ["data.columns={images: pics}"])  # the built-in set
-    assert "data.columns maps the columns of a Parquet source only" in str(err.value)
+    assert "data.columns maps the columns of a Parquet or Arrow source only" in str(err.value)
+
+
+def test_the_shards_are_the_same_bytes_for_one_and_two_workers(tmp_path: Path):
+    rows, schema = _rows("messages", _conversations() * 4)
+    for k, row in enumerate(rows):
+        row["id"] = f"{row['id']}-{k}"
+    source = _write(tmp_path / "src" / "train.parquet", rows, schema, row_group_size=5)
+    outs = []
+    for workers in (1, 2):
+        cfg = make_config(
+            tmp_path / f"w{workers}", f"data.source={source}", f"prepare.num_workers={workers}",
+            "prepare.samples_per_shard=7", "prepare.val_fraction=0.25",
+        )  # fmt: skip
+        outs.append(prepare_dataset(cfg).out_dir)
+    names = sorted(p.name for p in outs[0].glob("*.tar"))
+    assert len(names) > 2 and names == sorted(p.name for p in outs[1].glob("*.tar"))
+    for name in [*names, "manifest.parquet", "rejects.jsonl"]:
+        assert (outs[0] / name).read_bytes() == (outs[1] / name).read_bytes(), name
+
+
+def _save_to_disk(root: Path, splits: dict[str, list[dict]], schema: pa.Schema) -> Path:
+    """A DatasetDict as ``datasets``' ``save_to_disk`` lays it out: ``dataset_dict.json``,
+    a folder per split with its ``state.json`` and Arrow IPC stream files (batches of 2)."""
+    root.mkdir(parents=True)
+    (root / "dataset_dict.json").write_text(json.dumps({"splits": list(splits)}))
+    for split, rows in splits.items():
+        (root / split).mkdir()
+        name = "data-00000-of-00001.arrow"
+        with pa.OSFile(str(root / split / name), "wb") as sink:
+            with pa.ipc.new_stream(sink, schema) as writer:
+                for start in range(0, len(rows), 2):
+                    writer.write_table(pa.Table.from_pylist(rows[start : start + 2], schema=schema))
+        state = {"_data_files": [{"filename": name}], "_split": split, "_fingerprint": "0"}
+        (root / split / "state.json").write_text(json.dumps(state))
+        (root / split / "dataset_info.json").write_text("{}")
+    return root
+
+
+def test_a_save_to_disk_folder_gives_the_folder_samples_with_its_splits(tmp_path: Path):
+    convs = _conversations()
+    folder = prepare_dataset(
+        make_config(tmp_path / "w-folder", f"data.source={_folder(tmp_path, convs)}", *COMMON)
+    )
+    rows, schema = _rows("messages", convs)
+    arrow = _save_to_disk(tmp_path / "saved", {"train": rows[:4], "validation": rows[4:]}, schema)
+    result = prepare_dataset(make_config(tmp_path / "w", f"data.source={arrow}", *COMMON))
+    assert result.summary["source_kind"] == "arrow"
+    assert _samples(result.out_dir) == _samples(folder.out_dir)
+    import pandas as pd
+
+    manifest = pd.read_parquet(result.out_dir / "manifest.parquet")
+    assert manifest["split"].tolist() == ["train"] * 4 + ["val"] * 2  # the folders' splits
+    # a bad row's address names its batch
+    rows[1]["images"] = [_struct(None)] * len(rows[1]["images"])
+    broken = _save_to_disk(tmp_path / "saved2", {"train": rows}, schema)
+    result = prepare_dataset(make_config(tmp_path / "w2", f"data.source={broken}", *COMMON))
+    reject = json.loads((result.out_dir / "rejects.jsonl").read_text())
+    assert reject["reason"] == "image_null"
+    assert reject["detail"].startswith("data-00000-of-00001.arrow batch 0 row 1: ")
