@@ -28,11 +28,18 @@ from packline.energon.writer import RejectSink, bridge_frame_parts
 from packline.progress import console
 from packline.qwen.processor import image_geometry, video_geometry
 from packline.qwen.vision import ImageGeometry, VideoGeometry
-from packline.sources import NotUtf8, jsonl_rows, llava_records, resolve_source
+from packline.sources import (
+    JsonlLine,
+    NotUtf8,
+    jsonl_files_rows,
+    jsonl_rows,
+    llava_records,
+    resolve_source,
+)
 from packline.sources.arrow import ARROW
 from packline.sources.parquet import PARQUET
 from packline.sources.tables import EmbeddedMedia, TableRow, table_rows
-from schemas.config import PipelineConfig, SourceKind, TrainBackend
+from schemas.config import PipelineConfig, SourceKind, TrainBackend, jsonl_files
 from schemas.errors import UserError
 from schemas.tables import REJECT_REASONS
 
@@ -123,35 +130,44 @@ def init_worker(context: RowContext) -> None:
 
 
 def check_rows(chunk: list[tuple[int, Any]]) -> list[Accepted | Refused]:
-    """Check a chunk of ``(position, payload)`` rows (jsonl lines or LLaVA records) in this
-    worker: each becomes its whole shard entry, or a reject with the reason."""
+    """Check a chunk of ``(position, payload)`` rows (jsonl lines, LLaVA records, a table's
+    rows) in this worker: each becomes its whole shard entry, or a reject with the reason."""
     ctx = _CONTEXT
     assert ctx is not None, "init_worker sets the row context first"
     out: list[Accepted | Refused] = []
     for position, payload in chunk:
+        if isinstance(payload, TableRow):
+            out.append(_table_row(ctx, position, payload))
+            continue
+        where, media = None, ctx.media
+        if isinstance(payload, JsonlLine):  # one of several files: its folder, its address
+            where, media = payload.where, FolderMedia(Path(payload.folder), ctx.media_max_bytes)
+            payload = payload.text
         try:
-            if isinstance(payload, NotUtf8):
-                raise Rejected("text_not_utf8", payload.detail)
-            if isinstance(payload, TableRow):
-                out.append(_table_row(ctx, position, payload))
-                continue
-            if ctx.kind is SourceKind.llava:
-                record = llava_record(payload)
-            else:
-                try:
-                    record = json.loads(payload)
-                except json.JSONDecodeError as exc:
-                    raise Rejected(
-                        "malformed_json", f"not JSON: {exc.msg} at column {exc.colno}"
-                    ) from None
-                except RecursionError:
-                    raise Rejected("malformed_json", "JSON nested too deeply to read") from None
-            row = ctx.parse(record, ctx.media)
+            row = _parse_payload(ctx, payload, media)
         except Rejected as rej:
+            if where is not None:
+                rej = Rejected(rej.reason, f"{where}: {rej.detail}", rej.id)
             out.append(Refused(reject_record(position, rej)))
             continue
         out.append(accepted_row(position, row, ctx.frames))
     return out
+
+
+def _parse_payload(ctx: RowContext, payload: Any, media: MediaSource | None) -> ConversationRow:
+    """A jsonl line (or :class:`NotUtf8`) or a LLaVA record, checked; :class:`Rejected`."""
+    if isinstance(payload, NotUtf8):
+        raise Rejected("text_not_utf8", payload.detail)
+    if ctx.kind is SourceKind.llava:
+        record = llava_record(payload)
+    else:
+        try:
+            record = json.loads(payload)
+        except json.JSONDecodeError as exc:
+            raise Rejected("malformed_json", f"not JSON: {exc.msg} at column {exc.colno}") from None
+        except RecursionError:
+            raise Rejected("malformed_json", "JSON nested too deeply to read") from None
+    return ctx.parse(record, media)
 
 
 def _table_row(ctx: RowContext, position: int, row: TableRow) -> Accepted | Refused:
@@ -257,7 +273,8 @@ def row_context(cfg: PipelineConfig) -> RowContext:
     kind = cfg.data.kind
     media = None
     if kind in (SourceKind.folder, SourceKind.llava, SourceKind.synthetic):
-        # an adopted dataset's samples carry their media; a table's row says where its are
+        # an adopted dataset's samples carry their media; a table's row, or a line of one of
+        # several jsonl files, says where its are
         media = FolderMedia(media_dir(cfg), max_bytes=cfg.prepare.max_media_bytes)
     return RowContext(
         kind=kind,
@@ -279,6 +296,10 @@ def source_rows(
     to read in all and the ``(position, payload)`` stream of its rows."""
     if cfg.data.kind is SourceKind.llava:
         return source, source.stat().st_size, llava_records(source, on_offset)
+    if cfg.data.kind is SourceKind.jsonl:
+        files = jsonl_files(cfg.data.source)
+        size = sum(f.stat().st_size for f in files)
+        return Path(cfg.data.source), size, jsonl_files_rows(files, on_offset)
     if cfg.data.kind in (SourceKind.parquet, SourceKind.arrow):
         files = cfg.data.table_files()
         size = sum(f.stat().st_size for f in files)

@@ -63,6 +63,9 @@ class SourceKind(Enum):
     """The built-in shapes set, generated into the work dir."""
     folder = "folder"
     """A folder holding ``conversations.jsonl`` and the media it names."""
+    jsonl = "jsonl"
+    """One ``.jsonl`` file or a glob of them (``data/*.jsonl``), rows as a folder's
+    ``conversations.jsonl`` holds them, each row's media relative to its own file's folder."""
     llava = "llava"
     """A LLaVA-style ``.json`` file: one list of records with ``image``/``images`` and
     ``conversations`` of ``from``/``value`` turns, its media under ``data.media_dir``."""

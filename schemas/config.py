@@ -124,6 +124,7 @@ def source_kind(source: str) -> SourceKind | None:
     - a dir with ``.nv-meta/dataset.yaml``: an Energon dataset, adopted in place;
     - a dir with ``conversations.jsonl``: a conversation folder;
     - a ``.json`` file: a LLaVA-style list of records;
+    - a ``.jsonl`` file or a glob of them (:func:`jsonl_files`);
     - Parquet files: one, a glob of them or a folder holding them (:func:`parquet_files`),
       or a Hub dataset id;
     - a folder ``datasets``' ``save_to_disk`` wrote (:func:`arrow_files`).
@@ -145,6 +146,8 @@ def source_kind(source: str) -> SourceKind | None:
             return SourceKind.arrow
     if path.is_file() and path.suffix.lower() == ".json":
         return SourceKind.llava
+    if jsonl_files(source):
+        return SourceKind.jsonl
     if repo_id(source) is not None or parquet_files(source):  # a Hub dataset: Parquet files
         return SourceKind.parquet
     return None
@@ -189,6 +192,23 @@ def parquet_files(source: str, subset: str | None = None) -> list[Path]:
     # absolute, links kept: a Hub snapshot's files are links to blobs named by their hash,
     # and a file's name says its split
     return [Path(os.path.abspath(p)) for p in found if p.suffix.lower() == PARQUET and p.is_file()]
+
+
+def jsonl_files(source: str) -> list[Path]:
+    """The ``.jsonl`` files ``data.source`` names: the file itself or a glob's matches
+    (``data/*.jsonl``), sorted by path; [] when it names none (a folder with
+    ``conversations.jsonl`` is a folder source).
+
+    >>> jsonl_files("/nowhere/*.jsonl")
+    []
+    """
+    path = Path(source).expanduser()
+    found = (
+        sorted(Path(p) for p in glob.glob(str(path), recursive=True))
+        if glob.has_magic(source)
+        else [path]
+    )
+    return [Path(os.path.abspath(p)) for p in found if p.suffix.lower() == ".jsonl" and p.is_file()]
 
 
 def arrow_files(source: str) -> list[Path]:
@@ -268,6 +288,7 @@ def source_problem(source: str, subset: str | None = None) -> str | None:
         SourceKind.energon: [path, path / ".nv-meta", path / ".nv-meta" / "dataset.yaml"],
         SourceKind.parquet: parquet_files(source, subset),
         SourceKind.arrow: [path, *arrow_files(source)],
+        SourceKind.jsonl: jsonl_files(source),
     }[kind]
     for item in read:
         if (why := unreadable(item)) is not None:
@@ -291,7 +312,9 @@ class DataConfig(_Section):
     dataset in Megatron-Bridge's ChatML layout (a dir with ``.nv-meta/dataset.yaml``), which
     prepare adopts in place without rewriting a shard; Parquet files (one file, a glob such
     as ``data/*.parquet``, a folder of them, or a Hugging Face dataset id read from the
-    local cache); or a folder ``datasets``' ``save_to_disk`` wrote (Arrow). Parquet and
+    local cache); a folder ``datasets``' ``save_to_disk`` wrote (Arrow); or ``.jsonl`` files
+    (one, or a glob such as ``data/*.jsonl``), rows as in a folder's, media relative to each
+    file's folder. Parquet and
     Arrow images may be embedded as bytes or HF ``Image`` structs (``docs/data.md``)."""
     media_dir: str | None = None
     """LLaVA-style JSON source: the folder its image and video paths are relative to;

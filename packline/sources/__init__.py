@@ -92,6 +92,30 @@ def jsonl_rows(
                 yield lineno, line
 
 
+class JsonlLine(NamedTuple):
+    """A line of one of several jsonl files: its text (or :class:`NotUtf8`), the folder its
+    media paths are relative to, and its address (``file line N``) for ``rejects.jsonl``."""
+
+    text: str | NotUtf8
+    folder: str
+    where: str
+
+
+def jsonl_files_rows(
+    files: list[Path], on_offset: Callable[[int], None] | None = None
+) -> Iterator[tuple[int, JsonlLine]]:
+    """Every line of ``files`` in order as :class:`JsonlLine`, positions counted over the
+    files (1-based); ``on_offset`` gets the bytes read so far over all of them."""
+    position = base = 0
+    for path in files:
+        folder = str(path.parent)
+        offset = None if on_offset is None else (lambda n, b=base: on_offset(b + n))
+        for lineno, text in jsonl_rows(path, offset):
+            position += 1
+            yield position, JsonlLine(text, folder, f"{path.name} line {lineno}")
+        base += path.stat().st_size
+
+
 class _EscapedUtf8(io.RawIOBase):
     """A JSON file's bytes as a JSON parser may read them: a leading BOM dropped, and each
     byte that is not UTF-8 written as the JSON escape of the code point ``surrogateescape``

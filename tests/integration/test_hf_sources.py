@@ -1,14 +1,16 @@
-"""Parquet files as a source: the same conversations written as a folder and as Parquet
-files in each of the row layouts (images embedded as Hugging Face ``Image`` structs) give
+"""Data where users keep it (issue 44): the same conversations written as a folder and as
+Parquet files in each row layout (images embedded as Hugging Face ``Image`` structs), a
+``save_to_disk`` Arrow folder, a Hub dataset in a temp cache and several jsonl files give
 shards with the same samples; bad rows are rejected with their reason and address; a file
 that is not Parquet, or names no known layout, stops the stage naming it; the source files
-are never changed."""
+are never changed; the output is the same bytes for any worker count."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -445,3 +447,29 @@ def test_a_save_to_disk_folder_gives_the_folder_samples_with_its_splits(tmp_path
     reject = json.loads((result.out_dir / "rejects.jsonl").read_text())
     assert reject["reason"] == "image_null"
     assert reject["detail"].startswith("data-00000-of-00001.arrow batch 0 row 1: ")
+
+
+def test_several_jsonl_files_by_glob_read_each_rows_media_beside_its_file(tmp_path: Path):
+    convs = _conversations()
+    whole = _folder(tmp_path, convs)
+    expected = _samples(
+        prepare_dataset(make_config(tmp_path / "w-folder", f"data.source={whole}", *COMMON)).out_dir
+    )
+    lines = (whole / "conversations.jsonl").read_text().splitlines()
+    for name, part in (("a", lines[:4]), ("b", lines[4:])):
+        shutil.copytree(whole / "img", tmp_path / "parts" / name / "img")
+        (tmp_path / "parts" / name / "rows.jsonl").write_text("\n".join(part) + "\n")
+    bad = json.dumps({"id": "gone", "images": ["img/gone.png"], "conversations": [
+        {"role": "user", "content": "?"}, {"role": "assistant", "content": "!"}]})  # fmt: skip
+    with (tmp_path / "parts" / "b" / "rows.jsonl").open("a") as f:
+        f.write(bad + "\n")
+    pattern = tmp_path / "parts" / "*" / "rows.jsonl"
+    result = prepare_dataset(make_config(tmp_path / "w", f"data.source={pattern}", *COMMON))
+    assert result.summary["source_kind"] == "jsonl"
+    assert _samples(result.out_dir) == expected
+    reject = json.loads((result.out_dir / "rejects.jsonl").read_text())
+    assert reject["reason"] == "missing_image" and reject["line"] == 7
+    assert reject["detail"].startswith("rows.jsonl line 3: ")
+    one = tmp_path / "parts" / "a" / "rows.jsonl"
+    by_name = prepare_dataset(make_config(tmp_path / "w1", f"data.source={one}", *COMMON))
+    assert _samples(by_name.out_dir) == expected[:4]
