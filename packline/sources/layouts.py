@@ -13,7 +13,8 @@
 
 Arrow gives a list of structs the union of its items' fields, the missing ones as null
 (``{"type": "text", "text": "Hi", "image": None}``): a null field is taken as absent. A row
-without an ``id`` column gets ``<file stem>-g<row group>-r<row>``, stable across runs. A
+without an ``id`` column gets ``<file>-g<chunk>-r<row>`` (the file's path in the source
+without its suffix, the chunk its row group or batch), stable across runs. A
 ``system`` column (a system prompt) becomes the first turn. ``data.columns`` maps a table's
 own column names to these (:mod:`packline.sources.parquet`).
 

@@ -228,8 +228,13 @@ def table_rows(
     files = [path for path in files if splits[path] != "skip"]
     position = 0
     base = 0  # the bytes of the files read whole
+    root = root or files[0].parent
     for path in files:
         folder = str(path.parent)
+        try:  # unique among the source's files: datasets names each split's file alike
+            name = path.relative_to(root).with_suffix("").as_posix()
+        except ValueError:
+            name = path.stem
         for chunk, (table, done) in enumerate(fmt.chunks(path)):
             if columns:
                 table = table.rename_columns(_renamed(table.column_names, columns))
@@ -238,7 +243,7 @@ def table_rows(
                     position += 1
                     index = start + offset
                     where = f"{path.name} {fmt.unit} {chunk} row {index}"
-                    default_id = f"{path.stem}-g{chunk}-r{index}"  # g: the chunk
+                    default_id = f"{name}-g{chunk}-r{index}"  # g: the chunk
                     try:
                         record = to_record(row, layouts[path], default_id=default_id)
                         if splits[path] is not None:

@@ -364,7 +364,7 @@ def test_a_hub_dataset_id_is_read_from_the_local_cache_with_its_splits(tmp_path:
 
     manifest = pd.read_parquet(work / "prepare" / "manifest.parquet")
     assert manifest["split"].tolist() == ["train"] * 4 + ["val"] * 2
-    assert manifest["id"].tolist()[-1] == "validation-00000-of-00001-g0-r1"
+    assert manifest["id"].tolist()[-1] == "colours/validation-00000-of-00001-g0-r1"
 
     missing = _cli(home, "stage", "prepare", f"work_dir={tmp_path / 'w2'}", "data.source=acme/nope")
     assert missing.returncode == 2
@@ -426,21 +426,48 @@ def _save_to_disk(root: Path, splits: dict[str, list[dict]], schema: pa.Schema) 
     return root
 
 
-def test_a_save_to_disk_folder_gives_the_folder_samples_with_its_splits(tmp_path: Path):
+def _lengths(cfg) -> list[tuple]:
+    """connect's lengths of every sample, in the manifest's order, keys aside."""
+    import pandas as pd
+
+    from stages.connect import connect_processor
+
+    lengths = pd.read_parquet(connect_processor(cfg).out_dir / "lengths.parquet")
+    keys = pd.read_parquet(cfg.work_path / "prepare" / "manifest.parquet")["key"].tolist()
+    by_key = lengths.set_index("key")
+    columns = ["split", "text_tokens", "image_tokens", "total_tokens", "loss_tokens", "image_grids"]
+    return [tuple(by_key.loc[key, columns]) for key in keys]
+
+
+def test_a_save_to_disk_folder_gives_the_folder_samples_splits_and_lengths(tmp_path: Path):
     convs = _conversations()
-    folder = prepare_dataset(
-        make_config(tmp_path / "w-folder", f"data.source={_folder(tmp_path, convs)}", *COMMON)
-    )
-    rows, schema = _rows("messages", convs)
+    splits = "prepare.val_fraction=0", "prepare.max_reject_fraction=0"
+    folder_cfg = make_config(tmp_path / "w-folder", f"data.source={_folder(tmp_path, convs)}")
+    rows, schema = _rows("texts", convs)  # no ids: the rows get theirs from their address
+    for row, conv in zip(rows, convs, strict=True):
+        row["split"] = "val" if conv["id"] in ("c4", "c5") else "train"
+    folder_rows = (folder_cfg.data.source + "/conversations.jsonl",)
+    for path in folder_rows:  # the same splits in the folder's rows
+        lines = [json.loads(line) for line in Path(path).read_text().splitlines()]
+        for line in lines:
+            line["split"] = "val" if line["id"] in ("c4", "c5") else "train"
+        Path(path).write_text("".join(json.dumps(line) + "\n" for line in lines))
+    folder = prepare_dataset(folder_cfg)
+    schema = schema.append(pa.field("split", pa.string()))
     arrow = _save_to_disk(tmp_path / "saved", {"train": rows[:4], "validation": rows[4:]}, schema)
-    result = prepare_dataset(make_config(tmp_path / "w", f"data.source={arrow}", *COMMON))
+    arrow_cfg = make_config(tmp_path / "w", f"data.source={arrow}", *splits)
+    result = prepare_dataset(arrow_cfg)
     assert result.summary["source_kind"] == "arrow"
     assert _samples(result.out_dir) == _samples(folder.out_dir)
     import pandas as pd
 
     manifest = pd.read_parquet(result.out_dir / "manifest.parquet")
     assert manifest["split"].tolist() == ["train"] * 4 + ["val"] * 2  # the folders' splits
+    assert manifest["id"].tolist()[0] == "train/data-00000-of-00001-g0-r0"
+    # connect measures the same lengths (keys aside) from either
+    assert _lengths(arrow_cfg) == _lengths(folder_cfg)
     # a bad row's address names its batch
+    rows, schema = _rows("messages", convs)
     rows[1]["images"] = [_struct(None)] * len(rows[1]["images"])
     broken = _save_to_disk(tmp_path / "saved2", {"train": rows}, schema)
     result = prepare_dataset(make_config(tmp_path / "w2", f"data.source={broken}", *COMMON))
