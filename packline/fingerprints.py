@@ -21,7 +21,7 @@ from typing import Any
 
 import packline
 from packline.qwen.processor import image_geometry, tiny_processor_key, video_geometry
-from schemas.config import PipelineConfig, SourceKind, TrainBackend, jsonl_files
+from schemas.config import PipelineConfig, TrainBackend
 
 #: Bumped when the layout of prepare's outputs changes, so older outputs are rebuilt.
 PREPARE_LAYOUT_VERSION = 3  # 3: videos (<key>.vid<k>.<ext>, "videos" headers, video columns)
@@ -56,19 +56,9 @@ def hash_tree(root: Path, *, content: bool = False) -> str:
 
 
 def _prepare(cfg: PipelineConfig) -> list[Any]:
-    source: list[str] = []
-    kind = cfg.data.kind
-    if kind is SourceKind.llava:
-        path = Path(cfg.data.source).expanduser().resolve()
-        st = path.stat()
-        source = [f"{path}:{st.st_size}:{st.st_mtime_ns}", hash_tree(cfg.data.llava_media_dir())]
-    elif kind is SourceKind.jsonl:  # each file's folder: the rows and the media they name
-        source = [hash_tree(d) for d in sorted({f.parent for f in jsonl_files(cfg.data.source)})]
-    elif kind in (SourceKind.parquet, SourceKind.arrow):  # each file (media: relative to it)
-        files = cfg.data.table_files()
-        source = [f"{p}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files]
-    elif kind is not SourceKind.synthetic:
-        source = [hash_tree(Path(cfg.data.source).expanduser().resolve())]
+    from packline.sources import reader
+
+    source = reader(cfg.data.kind).fingerprint(cfg)
     # for train.backend megatron prepare writes each video's pre-sampled frames
     bridge = ["bridge-frames"] if cfg.train.backend is TrainBackend.megatron else []
     geometry, videos = image_geometry(cfg), video_geometry(cfg)

@@ -28,18 +28,10 @@ from packline.energon.writer import RejectSink, bridge_frame_parts
 from packline.progress import console
 from packline.qwen.processor import image_geometry, video_geometry
 from packline.qwen.vision import ImageGeometry, VideoGeometry
-from packline.sources import (
-    JsonlLine,
-    NotUtf8,
-    jsonl_files_rows,
-    jsonl_rows,
-    llava_records,
-    resolve_source,
-)
-from packline.sources.arrow import ARROW
-from packline.sources.parquet import PARQUET
-from packline.sources.tables import EmbeddedMedia, TableRow, table_rows
-from schemas.config import PipelineConfig, SourceKind, TrainBackend, jsonl_files
+from packline.sources import NotUtf8, reader, resolve_source
+from packline.sources.jsonl import JsonlLine
+from packline.sources.tables import EmbeddedMedia, TableRow
+from schemas.config import PipelineConfig, TrainBackend
 from schemas.errors import UserError
 from schemas.tables import REJECT_REASONS
 
@@ -54,12 +46,6 @@ def video_limits(cfg: PipelineConfig) -> VideoLimits:
     )
 
 
-def media_dir(cfg: PipelineConfig) -> Path:
-    """The folder a row's media paths are relative to: the conversation folder, or for a
-    LLaVA JSON file ``data.media_dir`` (default: the file's folder)."""
-    return cfg.data.llava_media_dir() or resolve_source(cfg)
-
-
 def writesbridge_frame_parts(cfg: PipelineConfig) -> bool:
     """Whether prepare writes each video's pre-sampled frames for Megatron-Bridge (see the
     module docstring): for ``train.backend: megatron``."""
@@ -70,8 +56,10 @@ def writesbridge_frame_parts(cfg: PipelineConfig) -> bool:
 class RowContext:
     """What every row check needs, set once per worker process (:func:`init_worker`)."""
 
-    kind: SourceKind
+    #: the media source every row shares (None: each row carries its own)
     media: MediaSource | None
+    #: the payloads are LLaVA records, not jsonl lines (the reader's ``llava_records``)
+    llava_records: bool
     geometry: ImageGeometry
     videos: VideoLimits
     max_images: int
@@ -158,7 +146,7 @@ def _parse_payload(ctx: RowContext, payload: Any, media: MediaSource | None) -> 
     """A jsonl line (or :class:`NotUtf8`) or a LLaVA record, checked; :class:`Rejected`."""
     if isinstance(payload, NotUtf8):
         raise Rejected("text_not_utf8", payload.detail)
-    if ctx.kind is SourceKind.llava:
+    if ctx.llava_records:
         record = llava_record(payload)
     else:
         try:
@@ -270,15 +258,10 @@ ROWS_PER_TASK = 16
 
 def row_context(cfg: PipelineConfig) -> RowContext:
     """The checks' settings for ``cfg``'s source."""
-    kind = cfg.data.kind
-    media = None
-    if kind in (SourceKind.folder, SourceKind.llava, SourceKind.synthetic):
-        # an adopted dataset's samples carry their media; a table's row, or a line of one of
-        # several jsonl files, says where its are
-        media = FolderMedia(media_dir(cfg), max_bytes=cfg.prepare.max_media_bytes)
+    source = reader(cfg.data.kind)
     return RowContext(
-        kind=kind,
-        media=media,
+        media=source.media(cfg, resolve_source(cfg)),
+        llava_records=source.llava_records,
         geometry=image_geometry(cfg),
         videos=video_limits(cfg),
         max_images=cfg.prepare.max_images,
@@ -292,25 +275,9 @@ def row_context(cfg: PipelineConfig) -> RowContext:
 def source_rows(
     cfg: PipelineConfig, source: Path, on_offset
 ) -> tuple[Path, int, Iterator[tuple[int, Any]]]:
-    """What the rows come from (the file, or ``data.source`` for Parquet files), the bytes
-    to read in all and the ``(position, payload)`` stream of its rows."""
-    if cfg.data.kind is SourceKind.llava:
-        return source, source.stat().st_size, llava_records(source, on_offset)
-    if cfg.data.kind is SourceKind.jsonl:
-        files = jsonl_files(cfg.data.source)
-        size = sum(f.stat().st_size for f in files)
-        return Path(cfg.data.source), size, jsonl_files_rows(files, on_offset)
-    if cfg.data.kind in (SourceKind.parquet, SourceKind.arrow):
-        files = cfg.data.table_files()
-        size = sum(f.stat().st_size for f in files)
-        root = source if source.is_dir() else files[0].parent
-        fmt = ARROW if cfg.data.kind is SourceKind.arrow else PARQUET
-        rows = table_rows(files, fmt, on_offset, root, cfg.data.columns)
-        return Path(cfg.data.source), size, rows
-    jsonl = source / "conversations.jsonl"
-    if not jsonl.is_file():
-        raise UserError([f"{jsonl} does not exist"], "prepare: no conversations")
-    return jsonl, jsonl.stat().st_size, jsonl_rows(jsonl, on_offset)
+    """What the rows come from, the bytes to read in all and the ``(position, payload)``
+    stream of its rows: the source format's reader's (:func:`packline.sources.reader`)."""
+    return reader(cfg.data.kind).rows(cfg, source, on_offset)
 
 
 class Tally:

@@ -1,47 +1,40 @@
-"""Streaming readers of the row sources prepare converts: a folder's ``conversations.jsonl``
-and a LLaVA-style ``.json`` file (one list of records). Each yields ``(position, payload)``
-one row at a time — the 1-based line number and the line's text, or the 1-based record
-number and the decoded record — so that no list of all rows is ever held; ``on_offset``
-gets the bytes read so far, for a progress bar over the file's size.
+"""The sources prepare reads, one module per format behind one reader interface
+(:class:`Reader`, :func:`reader`): a folder's ``conversations.jsonl`` and several jsonl
+files (:mod:`~packline.sources.jsonl`), a LLaVA-style ``.json`` file
+(:mod:`~packline.sources.llava`), the built-in set (:mod:`~packline.sources.synthetic`),
+Parquet files and ``save_to_disk`` Arrow folders (:mod:`~packline.sources.parquet`,
+:mod:`~packline.sources.arrow`, over :mod:`~packline.sources.tables`), and an Energon
+dataset adopted in place (:mod:`~packline.sources.energon`). Which one ``data.source`` names
+is :func:`schemas.config.source_kind`'s to say.
 
-Text must be UTF-8 (a BOM at the start is skipped). A row that is not stays in the stream,
-so that prepare rejects that row alone (``text_not_utf8``), not the file: a jsonl line as
-:class:`NotUtf8`, a LLaVA record with each undecodable byte as the lone surrogate Python's
-``surrogateescape`` gives it (a ``\\ud800``-style escape in the JSON text decodes to a lone
-surrogate too); :func:`packline.conversations.text_problem` finds either.
+A reader yields ``(position, payload)`` one row at a time — so that no list of all rows is
+ever held — with the bytes read so far for a progress bar; a payload is what a worker
+checks (:mod:`packline.rows`): a jsonl line's text, a LLaVA record, a table's or one of
+several files' row with its own address and media folder. Text must be UTF-8 (a BOM at the
+start is skipped); a row that is not stays in the stream as :class:`NotUtf8` (or with the
+surrogates Python's ``surrogateescape`` gives), so that prepare rejects that row alone
+(``text_not_utf8``), not the file.
 
-An Energon dataset adopted in place is read shard by shard instead
-(:mod:`packline.energon.chatml`).
-
-    >>> import tempfile, pathlib
-    >>> d = pathlib.Path(tempfile.mkdtemp())
-    >>> _ = (d / "c.jsonl").write_text('{"id": 1}\\n\\n{"id": 2}\\n')
-    >>> list(jsonl_rows(d / "c.jsonl"))
-    [(1, '{"id": 1}'), (3, '{"id": 2}')]
-    >>> _ = (d / "l.json").write_text('[{"id": 1, "image": "a.jpg"}, {"id": 2.5}]')
-    >>> list(llava_records(d / "l.json"))
-    [(1, {'id': 1, 'image': 'a.jpg'}), (2, {'id': 2.5})]
-    >>> _ = (d / "b.jsonl").write_bytes(b'\\xef\\xbb\\xbf{"id": 1}\\n{"id": "\\xff"}\\n')
-    >>> list(jsonl_rows(d / "b.jsonl"))
-    [(1, '{"id": 1}'), (2, NotUtf8(detail='byte 0xff at column 9 is not UTF-8'))]
-    >>> _ = (d / "b.json").write_bytes(b'\\xef\\xbb\\xbf[{"id": "a\\xffb"}, {"id": "\\\\ud800"}]')
-    >>> list(llava_records(d / "b.json"))
-    [(1, {'id': 'a\\udcffb'}), (2, {'id': '\\ud800'})]
     >>> list(chunked(range(5), 2))
     [[0, 1], [2, 3], [4]]
+    >>> sorted(k.value for k in READERS)
+    ['arrow', 'energon', 'folder', 'jsonl', 'llava', 'parquet', 'synthetic']
 """
 
 from __future__ import annotations
 
 import codecs
 import contextlib
-import io
+import importlib
 from collections.abc import Callable, Iterable, Iterator
 from itertools import islice
 from pathlib import Path
-from typing import Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
 
 from schemas.config import PipelineConfig, SourceKind
+
+if TYPE_CHECKING:
+    from packline.conversations import MediaSource
 
 T = TypeVar("T")
 
@@ -71,122 +64,42 @@ def _naming(path: Path) -> Iterator[None]:
         raise
 
 
-def jsonl_rows(
-    path: Path, on_offset: Callable[[int], None] | None = None
-) -> Iterator[tuple[int, str | NotUtf8]]:
-    """The non-blank lines of a jsonl file with their 1-based line numbers; a line that is
-    not UTF-8 as :class:`NotUtf8` (the row is rejected, not the file)."""
-    with Path(path).open("rb") as f, _naming(path):
-        for lineno, raw in enumerate(f, start=1):
-            if on_offset is not None:
-                on_offset(f.tell())
-            if lineno == 1 and raw.startswith(BOM):
-                raw = raw[len(BOM) :]
-            try:
-                line = raw.decode("utf-8").rstrip("\r\n")
-            except UnicodeDecodeError as exc:
-                bad = raw[exc.start]
-                yield lineno, NotUtf8(f"byte {bad:#04x} at column {exc.start + 1} is not UTF-8")
-                continue
-            if line.strip():
-                yield lineno, line
+class Reader(Protocol):
+    """What every source format answers (one module each, registered in :data:`READERS`)."""
+
+    #: the payloads are decoded JSON values in LLaVA's record form, not jsonl text
+    llava_records: bool
+
+    def rows(
+        self, cfg: PipelineConfig, source: Path, on_offset: Callable[[int], None] | None
+    ) -> tuple[Path, int, Iterator[tuple[int, Any]]]:
+        """What is read (named in the progress bar and in errors), its bytes in all, and
+        the ``(position, payload)`` stream of its rows; ``source``: :func:`resolve_source`."""
+
+    def media(self, cfg: PipelineConfig, source: Path) -> MediaSource | None:
+        """The media source every row's media paths resolve against, or None when each row
+        carries its own (a table's row, one of several files' line, an adopted sample)."""
+
+    def fingerprint(self, cfg: PipelineConfig) -> list[Any]:
+        """What prepare's output depends on in the source (files' sizes and times)."""
 
 
-class JsonlLine(NamedTuple):
-    """A line of one of several jsonl files: its text (or :class:`NotUtf8`), the folder its
-    media paths are relative to, and its address (``file line N``) for ``rejects.jsonl``."""
-
-    text: str | NotUtf8
-    folder: str
-    where: str
-
-
-def jsonl_files_rows(
-    files: list[Path], on_offset: Callable[[int], None] | None = None
-) -> Iterator[tuple[int, JsonlLine]]:
-    """Every line of ``files`` in order as :class:`JsonlLine`, positions counted over the
-    files (1-based); ``on_offset`` gets the bytes read so far over all of them."""
-    position = base = 0
-    for path in files:
-        folder = str(path.parent)
-        offset = None if on_offset is None else (lambda n, b=base: on_offset(b + n))
-        for lineno, text in jsonl_rows(path, offset):
-            position += 1
-            yield position, JsonlLine(text, folder, f"{path.name} line {lineno}")
-        base += path.stat().st_size
+#: Each source format's reader, by the module that holds it (imported when asked for).
+READERS = {
+    SourceKind.folder: "packline.sources.jsonl:FOLDER",
+    SourceKind.jsonl: "packline.sources.jsonl:JSONL",
+    SourceKind.llava: "packline.sources.llava:LLAVA",
+    SourceKind.synthetic: "packline.sources.synthetic:SYNTHETIC",
+    SourceKind.parquet: "packline.sources.parquet:PARQUET_READER",
+    SourceKind.arrow: "packline.sources.arrow:ARROW_READER",
+    SourceKind.energon: "packline.sources.energon:ENERGON",
+}
 
 
-class _EscapedUtf8(io.RawIOBase):
-    """A JSON file's bytes as a JSON parser may read them: a leading BOM dropped, and each
-    byte that is not UTF-8 written as the JSON escape of the code point ``surrogateescape``
-    decodes it to (``0xff`` → ``\\udcff``), so that the record holding it decodes to a
-    string the row check rejects instead of the parser failing on the file."""
-
-    def __init__(self, raw: io.BufferedReader):
-        self._raw = raw
-        self._decoder = codecs.getincrementaldecoder("utf-8")("surrogateescape")
-        self._pending = b""
-        self._start = True
-
-    def readable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._raw.tell()
-
-    def read(self, size: int = -1) -> bytes:
-        while size < 0 or len(self._pending) < size:
-            chunk = self._raw.read(1 << 16)
-            text = self._decoder.decode(chunk, final=not chunk)
-            if self._start and text:
-                text, self._start = text.removeprefix("\ufeff"), False
-            self._pending += text.encode("utf-8", "backslashreplace")
-            if not chunk:
-                break
-        size = len(self._pending) if size < 0 else size
-        out, self._pending = self._pending[:size], self._pending[size:]
-        return out
-
-    def readinto(self, buffer) -> int:
-        data = self.read(len(buffer))
-        buffer[: len(data)] = data
-        return len(data)
-
-
-def llava_records(
-    path: Path, on_offset: Callable[[int], None] | None = None
-) -> Iterator[tuple[int, Any]]:
-    """The records of a LLaVA-style JSON file (one top-level list) with their 1-based
-    numbers, decoded incrementally (ijson): memory holds one record, not the file.
-
-    ijson's C parser cannot decode a lone surrogate (a ``\\ud800``-style escape, or an
-    undecodable byte, see :class:`_EscapedUtf8`): at the first one the file is read again
-    from its start with ijson's Python parser, about 20 times slower, which yields the
-    records not yet yielded."""
-    import ijson
-    from ijson.backends import python as python_parser
-
-    with Path(path).open("rb") as f:
-        head = f.read(4096).removeprefix(BOM).lstrip()
-    if not head.startswith(b"["):
-        raise SourceError(f"{path}: a LLaVA-style JSON source is one list of records")
-    number = 0
-    for parser in (ijson, python_parser):
-        with Path(path).open("rb") as raw, _EscapedUtf8(raw) as f, _naming(path):
-            try:
-                for n, record in enumerate(parser.items(f, "item", use_float=True), start=1):
-                    if n <= number:
-                        continue  # yielded before the C parser stopped
-                    if on_offset is not None:
-                        on_offset(f.tell())
-                    number = n
-                    yield number, record
-                return
-            except UnicodeDecodeError:
-                if parser is python_parser:
-                    raise
-            except ijson.JSONError as exc:
-                raise SourceError(f"{path}: broken JSON after record {number}: {exc}") from None
+def reader(kind: SourceKind) -> Reader:
+    """The reader of source format ``kind``."""
+    module, _, name = READERS[kind].partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def chunked(items: Iterable[T], size: int) -> Iterator[list[T]]:
@@ -196,22 +109,6 @@ def chunked(items: Iterable[T], size: int) -> Iterator[list[T]]:
         yield chunk
 
 
-# --- the built-in set, generated once into the work dir -------------------------------------
-
-SOURCE_DONE = "_SOURCE_COMPLETE"
-"""Written into the built-in set's dir last, once its count check passed."""
-
-
-def synthetic_source_dir(cfg: PipelineConfig) -> Path:
-    """Where the built-in set of these settings is generated once (the generator's version in
-    the name: a copy an older packline wrote is not reused)."""
-    from packline.synthetic import SHAPES_VERSION
-
-    d = cfg.data
-    name = f"shapes-v{SHAPES_VERSION}-seed{d.seed}-train{d.num_train}-val{d.num_val}"
-    return cfg.work_path / "source" / f"{name}-video{d.video_share:g}"
-
-
 def resolve_source(cfg: PipelineConfig) -> Path:
     """What to read: the user's folder, LLaVA JSON file or Energon dataset, or the built-in
     set generated once into the work dir (in a temp dir of this process, checked whole —
@@ -219,36 +116,4 @@ def resolve_source(cfg: PipelineConfig) -> Path:
     a copy found incomplete is generated again)."""
     if cfg.data.kind is not SourceKind.synthetic:
         return cfg.inputs()["data.source"]  # a Hub dataset's cached snapshot, a glob's dir
-    from packline.faults import discard_partial
-    from packline.progress import console, progress
-    from packline.synthetic import shapes_dataset_problem, write_shapes_dataset
-    from packline.workdir import mark_owned, new_temp_dir, publish
-
-    out = synthetic_source_dir(cfg)
-    total = cfg.data.num_train + cfg.data.num_val
-    if (out / SOURCE_DONE).is_file():
-        problem = shapes_dataset_problem(out, num_rows=total)
-        if problem is None:
-            return out
-        console.log(f"[yellow]the built-in set in {out} is incomplete ({problem}): regenerating[/]")
-        mark_owned(out, "built-in set")  # its completion file says packline wrote it
-    tmp = new_temp_dir(out.parent, f".tmp-{out.name}-")
-    try:
-        with progress() as bar:
-            task = bar.add_task("generate shapes", total=total)
-            write_shapes_dataset(
-                tmp,
-                num_train=cfg.data.num_train,
-                num_val=cfg.data.num_val,
-                seed=cfg.data.seed,
-                video_share=cfg.data.video_share,
-                progress=lambda n: bar.advance(task, n),
-            )
-        problem = shapes_dataset_problem(tmp, num_rows=total)
-        assert problem is None, f"the built-in set just written is not whole: {problem}"
-        (tmp / SOURCE_DONE).write_text(f"{total} rows\n")
-        publish(tmp, out)
-    except BaseException as exc:
-        discard_partial(tmp, exc)
-        raise
-    return out
+    return reader(SourceKind.synthetic).generate(cfg)

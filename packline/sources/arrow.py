@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from packline.sources import SourceError
+from packline.sources.tables import TableReader
 
 
 class ArrowFormat:
@@ -49,3 +50,4 @@ class ArrowFormat:
 
 
 ARROW = ArrowFormat()
+ARROW_READER = TableReader(ARROW)

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from packline.sources import SourceError
+from packline.sources.tables import TableReader
 
 
 class ParquetFormat:
@@ -47,3 +48,4 @@ class ParquetFormat:
 
 
 PARQUET = ParquetFormat()
+PARQUET_READER = TableReader(PARQUET)

@@ -258,3 +258,28 @@ def table_rows(
         base += path.stat().st_size
         if on_offset is not None:
             on_offset(base)
+
+
+class TableReader:
+    """A table source read in ``fmt`` (:data:`~packline.sources.parquet.PARQUET_READER`,
+    :data:`~packline.sources.arrow.ARROW_READER`): :class:`TableRow` payloads, each with its
+    own media folder."""
+
+    llava_records = False
+
+    def __init__(self, fmt: TableFormat):
+        self.fmt = fmt
+
+    def rows(self, cfg, source: Path, on_offset):
+        files = cfg.data.table_files()
+        size = sum(f.stat().st_size for f in files)
+        root = source if source.is_dir() else files[0].parent
+        rows = table_rows(files, self.fmt, on_offset, root, cfg.data.columns)
+        return Path(cfg.data.source), size, rows
+
+    def media(self, cfg, source: Path) -> None:
+        return None  # each row's: embedded, or its file's folder
+
+    def fingerprint(self, cfg) -> list[Any]:
+        """Each file's size and modification time (media named by path are not in it)."""
+        return [f"{p}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in cfg.data.table_files()]

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import sys
 
-from packline import rows
+from packline.sources import jsonl
 from pipelines.cli import main
 
 
 def run(argv: list[str]) -> int:
-    read = rows.jsonl_rows
+    read = jsonl.jsonl_rows
 
     def buggy(path, on_offset=None):
         for n, row in enumerate(read(path, on_offset)):
@@ -24,7 +24,7 @@ def run(argv: list[str]) -> int:
                 raise KeyError("injected")
             yield row
 
-    rows.jsonl_rows = buggy  # rows.source_rows looks it up at call time
+    jsonl.jsonl_rows = buggy  # the folder reader looks it up at call time
     return main(argv)
 
 

@@ -7,6 +7,7 @@ only those under ``if TYPE_CHECKING:`` do not (annotations: they never run)."""
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -260,3 +261,32 @@ def test_rule_books_are_made_in_schemas_guardrails_and_packline_rules_only():
         "packline.rules.model",
         "schemas.guardrails",
     ]
+
+
+#: Where a source format may be named outside packline/sources/ and schemas/: an Energon
+#: dataset is adopted in place, not read into shards (prepare's adoption, its dataset path).
+SOURCE_KIND_ELSEWHERE = {"stages.prepare": {"energon"}, "packline.workdir": {"energon"}}
+
+
+def test_a_source_format_is_one_module_of_packline_sources():
+    """Every ``data.source`` kind has its reader in a module of ``packline/sources/`` (the
+    registry names it), and no other library or stage module branches on a kind: adding a
+    format is its module (and its kind and detection in schemas/config.py) plus its tests."""
+    from packline.sources import READERS
+    from schemas.choices import SourceKind
+
+    assert set(READERS) == set(SourceKind)
+    modules = _modules()
+    for kind, where in READERS.items():
+        module = where.partition(":")[0]
+        assert module.startswith("packline.sources.") and module in modules, (kind, module)
+    members = "|".join(k.name for k in SourceKind)
+    named = re.compile(rf"SourceKind\.({members})\b")
+    found = {
+        name: set(named.findall(path.read_text()))
+        for name, path in modules.items()
+        if name.split(".")[0] in ("packline", "stages", "pipelines")
+        and not name.startswith("packline.sources")
+    }
+    found = {name: kinds for name, kinds in found.items() if kinds}
+    assert found == SOURCE_KIND_ELSEWHERE, found
