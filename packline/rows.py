@@ -30,7 +30,7 @@ from packline.qwen.processor import image_geometry, video_geometry
 from packline.qwen.vision import ImageGeometry, VideoGeometry
 from packline.sources import NotUtf8, reader, resolve_source
 from packline.sources.jsonl import JsonlLine
-from packline.sources.tables import EmbeddedMedia, TableRow
+from packline.sources.tables import ChunkWork, EmbeddedMedia, TableRow, chunk_rows
 from schemas.config import PipelineConfig, TrainBackend
 from schemas.errors import UserError
 from schemas.tables import REJECT_REASONS
@@ -124,6 +124,9 @@ def check_rows(chunk: list[tuple[int, Any]]) -> list[Accepted | Refused]:
     assert ctx is not None, "init_worker sets the row context first"
     out: list[Accepted | Refused] = []
     for position, payload in chunk:
+        if isinstance(payload, ChunkWork):  # a table's chunk, read here
+            out += [_table_row(ctx, pos, row) for pos, row in chunk_rows(payload)]
+            continue
         if isinstance(payload, TableRow):
             out.append(_table_row(ctx, position, payload))
             continue
@@ -252,8 +255,15 @@ def check_shard(item: tuple[str, str]) -> list[Accepted | Refused]:
 
 
 #: Rows a worker checks per task: large enough to amortise the hand-over, small enough that
-#: the rows in flight (a window of two tasks per worker) stay a few MB.
+#: the rows in flight (a window of two tasks per worker) stay a few MB. A table's chunk the
+#: worker reads itself is a task of its own (its rows are not in flight).
 ROWS_PER_TASK = 16
+
+
+def row_weight(item: tuple[int, Any]) -> int:
+    """The rows a ``(position, payload)`` stands for: a table's chunk its rows, else 1."""
+    payload = item[1]
+    return payload.rows if isinstance(payload, ChunkWork) else 1
 
 
 def row_context(cfg: PipelineConfig) -> RowContext:

@@ -4,8 +4,8 @@
                  [--wait] [-v]
     packline stage NAME [CONFIG] [key=value ...] [--force] [--wait]
     packline bench {packing,loader,train,data,cluster-memory,gpu} [key=value ...] [--json]
-                   [--config PATH] [--work-dir DIR] [--samples N] [--bridge-path DIR]
-                   [--smoke] [--models LIST]
+                   [--config PATH] [--work-dir DIR] [--samples N] [--small-samples N]
+                   [--bridge-path DIR] [--smoke] [--models LIST]
     packline compare [CONFIG] [key=value ...] [--experiment NAME] [--run RUN_ID]
     packline ui [CONFIG] [key=value ...] [--port N]
     packline chat [CONFIG] [key=value ...] [--image PATH | --video PATH] ["prompt" | --sample KEY]
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import packline
 from packline.workdir import hold
-from pipelines.options import gpu_bench_argv, int_in, refuse_misplaced_bench_options
+from pipelines import options as opt
 from schemas.config import STAGES, load_config
 from schemas.errors import InputCrash, UserError
 
@@ -85,7 +85,7 @@ def cmd_stage(ns: argparse.Namespace) -> int:
 
 
 def cmd_bench(ns: argparse.Namespace) -> int:
-    refuse_misplaced_bench_options(ns)
+    opt.refuse_misplaced_bench_options(ns)
     common = dict(as_json=ns.json, config=ns.config, work_dir=ns.work_dir, overrides=ns.overrides)
     if ns.what == "packing":
         from pipelines.bench import bench_packing
@@ -102,12 +102,11 @@ def cmd_bench(ns: argparse.Namespace) -> int:
     elif ns.what == "data":
         from pipelines.bench_data import bench_data
 
-        sizes = {"num_samples": ns.samples} if ns.samples else {}
-        bench_data(**common, **sizes)
+        bench_data(**common, **opt.data_bench_sizes(ns))
     elif ns.what == "gpu":  # runs alone, on torch/transformers/peft: packline/bench/gpu.py
         from packline.bench.gpu import main as bench_gpu
 
-        return bench_gpu(gpu_bench_argv(ns))
+        return bench_gpu(opt.gpu_bench_argv(ns))
     else:
         from pipelines.bench_train import bench_train
 
@@ -212,8 +211,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", action="store_true", help="print JSON instead of a table")
     b.add_argument("--config", help="pipeline config of the default set (default: tiny_cpu)")
     b.add_argument("--work-dir", help="where the benchmark prepares and runs (default: runs/bench)")
-    b.add_argument("--samples", type=int_in(1), help="bench data: conversations of the large "
+    b.add_argument("--samples", type=opt.int_in(1), help="bench data: conversations of the large "
                    "set (default 20,000; the small one is a quarter of it)")  # fmt: skip
+    b.add_argument("--small-samples", type=opt.int_in(1), help="bench data: conversations of the "
+                   "small set (its first rows; default a quarter of --samples)")  # fmt: skip
     b.add_argument(
         "--bridge-path",
         help="bench cluster-memory: a dir holding Megatron-Bridge's data path, put first on "
@@ -235,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     u = sub.add_parser("ui", help="MLflow UI on 127.0.0.1 for this config's store")
     u.add_argument("args", nargs="*", metavar="[CONFIG] [key=value]")
-    u.add_argument("--port", type=int_in(0, 65535), default=5000, help="port (0: any free one)")
+    u.add_argument("--port", type=opt.int_in(0, 65535), default=5000, help="port (0: any free one)")
     u.add_argument("--experiment", help="MLflow experiment (default: the config's)")
     u.set_defaults(fn=cmd_ui)
     h = sub.add_parser("chat", help="the trained adapter answers a prompt, or replays a sample")
@@ -243,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--image", help="an image file the prompt is about")
     h.add_argument("--video", help="a video file the prompt is about")
     h.add_argument("--sample", help="replay this prepared sample's question (default: 1st val)")
-    h.add_argument("--max-new-tokens", type=int_in(1), default=64, help="answer length limit")
+    h.add_argument("--max-new-tokens", type=opt.int_in(1), default=64, help="answer length limit")
     h.set_defaults(fn=cmd_chat)
 
     e = sub.add_parser("export", help="the trained adapter (PEFT), or merged into the base (HF)")

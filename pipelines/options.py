@@ -32,7 +32,13 @@ def int_in(low: int, high: int | None = None):
 
 
 #: The bench options that only one benchmark reads.
-BENCH_ONLY = {"samples": "data", "bridge_path": "cluster-memory", "smoke": "gpu", "models": "gpu"}
+BENCH_ONLY = {
+    "samples": "data",
+    "small_samples": "data",
+    "bridge_path": "cluster-memory",
+    "smoke": "gpu",
+    "models": "gpu",
+}
 
 
 def refuse_misplaced_bench_options(ns: argparse.Namespace) -> None:
@@ -44,6 +50,12 @@ def refuse_misplaced_bench_options(ns: argparse.Namespace) -> None:
     ]
     if misplaced:
         raise UserError(misplaced, "bench: an option this benchmark does not read")
+
+
+def data_bench_sizes(ns: argparse.Namespace) -> dict[str, int]:
+    """``packline bench data``'s set sizes given on its command line."""
+    sizes = {"num_samples": ns.samples} if ns.samples else {}
+    return sizes | ({"small_samples": ns.small_samples} if ns.small_samples else {})
 
 
 def gpu_bench_argv(ns: argparse.Namespace) -> list[str]:

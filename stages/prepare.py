@@ -63,6 +63,7 @@ from packline.rows import (
     prepare_metrics,
     reject_record,
     row_context,
+    row_weight,
     shards_checked,
     source_rows,
 )
@@ -109,7 +110,7 @@ def prepare_dataset(cfg: PipelineConfig, fp: str | None = None) -> StageResult:
             bar.update(task, total=size, description=f"prepare {path.name}")
             checked = ordered_map(
                 check_rows,
-                chunked(rows, ROWS_PER_TASK),
+                chunked(rows, ROWS_PER_TASK, weight=row_weight),
                 num_workers=cfg.prepare.num_workers,
                 initializer=init_worker,
                 initargs=(context,),

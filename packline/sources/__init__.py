@@ -102,10 +102,29 @@ def reader(kind: SourceKind) -> Reader:
     return getattr(importlib.import_module(module), name)
 
 
-def chunked(items: Iterable[T], size: int) -> Iterator[list[T]]:
-    """Consecutive lists of ``size`` items (the last one shorter)."""
+def chunked(
+    items: Iterable[T], size: int, weight: Callable[[T], int] | None = None
+) -> Iterator[list[T]]:
+    """Consecutive lists of ``size`` items (the last one shorter); with ``weight``, of
+    items until their weights reach ``size`` (an item that weighs ``size`` alone is a list
+    of its own: a table's chunk a worker reads whole).
+
+    >>> list(chunked([1, 5, 1, 1, 1], 3, weight=lambda n: n))
+    [[1, 5], [1, 1, 1]]
+    """
     it = iter(items)
-    while chunk := list(islice(it, size)):
+    if weight is None:
+        while chunk := list(islice(it, size)):
+            yield chunk
+        return
+    chunk, total = [], 0
+    for item in it:
+        chunk.append(item)
+        total += weight(item)
+        if total >= size:
+            yield chunk
+            chunk, total = [], 0
+    if chunk:
         yield chunk
 
 

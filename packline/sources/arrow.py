@@ -28,6 +28,12 @@ class ArrowFormat:
     def schema(self, path: Path):
         return self._reader(path).schema
 
+    def chunk_rows(self, path: Path) -> None:
+        return None  # a stream: its batches are read in order, in prepare's main process
+
+    def read_chunk(self, path: Path, chunk: int):
+        raise TypeError("an Arrow stream's batches are read in order only")
+
     def chunks(self, path: Path) -> Iterator[tuple[object, int]]:
         import pyarrow as pa
 

@@ -28,23 +28,30 @@ class ParquetFormat:
     def schema(self, path: Path):
         return self._open(path).schema_arrow
 
-    def chunks(self, path: Path) -> Iterator[tuple[object, int]]:
-        import pyarrow as pa
-
-        pf = self._open(path)
-        meta = pf.metadata
-        done = 0
+    def chunk_rows(self, path: Path) -> list[tuple[int, int]]:
+        """Each row group's rows and the compressed bytes up to its end (the footer's)."""
+        meta = self._open(path).metadata
+        out, done = [], 0
         for group in range(meta.num_row_groups):
-            try:
-                table = pf.read_row_group(group)
-            except (pa.ArrowException, OSError) as exc:
-                raise SourceError(
-                    f"{path}: row group {group} cannot be read ({exc}); the file is truncated "
-                    "or corrupt: write it again"
-                ) from None
             chunks = meta.row_group(group)
             done += sum(chunks.column(i).total_compressed_size for i in range(chunks.num_columns))
-            yield table, done
+            out.append((chunks.num_rows, done))
+        return out
+
+    def read_chunk(self, path: Path, chunk: int):
+        import pyarrow as pa
+
+        try:
+            return self._open(path).read_row_group(chunk)
+        except (pa.ArrowException, OSError) as exc:
+            raise SourceError(
+                f"{path}: row group {chunk} cannot be read ({exc}); the file is truncated "
+                "or corrupt: write it again"
+            ) from None
+
+    def chunks(self, path: Path) -> Iterator[tuple[object, int]]:
+        for group, (_, done) in enumerate(self.chunk_rows(path)):
+            yield self.read_chunk(path, group), done
 
 
 PARQUET = ParquetFormat()

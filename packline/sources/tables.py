@@ -122,6 +122,13 @@ class TableFormat(Protocol):
         """The file's chunks in order, each with the bytes of the file read so far;
         :class:`SourceError` for a chunk that cannot be read."""
 
+    def chunk_rows(self, path: Path) -> list[tuple[int, int]] | None:
+        """Each chunk's rows and the bytes up to its end, from the file's metadata, when a
+        chunk can be read on its own (:meth:`read_chunk`); None when only in order."""
+
+    def read_chunk(self, path: Path, chunk: int) -> pa.Table:
+        """Chunk ``chunk`` of the file (:class:`SourceError` when it cannot be read)."""
+
 
 def _renamed(names: list[str], columns: dict[str, str]) -> list[str]:
     """A table's column names under ``data.columns`` (packline's name → the table's): a
@@ -210,51 +217,94 @@ def file_splits(files: list[Path], root: Path) -> dict[Path, str | None]:
     return {p: ("skip" if has_val else "val") if s == "test" else s for p, s in named.items()}
 
 
+@dataclass(frozen=True)
+class ChunkWork:
+    """One chunk of a table file that a worker reads and checks itself (a Parquet row group:
+    :meth:`TableFormat.chunk_rows` says a format's chunks can be read one by one), so the
+    files' chunks are split among prepare's workers; ``first`` is the position of its first
+    row, ``rows`` its row count (the task's weight)."""
+
+    fmt: Any
+    path: Path
+    chunk: int
+    first: int
+    rows: int
+    layout: str
+    split: str | None
+    columns: tuple[tuple[str, str], ...]
+    name: str
+
+
+def chunk_rows(work: ChunkWork) -> Iterator[tuple[int, TableRow]]:
+    """The rows of ``work``'s chunk, read here (in the worker)."""
+    table = work.fmt.read_chunk(work.path, work.chunk)
+    yield from _rows_of(table, work, work.first)
+
+
+def _rows_of(table, work: ChunkWork, first: int) -> Iterator[tuple[int, TableRow]]:
+    """``(position, row)`` of each row of a chunk's ``table`` (positions from ``first``)."""
+    path, folder = work.path, str(work.path.parent)
+    if work.columns:
+        table = table.rename_columns(_renamed(table.column_names, dict(work.columns)))
+    position = first - 1
+    for start in range(0, table.num_rows, ROWS_PER_SLICE):
+        for offset, row in enumerate(table.slice(start, ROWS_PER_SLICE).to_pylist()):
+            position += 1
+            index = start + offset
+            where = f"{path.name} {work.fmt.unit} {work.chunk} row {index}"
+            default_id = f"{work.name}-g{work.chunk}-r{index}"  # g: the chunk
+            try:
+                record = to_record(row, work.layout, default_id=default_id)
+                if work.split is not None:
+                    record.setdefault("split", work.split)
+            except Rejected as rej:
+                yield position, TableRow(where, folder, rejected=rej)
+                continue
+            yield position, TableRow(where, folder, record)
+
+
 def table_rows(
     files: list[Path],
     fmt: TableFormat,
     on_offset: Callable[[int], None] | None = None,
     root: Path | None = None,
     columns: dict[str, str] | None = None,
-) -> Iterator[tuple[int, TableRow]]:
-    """``(position, row)`` of every row of ``files`` in order (positions 1-based, counted
-    over the files); ``on_offset`` gets the bytes read so far: the files read whole, and
-    the chunks of the one being read (over the files' total size, for a progress bar). A
-    file's name may give its rows their split (:func:`file_splits`; ``root``: the folder
-    the source names); ``columns``: ``data.columns``."""
+) -> Iterator[tuple[int, TableRow | ChunkWork]]:
+    """``(position, payload)`` of ``files`` in order (positions 1-based, counted over the
+    files): a :class:`ChunkWork` per chunk where the format reads chunks one by one (the
+    worker that gets it reads its rows), else each row as :class:`TableRow`, read here.
+    ``on_offset`` gets the bytes handed out or read so far (over the files' total size, for
+    a progress bar). A file's name may give its rows their split (:func:`file_splits`;
+    ``root``: the folder the source names); ``columns``: ``data.columns``."""
     columns = dict(columns or {})
     layouts = check_files(files, fmt, columns)
-    splits = file_splits(files, root or files[0].parent)
+    root = root or files[0].parent
+    splits = file_splits(files, root)
     files = [path for path in files if splits[path] != "skip"]
     position = 0
     base = 0  # the bytes of the files read whole
-    root = root or files[0].parent
     for path in files:
-        folder = str(path.parent)
         try:  # unique among the source's files: datasets names each split's file alike
             name = path.relative_to(root).with_suffix("").as_posix()
         except ValueError:
             name = path.stem
-        for chunk, (table, done) in enumerate(fmt.chunks(path)):
-            if columns:
-                table = table.rename_columns(_renamed(table.column_names, columns))
-            for start in range(0, table.num_rows, ROWS_PER_SLICE):
-                for offset, row in enumerate(table.slice(start, ROWS_PER_SLICE).to_pylist()):
-                    position += 1
-                    index = start + offset
-                    where = f"{path.name} {fmt.unit} {chunk} row {index}"
-                    default_id = f"{name}-g{chunk}-r{index}"  # g: the chunk
-                    try:
-                        record = to_record(row, layouts[path], default_id=default_id)
-                        if splits[path] is not None:
-                            record.setdefault("split", splits[path])
-                    except Rejected as rej:
-                        yield position, TableRow(where, folder, rejected=rej)
-                        continue
-                    yield position, TableRow(where, folder, record)
-            if on_offset is not None:
-                on_offset(base + done)
-            del table
+        work = dict(fmt=fmt, path=path, layout=layouts[path], split=splits[path], name=name)
+        work["columns"] = tuple(sorted(columns.items()))
+        sizes = fmt.chunk_rows(path)
+        if sizes is not None:  # the workers read the chunks
+            for chunk, (rows, done) in enumerate(sizes):
+                yield position + 1, ChunkWork(chunk=chunk, first=position + 1, rows=rows, **work)
+                position += rows
+                if on_offset is not None:
+                    on_offset(base + done)
+        else:
+            for chunk, (table, done) in enumerate(fmt.chunks(path)):
+                piece = ChunkWork(chunk=chunk, first=position + 1, rows=table.num_rows, **work)
+                yield from _rows_of(table, piece, piece.first)
+                position += piece.rows
+                if on_offset is not None:
+                    on_offset(base + done)
+                del table
         base += path.stat().st_size
         if on_offset is not None:
             on_offset(base)
