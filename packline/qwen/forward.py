@@ -73,20 +73,48 @@ def packed_forward(
         attention_mask=attention_mask,
         use_cache=use_cache,
     )
-    out = model(
-        input_ids=batch.input_ids,
-        pixel_values=batch.pixel_values,
-        image_grid_thw=batch.image_grid_thw,
-        pixel_values_videos=batch.pixel_values_videos,
-        video_grid_thw=batch.video_grid_thw,
-        mm_token_type_ids=batch.token_type_ids(image_token_id, video_token_id),
-        position_ids=position_ids,
-        attention_mask=None,
-        use_cache=False,
-        # the packer's boundaries, for the varlen kernels (packline.qwen.attention)
-        **{ROW_KWARG: PackedRow(batch.cu_seqlens_padded, batch.max_seqlen)},
-    )
-    return out.logits
+    return model(**packed_inputs(batch, image_token_id, video_token_id, position_ids)).logits
+
+
+def packed_inputs(
+    batch: PackedBatch,
+    image_token_id: int,
+    video_token_id: int | None,
+    position_ids: torch.Tensor | None = None,
+) -> dict:
+    """The HF model's inputs for a packed row (checked by :func:`check_packed_inputs`
+    first): its tokens and media, its M-RoPE ``position_ids`` (the batch's by default), no
+    mask, no cache, and the packer's boundaries for the varlen kernels
+    (:mod:`packline.qwen.attention`)."""
+    return {
+        **_media_inputs(batch, image_token_id, video_token_id),
+        "position_ids": batch.position_ids if position_ids is None else position_ids,
+        "attention_mask": None,
+        "use_cache": False,
+        ROW_KWARG: PackedRow(batch.cu_seqlens_padded, batch.max_seqlen),
+    }
+
+
+def padded_inputs(batch, image_token_id: int, video_token_id: int | None) -> dict:
+    """The HF model's inputs for right-padded rows: the 2-D mask marks padding and HF
+    computes each row's M-RoPE itself."""
+    return {
+        **_media_inputs(batch, image_token_id, video_token_id),
+        "attention_mask": batch.attention_mask,
+        "use_cache": False,
+    }
+
+
+def _media_inputs(batch, image_token_id: int, video_token_id: int | None) -> dict:
+    """A batch's tokens, images and videos as the HF Qwen3-VL model takes them."""
+    return {
+        "input_ids": batch.input_ids,
+        "pixel_values": batch.pixel_values,
+        "image_grid_thw": batch.image_grid_thw,
+        "pixel_values_videos": batch.pixel_values_videos,
+        "video_grid_thw": batch.video_grid_thw,
+        "mm_token_type_ids": batch.token_type_ids(image_token_id, video_token_id),
+    }
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -122,17 +150,7 @@ def padded_forward(
 ) -> torch.Tensor:
     """Logits (k, Lmax, V) of right-padded rows (packing off): the 2-D mask marks padding
     and HF computes each row's M-RoPE itself."""
-    out = model(
-        input_ids=batch.input_ids,
-        attention_mask=batch.attention_mask,
-        pixel_values=batch.pixel_values,
-        image_grid_thw=batch.image_grid_thw,
-        pixel_values_videos=batch.pixel_values_videos,
-        video_grid_thw=batch.video_grid_thw,
-        mm_token_type_ids=batch.token_type_ids(image_token_id, video_token_id),
-        use_cache=False,
-    )
-    return out.logits
+    return model(**padded_inputs(batch, image_token_id, video_token_id)).logits
 
 
 # --- the loss without the full logits --------------------------------------------------------
@@ -203,18 +221,7 @@ def packed_loss(
         use_cache=False,
     )
     body, lm_head = _hf_parts(model)
-    hidden = body(
-        input_ids=batch.input_ids,
-        pixel_values=batch.pixel_values,
-        image_grid_thw=batch.image_grid_thw,
-        pixel_values_videos=batch.pixel_values_videos,
-        video_grid_thw=batch.video_grid_thw,
-        mm_token_type_ids=batch.token_type_ids(image_token_id, video_token_id),
-        position_ids=batch.position_ids,
-        attention_mask=None,
-        use_cache=False,
-        **{ROW_KWARG: PackedRow(batch.cu_seqlens_padded, batch.max_seqlen)},
-    ).last_hidden_state
+    hidden = body(**packed_inputs(batch, image_token_id, video_token_id)).last_hidden_state
     return chunked_token_loss(
         lm_head, hidden, batch.labels, chunk_tokens=chunk_tokens, with_hits=with_hits
     )
@@ -232,16 +239,7 @@ def padded_loss(
     """:func:`chunked_token_loss` of right-padded rows (packing off), as
     :func:`padded_forward` runs them."""
     body, lm_head = _hf_parts(model)
-    hidden = body(
-        input_ids=batch.input_ids,
-        attention_mask=batch.attention_mask,
-        pixel_values=batch.pixel_values,
-        image_grid_thw=batch.image_grid_thw,
-        pixel_values_videos=batch.pixel_values_videos,
-        video_grid_thw=batch.video_grid_thw,
-        mm_token_type_ids=batch.token_type_ids(image_token_id, video_token_id),
-        use_cache=False,
-    ).last_hidden_state
+    hidden = body(**padded_inputs(batch, image_token_id, video_token_id)).last_hidden_state
     return chunked_token_loss(
         lm_head, hidden, batch.labels, chunk_tokens=chunk_tokens, with_hits=with_hits
     )
