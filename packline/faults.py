@@ -28,7 +28,10 @@ import errno
 import os
 import shutil
 import sqlite3
+import sys
+import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from schemas.errors import UserError
@@ -209,3 +212,42 @@ def machine_fault(
     else:
         problem = f"{path}: the file name is too long for its file system; fix: shorten it"
     return UserError([problem], "a fault of the machine, not of packline")
+
+
+@contextmanager
+def quiet_thread_faults() -> Iterator[None]:
+    """While inside, a fault of the machine that ends a background thread is one line on
+    stderr, not a traceback; any other exception in a thread is reported as Python does.
+
+    NeMo-Run's local executor copies each task's output to a log file from a thread of its
+    own (torchx's ``Tee``). When the work dir's device fills, that thread's write fails
+    with ENOSPC, and Python would print its traceback beside the stage's own reason.
+
+        >>> def fill():
+        ...     raise OSError(errno.ENOSPC, "No space left on device", "/w/log.out")
+        >>> from contextlib import redirect_stderr
+        >>> with quiet_thread_faults(), redirect_stderr(sys.stdout):
+        ...     t = threading.Thread(target=fill, name="tee")
+        ...     t.start()
+        ...     t.join()
+        note: background thread 'tee' stopped: No space left on device: /w/log.out
+    """
+    before = threading.excepthook
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        found = fault_errno(args.exc_value) if args.exc_value is not None else None
+        if found is None:
+            before(args)
+            return
+        cause = found[1]
+        what = getattr(cause, "strerror", None) or str(cause)
+        name = getattr(cause, "filename", None)
+        where = f": {name}" if name else ""
+        thread = args.thread.name if args.thread is not None else "?"
+        print(f"note: background thread {thread!r} stopped: {what}{where}", file=sys.stderr)
+
+    threading.excepthook = hook
+    try:
+        yield
+    finally:
+        threading.excepthook = before

@@ -11,6 +11,7 @@ from pathlib import Path
 import nemo_run as run
 from omegaconf import OmegaConf
 
+from packline.faults import quiet_thread_faults
 from packline.fingerprints import stage_fingerprint
 from packline.megatron.overrides import RECIPE_MODULE, bridge_overrides, override_lines
 from packline.progress import console
@@ -236,46 +237,49 @@ def _run_pipeline(
     states: dict[str, str] = {}
     exp_ids: list[str] = []
     status = "FAILED"
-    try:
-        for stage in pipeline_stages():
-            if stage not in launch:
-                run_stage(cfg, stage, parent_run_id=parent.run_id)  # skips: record matches
-                states[stage] = UP_TO_DATE
-        if slurm and launch:
-            # One job per stage, each after the one before (afterok): SLURM cancels the jobs
-            # after a failed one (kill_on_invalid_dep), so none of them starts.
-            exp_ids.append(new_experiment_id(cfg))
-            with new_experiment(cfg, exp_ids[-1], verbose=verbose) as exp:
-                add_stages(exp, cfg, config_path, parent.run_id, launch)
-                exp.run(sequential=False, detach=False, tail_logs=False)
-            states.update(task_states(exp))
-            report_slurm_jobs(cfg, exp)
-            for stage in launch:
-                report_stage(cfg, stage, states.get(stage, "UNKNOWN"))
-        else:
-            # NeMo-Run's local executor starts a dependent task whatever its dependency's
-            # outcome: one experiment per stage, and the chain ends at the first failure.
-            for stage in launch:
+    # NeMo-Run copies each task's output to its log from a thread; when the work dir's
+    # device fills, that thread's write fails too: one line, the stage gives the reason
+    with quiet_thread_faults():
+        try:
+            for stage in pipeline_stages():
+                if stage not in launch:
+                    run_stage(cfg, stage, parent_run_id=parent.run_id)  # skips: record matches
+                    states[stage] = UP_TO_DATE
+            if slurm and launch:
+                # One job per stage, each after the one before (afterok): SLURM cancels the jobs
+                # after a failed one (kill_on_invalid_dep), so none of them starts.
                 exp_ids.append(new_experiment_id(cfg))
-                with (
-                    running(stage, experiment_dir(cfg, exp_ids[-1])),
-                    new_experiment(cfg, exp_ids[-1], verbose=verbose) as exp,
-                ):
-                    add_stages(exp, cfg, config_path, parent.run_id, [stage])
-                    exp.run(detach=False, tail_logs=verbose)
+                with new_experiment(cfg, exp_ids[-1], verbose=verbose) as exp:
+                    add_stages(exp, cfg, config_path, parent.run_id, launch)
+                    exp.run(sequential=False, detach=False, tail_logs=False)
                 states.update(task_states(exp))
-                keep_stage_log(cfg, experiment_dir(cfg, exp_ids[-1]), stage)
-                report_stage(cfg, stage, states[stage], tables=not verbose)
-                if states[stage] != "SUCCEEDED":
-                    break
-        raise_on_failure(cfg, states, logs=cfg.work_path / "logs")
-        console.print(summary_table(cfg, states))
-        for stage in pipeline_stages():
-            rec = read_record(cfg, stage) or {}
-            parent.log_metrics(rec.get("metrics", {}))
-        status = "FINISHED"
-    finally:
-        parent.end(status)
+                report_slurm_jobs(cfg, exp)
+                for stage in launch:
+                    report_stage(cfg, stage, states.get(stage, "UNKNOWN"))
+            else:
+                # NeMo-Run's local executor starts a dependent task whatever its dependency's
+                # outcome: one experiment per stage, and the chain ends at the first failure.
+                for stage in launch:
+                    exp_ids.append(new_experiment_id(cfg))
+                    with (
+                        running(stage, experiment_dir(cfg, exp_ids[-1])),
+                        new_experiment(cfg, exp_ids[-1], verbose=verbose) as exp,
+                    ):
+                        add_stages(exp, cfg, config_path, parent.run_id, [stage])
+                        exp.run(detach=False, tail_logs=verbose)
+                    states.update(task_states(exp))
+                    keep_stage_log(cfg, experiment_dir(cfg, exp_ids[-1]), stage)
+                    report_stage(cfg, stage, states[stage], tables=not verbose)
+                    if states[stage] != "SUCCEEDED":
+                        break
+            raise_on_failure(cfg, states, logs=cfg.work_path / "logs")
+            console.print(summary_table(cfg, states))
+            for stage in pipeline_stages():
+                rec = read_record(cfg, stage) or {}
+                parent.log_metrics(rec.get("metrics", {}))
+            status = "FINISHED"
+        finally:
+            parent.end(status)
     return PipelineOutcome(",".join(exp_ids), parent.run_id, states)
 
 

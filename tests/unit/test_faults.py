@@ -8,11 +8,12 @@ from __future__ import annotations
 import errno
 import os
 import sqlite3
+import threading
 from pathlib import Path
 
 import pytest
 
-from packline.faults import WRITTEN, discard_partial, machine_fault
+from packline.faults import WRITTEN, discard_partial, machine_fault, quiet_thread_faults
 from packline.progress import progress
 from pipelines.cli import main
 from schemas.config import load_config
@@ -85,6 +86,40 @@ def test_a_read_only_mount_a_file_in_the_path_and_a_loop_are_each_named(tmp_path
         .problems[0]
         .endswith("is a loop of symbolic links; fix: point the link at a real file or dir")
     )
+
+
+def test_nemo_runs_log_copy_on_a_full_device_is_one_line_not_a_traceback(
+    tmp_path: Path, capsys, monkeypatch
+):
+    """torchx's Tee (NeMo-Run's local executor copies a task's output to its log with it)
+    writes from a thread; /dev/full fails every write with ENOSPC, as a full work dir does.
+    Any other exception in a thread goes to the hook that was there before."""
+    from torchx.schedulers.streams import Tee
+
+    others: list[BaseException | None] = []
+
+    def recorder(args: threading.ExceptHookArgs) -> None:
+        others.append(args.exc_value)
+
+    monkeypatch.setattr(threading, "excepthook", recorder)
+    source = tmp_path / "stdout.log"
+    source.write_bytes(b"a stage's output\n")
+
+    def bug():
+        raise ValueError("a real bug")
+
+    with quiet_thread_faults():
+        tee = Tee(open("/dev/full", "wb", buffering=0), str(source))  # noqa: SIM115 - Tee closes it
+        tee.thread.join(timeout=30)
+        thread = threading.Thread(target=bug)
+        thread.start()
+        thread.join()
+    assert not tee.thread.is_alive()
+    err = capsys.readouterr().err
+    assert err.startswith("note: background thread ") and err.count("\n") == 1, err
+    assert "(_start_thread)' stopped: No space left on device" in err
+    assert [type(e) for e in others] == [ValueError]
+    assert threading.excepthook is recorder  # restored on the way out
 
 
 def test_what_is_not_a_fault_of_the_machine_is_not_called_one(tmp_path: Path):
