@@ -31,8 +31,6 @@ from packline.packing.selection import ALGORITHMS, select_packs
 
 #: Buffer sizes of the simulated packer.
 BUFFERS = (16, 64, 256, 1024)
-#: ``packing.algorithm`` values the simulated packer runs with.
-BENCH_ALGORITHMS = ("ffd", "bfd", "refined")
 #: Batch size of the no-packing baseline (each batch padded to its longest sample).
 UNPACKED_BATCH = 8
 
@@ -123,7 +121,7 @@ def fill_by_method(lengths: list[int], *, capacity: int, seed: int) -> dict[str,
     fill = {"none": real / unpacked_capacity(stream, capacity=capacity, batch_size=UNPACKED_BATCH)}
     # The eager encoder hands select_packs the same lengths as the lazy one.
     fill["eager_ffd@16"] = packed(16, "ffd")
-    for algorithm in BENCH_ALGORITHMS:
+    for algorithm in ALGORITHMS:
         for b in BUFFERS:
             fill[f"lazy_{algorithm}@{b}"] = packed(b, algorithm)
     for b in BUFFERS:

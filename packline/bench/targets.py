@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from packline.bench.simulation import BENCH_ALGORITHMS
+from packline.packing.selection import ALGORITHMS
 
 FILL_TARGET = 0.98
 #: lazy@256 may lose at most this share of offline BFD's fill.
@@ -36,7 +36,7 @@ def packing_targets(result: dict[str, Any]) -> dict[str, Target]:
     targets: dict[str, Target] = {}
     for dist in ("default", "vlm_sft"):
         fill = result[dist]["fill"]
-        for algorithm in BENCH_ALGORITHMS:
+        for algorithm in ALGORITHMS:
             name = f"lazy_{algorithm}@256"
             value, offline = fill[name], fill["offline_bfd"]
             ratio = value / offline

@@ -27,7 +27,9 @@ policy); a malformed one is a counted skip under Energon's bounded failure toler
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from megatron.energon import Cooker, DefaultTaskEncoder, Sample, edataclass, stateless
 from megatron.energon.errors import FatalSampleError
@@ -182,6 +184,32 @@ class _QwenPackingEncoder(
         assert sum(map(len, out)) == len(samples), "selection lost samples"
         return out
 
+    def _measured(
+        self,
+        sample: ConversationSample,
+        step: Callable[..., Any],
+        fields: Callable[[Any], dict[str, Any]],
+    ) -> QwenConversation:
+        """What both encoders do to a sample before selection: count it, pass on what
+        prepare rejected, run ``step`` (the tokenizer, or the whole processor) on its parts
+        (a failure counts as ``malformed``), and drop what cannot fit; ``fields`` says where
+        ``step``'s result goes in the :class:`QwenConversation`."""
+        self._pending_seen += 1
+        if skipped := self._skipped(sample):
+            return skipped
+        key = sample.__key__
+        try:
+            out = step(key, sample.conversation, sample.images, sample.videos, sample.video_headers)
+        except Exception:
+            self._malformed(key)
+            raise
+        reason = self._checked_length(sample, len(out))
+        if reason:
+            return self._dropped(sample, len(out), reason)
+        return QwenConversation.derive_from(
+            sample, length=len(out), drop_reason=None, **fields(out)
+        )
+
     @stateless
     def pack_selected_samples(self, samples: list[QwenConversation]) -> QwenPack:
         dropped: dict[str, list[str]] = defaultdict(list)
@@ -231,25 +259,8 @@ class LazyQwenPackingEncoder(_QwenPackingEncoder):
 
     @stateless(failure_tolerance=100)
     def preencode_sample(self, sample: ConversationSample) -> QwenConversation:
-        self._pending_seen += 1
-        if skipped := self._skipped(sample):
-            return skipped
-        try:
-            tok = self.encoder.tokenize(
-                sample.__key__,
-                sample.conversation,
-                sample.images,
-                sample.videos,
-                sample.video_headers,
-            )
-        except Exception:
-            self._malformed(sample.__key__)
-            raise
-        reason = self._checked_length(sample, len(tok))
-        if reason:
-            return self._dropped(sample, len(tok), reason)
-        return QwenConversation.derive_from(
-            sample, length=len(tok), drop_reason=None, tokenized=tok, encoded=None
+        return self._measured(
+            sample, self.encoder.tokenize, lambda tok: {"tokenized": tok, "encoded": None}
         )
 
     @stateless(failure_tolerance=100)
@@ -271,25 +282,8 @@ class EagerQwenPackingEncoder(_QwenPackingEncoder):
 
     @stateless(failure_tolerance=100)
     def encode_sample(self, sample: ConversationSample) -> QwenConversation:
-        self._pending_seen += 1
-        if skipped := self._skipped(sample):
-            return skipped
-        try:
-            enc = self.encoder.encode_eager(
-                sample.__key__,
-                sample.conversation,
-                sample.images,
-                sample.videos,
-                sample.video_headers,
-            )
-        except Exception:
-            self._malformed(sample.__key__)
-            raise
-        reason = self._checked_length(sample, len(enc))
-        if reason:
-            return self._dropped(sample, len(enc), reason)
-        return QwenConversation.derive_from(
-            sample, length=len(enc), drop_reason=None, tokenized=None, encoded=enc
+        return self._measured(
+            sample, self.encoder.encode_eager, lambda enc: {"tokenized": None, "encoded": enc}
         )
 
 

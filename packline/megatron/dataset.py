@@ -49,7 +49,7 @@ from megatron.bridge.models.hf_pretrained.utils import is_safe_repo
 from packline.megatron.overrides import bridge_overrides
 from packline.megatron.task_encoder import PacklineQwenVLTaskEncoder
 from packline.packing.lengths import KeyLengths
-from packline.packing.selection import ALGORITHMS
+from packline.packing.selection import algorithm_named
 from schemas.config import PipelineConfig
 
 #: ``dataset_kwargs`` keys the builder owns (as ``EnergonDatasetConfig.validate`` refuses them).
@@ -101,8 +101,7 @@ class PacklineEnergonDataset(DatasetProvider):
             raise ValueError("packed rows: micro_batch_size must be 1")
         if self.seq_length <= 0 or self.packing_buffer_size <= 0:
             raise ValueError("seq_length and packing_buffer_size must be > 0")
-        if self.algorithm not in ALGORITHMS:
-            raise ValueError(f"algorithm {self.algorithm!r} is not one of {ALGORITHMS}")
+        algorithm_named(self.algorithm)  # a ValueError naming the choices
         if self.max_carry_rounds < 0:
             raise ValueError("max_carry_rounds must be >= 0")
         if self.balance not in ("none", "flops"):

@@ -72,7 +72,7 @@ from typing import TYPE_CHECKING, Any
 
 from packline.packing.balance import balance_round, balance_target
 from packline.packing.carry import carry_round
-from packline.packing.selection import ALGORITHMS, align_up, select_packs
+from packline.packing.selection import algorithm_named, align_up, select_packs
 from schemas.choices import Algorithm, Balance, Packer, TrainBackend
 from schemas.guardrails import train_nproc_per_node, train_world
 
@@ -308,8 +308,7 @@ def simulate_packing(
     ``max_carry_rounds`` 0 is Energon's own round (no carry-over); ``costs`` (each sample's
     FLOPs, by stream position) turns FLOPs balance on (:mod:`packline.packing.balance`),
     towards the full-row cost of the samples that fit."""
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"unknown packing algorithm {algorithm!r}: use one of {ALGORITHMS}")
+    algorithm_named(algorithm)  # a ValueError naming the choices
     if max_carry_rounds < 0:
         raise ValueError(f"max_carry_rounds must be >= 0, got {max_carry_rounds}")
     if buffer_size < 1:

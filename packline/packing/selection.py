@@ -44,6 +44,9 @@ from __future__ import annotations
 import bisect
 import random
 import statistics
+from collections.abc import Callable
+
+from schemas.choices import Algorithm
 
 
 def align_up(length: int, multiple: int) -> int:
@@ -396,10 +399,6 @@ def pack_fill(lengths: list[int], groups: list[list[int]], capacity: int) -> flo
     return sum(lengths[i] for g in groups for i in g) / (len(groups) * capacity)
 
 
-#: The names ``packing.algorithm`` takes (see the module docstring).
-ALGORITHMS = ("ffd", "bfd", "refined")
-
-
 def refine(aligned: list[int], groups: list[list[int]], capacity: int) -> list[list[int]]:
     """``groups`` (a packing of ``aligned``), or a packing of the same fitting items in
     fewer groups: the :func:`minimum_slack` packing when it needs fewer, then
@@ -438,12 +437,45 @@ def refine(aligned: list[int], groups: list[list[int]], capacity: int) -> list[l
     return [[fits[j] for j in g] for g in starts[0]] + oversize
 
 
+def _refined(aligned: list[int], capacity: int) -> list[list[int]]:
+    return refine(aligned, first_fit_decreasing(aligned, capacity), capacity)
+
+
+#: How each ``packing.algorithm`` groups one round's aligned lengths. The names are
+#: :class:`schemas.choices.Algorithm`'s, the one list the config, this module, the forecast,
+#: packline's Bridge dataset and the benches read.
+GROUPINGS: dict[Algorithm, Callable[[list[int], int], list[list[int]]]] = {
+    Algorithm.ffd: first_fit_decreasing,
+    Algorithm.bfd: best_fit_decreasing,
+    Algorithm.refined: _refined,
+}
+#: The names, in the enum's order.
+ALGORITHMS = tuple(a.value for a in Algorithm)
+
+
+def algorithm_named(name: str | Algorithm) -> Algorithm:
+    """``name`` as an :class:`~schemas.choices.Algorithm`; ValueError naming the choices.
+
+    >>> algorithm_named("bfd")
+    <Algorithm.bfd: 'bfd'>
+    >>> algorithm_named("fifo")
+    Traceback (most recent call last):
+    ...
+    ValueError: unknown packing algorithm 'fifo': use one of 'ffd', 'bfd', 'refined'
+    """
+    try:
+        return Algorithm(name)
+    except ValueError:
+        names = ", ".join(repr(a) for a in ALGORITHMS)
+        raise ValueError(f"unknown packing algorithm {name!r}: use one of {names}") from None
+
+
 def select_packs(
     lengths: list[int],
     *,
     capacity: int,
     alignment: int = 1,
-    algorithm: str,
+    algorithm: str | Algorithm,
     seed: int | None = 0,
 ) -> list[list[int]]:
     """Groups of indices for one buffer round: lengths aligned up to ``alignment``, packed
@@ -480,16 +512,8 @@ def select_packs(
     """
     if alignment < 1:
         raise ValueError(f"alignment must be >= 1, got {alignment}")
-    aligned = [align_up(n, alignment) for n in lengths]
-    if algorithm == "ffd":
-        groups = first_fit_decreasing(aligned, capacity)
-    elif algorithm == "bfd":
-        groups = best_fit_decreasing(aligned, capacity)
-    elif algorithm == "refined":
-        groups = refine(aligned, first_fit_decreasing(aligned, capacity), capacity)
-    else:
-        names = ", ".join(repr(a) for a in ALGORITHMS)
-        raise ValueError(f"unknown packing algorithm {algorithm!r}: use one of {names}")
+    grouping = GROUPINGS[algorithm_named(algorithm)]
+    groups = grouping([align_up(n, alignment) for n in lengths], capacity)
     if seed is not None:
         random.Random(seed).shuffle(groups)
     return groups
