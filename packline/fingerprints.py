@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-from pathlib import Path
 from typing import Any
 
 import packline
 from packline.qwen.processor import image_geometry, tiny_processor_key, video_geometry
+from packline.sources import hash_tree
 from schemas.config import PipelineConfig, TrainBackend
 
 #: Bumped when the layout of prepare's outputs changes, so older outputs are rebuilt.
@@ -38,21 +38,6 @@ def fingerprint(*parts: Any) -> str:
     """sha256 over JSON of ``parts`` plus the packline version."""
     payload = json.dumps([packline.__version__, *parts], sort_keys=True, default=str)
     return hashlib.sha256(payload.encode()).hexdigest()
-
-
-def hash_tree(root: Path, *, content: bool = False) -> str:
-    """Fingerprint of every file under ``root``: relative path, size and mtime — or the bytes
-    themselves with ``content=True`` (for small dirs such as a processor)."""
-    h = hashlib.sha256()
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        rel = path.relative_to(root).as_posix()
-        h.update(rel.encode())
-        if content:
-            h.update(path.read_bytes())
-        else:
-            st = path.stat()
-            h.update(f"{st.st_size}:{st.st_mtime_ns}".encode())
-    return h.hexdigest()
 
 
 def _prepare(cfg: PipelineConfig) -> list[Any]:

@@ -237,8 +237,7 @@ def _run_pipeline(
     states: dict[str, str] = {}
     exp_ids: list[str] = []
     status = "FAILED"
-    # NeMo-Run copies each task's output to its log from a thread; when the work dir's
-    # device fills, that thread's write fails too: one line, the stage gives the reason
+    # NeMo-Run's log copy (a thread) fails too when the work dir fills: one line, no traceback
     with quiet_thread_faults():
         try:
             for stage in pipeline_stages():

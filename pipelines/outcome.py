@@ -17,7 +17,7 @@ from rich.markup import escape
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from packline.packing.forecast import read_forecast
+from packline.forecast import read_forecast
 from packline.progress import console
 from packline.report.forecast import forecast_table
 from packline.report.summary import COMPARISON, RunSummary

@@ -52,7 +52,7 @@ from packline.energon.parts import (
     current_task,
 )
 from packline.fingerprints import stage_fingerprint
-from packline.packing.forecast import FORECAST_FILE, config_forecast, sample_costs
+from packline.forecast import FORECAST_FILE, config_forecast, sample_costs
 from packline.progress import console
 from packline.qwen.processor import materialize_processor
 from packline.report.plots import plot_length_histogram

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from packline import metrics as names
 from packline.fingerprints import stage_fingerprint
-from packline.packing.forecast import read_forecast
+from packline.forecast import read_forecast
 from packline.progress import console
 from packline.qwen.processor import load_processor
 from packline.report.plots import plot_row_fill

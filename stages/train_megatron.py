@@ -36,6 +36,7 @@ import time
 from typing import Any
 
 from packline.fingerprints import stage_fingerprint
+from packline.forecast import read_forecast
 from packline.megatron.container import bridge_problem
 from packline.megatron.overrides import (
     RECIPE_MODULE,
@@ -44,7 +45,7 @@ from packline.megatron.overrides import (
     packs_with_packline,
     section_classes,
 )
-from packline.packing.forecast import packing_metrics, read_forecast
+from packline.packing.forecast import packing_metrics
 from packline.rules.megatron import megatron_problems
 from schemas.config import PipelineConfig
 from schemas.errors import UserError

@@ -51,7 +51,7 @@ from omegaconf import OmegaConf
 
 import packline
 from packline.fingerprints import stage_fingerprint
-from packline.packing.forecast import read_forecast
+from packline.forecast import read_forecast
 from packline.progress import console
 from packline.rules import collect, findings_table
 from schemas.config import PipelineConfig

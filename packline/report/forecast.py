@@ -1,5 +1,5 @@
 """The forecast table: what packing will do to this data, from connect's ``forecast.json``
-(:func:`packline.packing.forecast.config_forecast`), before a step is trained. ``packline run``
+(:func:`packline.forecast.config_forecast`), before a step is trained. ``packline run``
 prints it once, after connect."""
 
 from __future__ import annotations

@@ -395,7 +395,8 @@ def _media_first(x: Inputs) -> list[Issue] | None:
     "the forecast fill at packing.packing_buffer_size reaches validate.min_forecast_fill",
 )
 def _forecast_fill(x: Inputs) -> list[Issue] | None:
-    from packline.packing.forecast import forecast_fill, forecast_settings
+    from packline.forecast import forecast_settings
+    from packline.packing.forecast import forecast_fill
 
     cfg = x.cfg
     if not cfg.trains_packed:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import codecs
 import contextlib
+import hashlib
 import importlib
 from collections.abc import Callable, Iterable, Iterator
 from itertools import islice
@@ -126,6 +127,21 @@ def chunked(
             chunk, total = [], 0
     if chunk:
         yield chunk
+
+
+def hash_tree(root: Path, *, content: bool = False) -> str:
+    """Fingerprint of every file under ``root``: relative path, size and mtime — or the bytes
+    themselves with ``content=True`` (for small dirs such as a processor)."""
+    h = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        rel = path.relative_to(root).as_posix()
+        h.update(rel.encode())
+        if content:
+            h.update(path.read_bytes())
+        else:
+            st = path.stat()
+            h.update(f"{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()
 
 
 def resolve_source(cfg: PipelineConfig) -> Path:

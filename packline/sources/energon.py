@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from packline.fingerprints import hash_tree
+from packline.sources import hash_tree
 from schemas.config import PipelineConfig
 
 

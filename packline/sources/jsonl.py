@@ -19,8 +19,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from packline.conversations import FolderMedia
-from packline.fingerprints import hash_tree
-from packline.sources import BOM, NotUtf8, _naming
+from packline.sources import BOM, NotUtf8, _naming, hash_tree
 from schemas.config import PipelineConfig, jsonl_files
 from schemas.errors import UserError
 

@@ -20,8 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from packline.conversations import FolderMedia
-from packline.fingerprints import hash_tree
-from packline.sources import BOM, SourceError, _naming
+from packline.sources import BOM, SourceError, _naming, hash_tree
 from schemas.config import PipelineConfig
 
 

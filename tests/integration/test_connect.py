@@ -48,7 +48,8 @@ def test_connect_cheap_length_equals_processor_for_every_default_sample(default_
 
 
 def test_connect_forecast_is_monotone_and_bounded(default_set):
-    from packline.packing.forecast import packing_metrics, read_forecast
+    from packline.forecast import read_forecast
+    from packline.packing.forecast import packing_metrics
 
     out, result, cfg = default_set
     forecast = json.loads((out / "forecast.json").read_text())

@@ -306,7 +306,7 @@ COSTS = [1.0, 2.0]
     ],
 )
 def test_forecast_settings_follow_the_train_backend(overrides, expected):
-    from packline.packing.forecast import forecast_settings
+    from packline.forecast import forecast_settings
     from schemas.config import load_config
 
     assert forecast_settings(load_config(None, overrides), COSTS) == expected

@@ -290,3 +290,55 @@ def test_a_source_format_is_one_module_of_packline_sources():
     }
     found = {name: kinds for name, kinds in found.items() if kinds}
     assert found == SOURCE_KIND_ELSEWHERE, found
+
+
+#: The library's rooms: each subpackage of packline/ counts as one, each top module as one.
+def _room(name: str) -> str:
+    parts = name.split(".")
+    if parts[0] != "packline" or len(parts) == 1:
+        return parts[0]
+    package = ROOT.joinpath(*parts[:2])
+    return ".".join(parts[:2]) if package.is_dir() else name
+
+
+def test_the_library_is_floors_no_import_runs_up():
+    """Between the library's rooms (a subpackage, or a top module) the imports run one way:
+    no two rooms import each other, by any path. So the rooms stand on floors (the order
+    the imports give) and nothing on a lower floor reaches a higher one: the simulator of
+    ``packline/packing/`` imports no assembly from the config above it."""
+    rooms: dict[str, set[str]] = {}
+    for name, targets in _graph().items():
+        if name.split(".")[0] != "packline":
+            continue
+        room = _room(name)
+        rooms.setdefault(room, set())
+        rooms[room] |= {_room(t) for t in targets if t.split(".")[0] == "packline"} - {room}
+    graph = {room: targets & set(rooms) for room, targets in rooms.items()}
+    cycles = [" -> ".join(_a_cycle(graph, members)) for members in _cycles(graph)]
+    assert not cycles, "rooms of packline/ importing each other:\n" + "\n".join(cycles)
+
+
+def test_the_packing_simulator_takes_integers_not_the_config():
+    """``packline/packing/`` below everything it packs for: no torch in its selection,
+    carry-over, balance and forecast, no config, no other room of packline/ but the names
+    of the metrics; the assembly from the config is ``packline/forecast.py``'s."""
+    pure = ("selection", "carry", "balance", "forecast")
+    found = []
+    for name, path in _modules().items():
+        if not name.startswith("packline.packing"):
+            continue
+        for imported in _imported_names(name, path):
+            top = imported.split(".")[0]
+            other_room = top == "packline" and _room(imported) not in (
+                "packline.packing",
+                "packline.metrics",
+            )
+            if (
+                other_room
+                or imported.startswith("schemas.")
+                and not imported.startswith("schemas.choices")
+            ):
+                found.append(f"{name} imports {imported}")
+            if name.rpartition(".")[2] in pure and top in ("torch", "numpy", "pandas"):
+                found.append(f"{name} imports {imported}")
+    assert not found, "\n".join(found)
