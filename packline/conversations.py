@@ -26,10 +26,10 @@ then videos). Media paths are relative to the folder (absolute or escaping paths
 refused). An optional ``"split": "train"|"val"`` pins the split and an optional ``"meta"``
 object is carried through untouched.
 
-Every image is decoded once and every video is decoded once (:func:`packline.video.probe_video`:
-the header alone can announce frames the file does not hold); a video's recorded
-:class:`~packline.video.VideoHeader` (decoded frame count, rate, upright size) is what its
-length is later computed from, and its frames are checked against the video processor's
+Every image is decoded once and every video is decoded once
+(:func:`packline.media.video.probe_video`: the header alone can announce frames the file does
+not hold); a video's recorded :class:`~packline.media.video.VideoHeader` (decoded frame count,
+rate, upright size) is what its length is later computed from, and its frames are checked against the video processor's
 sampling (at least ``temporal_patch_size`` sampled frames) and prepare's limits.
 
 The result is HF message form, ``[{"role", "content": [{"type": "image"} | {"type": "video"}
@@ -70,8 +70,8 @@ from typing import Any, ClassVar, Literal
 
 from PIL import Image
 
+from packline.media.video import VideoError, VideoHeader, probe_video
 from packline.qwen.vision import ImageGeometry, VideoGeometry, read_image_size
-from packline.video import VideoError, VideoHeader, probe_video
 from schemas.paths import not_regular
 
 IMAGE_MARKER = "<image>"
@@ -122,7 +122,7 @@ class ImageRef:
 @dataclass
 class VideoRef:
     """One video of a row: its source path, original bytes, storage extension and the
-    header its frames gave (:func:`packline.video.probe_video`)."""
+    header its frames gave (:func:`packline.media.video.probe_video`)."""
 
     path: str
     data: bytes

@@ -148,7 +148,7 @@ def cmd_ui(ns: argparse.Namespace) -> int:
 
 
 def cmd_chat(ns: argparse.Namespace) -> int:
-    from packline.serve import chat, split_prompt
+    from packline.serving.chat import chat, split_prompt
 
     prompt, args = split_prompt(ns.args)
     chat(_load(args), prompt, image=ns.image, video=ns.video, sample=ns.sample,
@@ -157,7 +157,7 @@ def cmd_chat(ns: argparse.Namespace) -> int:
 
 
 def cmd_export(ns: argparse.Namespace) -> int:
-    from packline.export import export_run
+    from packline.serving.export import export_run
 
     done = export_run(_load(ns.args), ns.to, merge=ns.merge)
     print(f"exported to {done}" if not isinstance(done, str) else f"run in the container:\n{done}")

@@ -1,12 +1,12 @@
 """Wiring of ``scripts/build-tiny-base``: the pretraining rows, prepare's shards of them, and
-the pretraining itself (``packline/pretrain.py``)."""
+the pretraining itself (``packline/shapes/pretrain.py``)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from packline.pretrain import PretrainSettings, pretrain
-from packline.synthetic import write_pretraining_set
+from packline.shapes.generate import write_pretraining_set
+from packline.shapes.pretrain import PretrainSettings, pretrain
 from schemas.config import load_config
 from stages.prepare import prepare_dataset
 
@@ -15,7 +15,7 @@ def build_tiny_base(
     out_dir: Path, s: PretrainSettings, *, work_dir: Path, steps: int | None = None
 ) -> dict:
     """Write ``s.num_rows`` pretraining rows under ``work_dir``, shard them with the prepare
-    stage, pretrain; returns the manifest (see :func:`packline.pretrain.pretrain`)."""
+    stage, pretrain; returns the manifest (see :func:`packline.shapes.pretrain.pretrain`)."""
     work_dir = Path(work_dir)
     source = write_pretraining_set(
         work_dir / "source", num_train=s.num_rows, num_val=16, seed=s.seed

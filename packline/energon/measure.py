@@ -222,9 +222,9 @@ class LengthReader(ConversationReader):
     def encode_sample(self, sample: MeasuredSample) -> dict[str, Any]:
         from PIL import Image
 
+        from packline.media.video import VideoHeader, decode_frames
         from packline.qwen.lengths import DecodedVideo, cheap_lengths, exact_lengths, media_first
         from packline.qwen.vision import bridge_fetch_image
-        from packline.video import VideoHeader, decode_frames
 
         if sample.__key__ in self.skip_keys:
             return {"key": sample.__key__, "skip": True}

@@ -3,7 +3,7 @@
 A prepared sample is a WebDataset entry ``<key>.json`` (``{"id", "conversation", "meta",
 "videos"}``, the conversation in HF message form with ``{"type": "image"}`` and
 ``{"type": "video"}`` parts, ``videos`` the header prepare probed of each video:
-:meth:`packline.video.VideoHeader.to_dict`) plus one file per image, ``<key>.img<k>.<ext>``,
+:meth:`packline.media.video.VideoHeader.to_dict`) plus one file per image, ``<key>.img<k>.<ext>``,
 and one per video, ``<key>.vid<k>.<ext>`` (``mp4``, ``mkv``, ``webm`` ...), each holding the
 original encoded bytes. The dataset is a ``CrudeWebdataset``; :func:`cook_conversation` turns
 the crude dict into a :class:`ConversationSample` without decoding any pixels. The samples of

@@ -48,7 +48,7 @@ def _png(frame) -> bytes:
 def bridge_frame_parts(row: ConversationRow, geometry: VideoGeometry) -> tuple[dict, list[dict]]:
     """The frame parts of a row's videos for Megatron-Bridge (``vid<k>.f<j>.png``: the
     frames ``geometry`` samples, decoded upright) and, per video, what was sampled."""
-    from packline.video import decode_frames
+    from packline.media.video import decode_frames
 
     parts: dict[str, bytes] = {}
     presampled = []

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from PIL import Image
 
+from packline.media.video import VideoHeader, decode_frames
 from packline.packing.thd import EncodedConversation, mm_token_type_ids
 from packline.qwen.lengths import (
     DecodedVideo,
@@ -38,7 +39,6 @@ from packline.qwen.processor import (
 )
 from packline.qwen.rope import RopeIndex
 from packline.qwen.vision import read_image_size
-from packline.video import VideoHeader, decode_frames
 
 
 def _headers(docs) -> list[VideoHeader]:

@@ -1,6 +1,6 @@
 """Asking a Qwen3-VL model: a conversation with its media as a :class:`Prompt` (a prepared
 sample's question, or a user's text after an image or a video), the processor's tensors of
-it, and the model's greedy answer. One home for ``packline chat`` (:mod:`packline.serve`) and
+it, and the model's greedy answer. One home for ``packline chat`` (:mod:`packline.serving.chat`) and
 the trainer's answer accuracy (:mod:`packline.train.evaluate`)."""
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ class Prompt:
 def decoded_video(data: bytes | Path, header: dict[str, Any] | None = None):
     """A video file or its bytes as the processor takes it: every frame, decoded (its
     header as prepare recorded it, else probed)."""
+    from packline.media.video import VideoHeader, decode_frames, probe_video
     from packline.qwen.lengths import DecodedVideo
-    from packline.video import VideoHeader, decode_frames, probe_video
 
     head = VideoHeader.from_dict(header) if header else probe_video(data)
     frames = decode_frames(data, range(head.num_frames), rotation=head.rotation)

@@ -15,7 +15,7 @@ sample:
   learns from), found from the token ids by :func:`assistant_mask` — so any ChatML
   template works, a real Qwen3-VL one without ``{% generation %}`` markers included.
 
-A video is given as its :class:`~packline.video.VideoHeader` (the cheap rule) or as every
+A video is given as its :class:`~packline.media.video.VideoHeader` (the cheap rule) or as every
 decoded frame plus that header (the exact one: the processor samples the frames itself).
 Both are deterministic, as Energon's buffer restore re-runs them.
 """
@@ -31,9 +31,9 @@ from PIL import Image
 from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 from transformers.video_utils import VideoMetadata
 
+from packline.media.video import VideoHeader
 from packline.qwen.processor import processor_geometry, processor_video_geometry
 from packline.qwen.vision import VideoGeometry, VideoPlan
-from packline.video import VideoHeader
 
 Conversation = list[dict]
 """HF chat messages, see the module docstring."""

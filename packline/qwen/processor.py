@@ -49,7 +49,7 @@ from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoP
 
 from packline.cache import cache_dir
 from packline.qwen.vision import ImageGeometry, VideoGeometry
-from packline.shapes_words import (
+from packline.shapes.words import (
     BACKGROUND_NAMES,
     COLOUR_NAMES,
     DIRECTION_NAMES,
@@ -125,7 +125,7 @@ CHAT_TEMPLATE = """\
 
 # --- the built-in tiny processor -------------------------------------------------------
 
-# The shapes set's own names (packline/synthetic.py), and words its phrasings use around them.
+# The shapes set's own names (packline/shapes/generate.py), and words its phrasings use around them.
 _SHAPES_WORDS = (
     *COLOUR_NAMES,
     *(word for name in BACKGROUND_NAMES for word in name.split()),
@@ -333,7 +333,7 @@ def tiny_processor_key() -> str:
     bump by hand: a change to any of them is a new key, so a new cache entry, and connect's
     fingerprint changes with it): the vocab size, the special and tag tokens, the chat
     template, the tokenizer's training corpus (so the word lists it is drawn from,
-    :mod:`packline.shapes_words`), the image geometry, the builder's
+    :mod:`packline.shapes.words`), the image geometry, the builder's
     own source and the versions of ``tokenizers`` and ``transformers``."""
     parts = {
         "vocab_size": TINY_VOCAB_SIZE,

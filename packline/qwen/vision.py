@@ -170,7 +170,7 @@ class VideoGeometry:
     """The parameters of the Qwen3-VL video processor that decide a video's token count.
 
     A video's span in the text follows from its frame count, frame rate and frame size
-    (:class:`packline.video.VideoHeader`), with no pixel decoded:
+    (:class:`packline.media.video.VideoHeader`), with no pixel decoded:
 
     1. frames sampled at ``fps`` (at least ``min_frames``, at most ``max_frames`` and the
        clip's own count), evenly spaced: :meth:`sample_indices`, the processor's own

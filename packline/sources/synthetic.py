@@ -16,7 +16,7 @@ SOURCE_DONE = "_SOURCE_COMPLETE"
 def synthetic_source_dir(cfg: PipelineConfig) -> Path:
     """Where the built-in set of these settings is generated once (the generator's version in
     the name: a copy an older packline wrote is not reused)."""
-    from packline.synthetic import SHAPES_VERSION
+    from packline.shapes.generate import SHAPES_VERSION
 
     d = cfg.data
     name = f"shapes-v{SHAPES_VERSION}-seed{d.seed}-train{d.num_train}-val{d.num_val}"
@@ -29,7 +29,7 @@ def generate(cfg: PipelineConfig) -> Path:
     complete and renamed into place; a copy found incomplete is generated again)."""
     from packline.faults import discard_partial
     from packline.progress import console, progress
-    from packline.synthetic import shapes_dataset_problem, write_shapes_dataset
+    from packline.shapes.generate import shapes_dataset_problem, write_shapes_dataset
     from packline.workdir import mark_owned, new_temp_dir, publish
 
     out = synthetic_source_dir(cfg)

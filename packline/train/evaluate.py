@@ -73,7 +73,7 @@ def _val_questions(dataset_path: Path, max_samples: int):
 class AnswerScorer(Protocol):
     """How a data set grades the answers its val samples ask (``meta.answers``: the turn, the
     question kind, the expected answer); the built-in set's is
-    :data:`packline.shapes_answers.SHAPES_SCORER`."""
+    :data:`packline.shapes.answers.SHAPES_SCORER`."""
 
     #: every answer a question of a kind can have, for the kinds with a closed set
     choices: Mapping[str, tuple[str, ...]]

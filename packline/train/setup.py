@@ -13,7 +13,7 @@ from transformers.pytorch_utils import Conv1D
 from packline.counters import flops_model_for
 from packline.qwen.attention import set_text_attention
 from packline.qwen.model import build_tiny_model, tiny_config
-from packline.shapes_answers import SHAPES_SCORER
+from packline.shapes.answers import SHAPES_SCORER
 from packline.tracking import Tracker
 from packline.train.data import TrainStream
 from packline.train.distributed import broadcast_object, rank_device, rank_world

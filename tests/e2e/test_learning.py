@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from packline.synthetic import ANSWER_KINDS
+from packline.shapes.generate import ANSWER_KINDS
 from packline.train.records import read_records
 from schemas.config import load_config
 from stages.runner import run_stage

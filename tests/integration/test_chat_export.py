@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from packline.qwen.generate import model_inputs, sample_prompt
-from packline.serve import load_base, load_tuned, read_sample
+from packline.serving.chat import load_base, load_tuned, read_sample
 from packline.train.setup import apply_lora
 from packline.workdir import adapter_dir
 from pipelines.cli import main
@@ -179,7 +179,7 @@ def test_chat_unknown_sample_key_exits_2(work, capsys):
 def test_chat_prompt_with_a_video_answers(work, tmp_path, capsys):
     import numpy as np
 
-    from packline.video import write_video
+    from packline.media.video import write_video
 
     frames = np.zeros((8, 64, 96, 3), np.uint8)
     frames[:, 10:30, 20:50] = (255, 0, 0)

@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 import torch
 
+from packline.media.video import probe_video, write_video
 from packline.packing.thd import build_packed_batch, shifted_labels
 from packline.qwen.attention import THD_ATTENTION, set_text_attention
 from packline.qwen.encode import ConversationEncoder
 from packline.qwen.forward import packed_forward, token_hits, token_loss_sum
 from packline.qwen.model import build_tiny_model
 from packline.qwen.processor import copy_tiny_processor
-from packline.video import probe_video, write_video
 from tests.conftest import png_bytes
 
 

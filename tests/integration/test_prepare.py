@@ -11,10 +11,10 @@ from PIL import Image
 
 from packline.conversations import Rejected, parse_row
 from packline.energon.sample import ConversationReader
+from packline.media.video import VideoHeader, probe_video, write_video
 from packline.qwen.processor import copy_tiny_processor, image_geometry, video_geometry
 from packline.qwen.vision import VideoGeometry
 from packline.rows import video_limits
-from packline.video import VideoHeader, probe_video, write_video
 from pipelines.cli import main
 from stages.prepare import prepare_dataset
 from tests.conftest import make_config

@@ -1,4 +1,4 @@
-"""``scripts/build-tiny-base`` (``pipelines/tiny_base.py``, ``packline/pretrain.py``):
+"""``scripts/build-tiny-base`` (``pipelines/tiny_base.py``, ``packline/shapes/pretrain.py``):
 pretraining the tiny Qwen3-VL from a seed repeats bitwise, and what it saves is an ordinary
 HF checkpoint dir that the train stage loads through ``model.path``, the code a real
 checkpoint takes."""
@@ -16,8 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from packline.pretrain import MANIFEST, PretrainSettings
 from packline.qwen.processor import copy_tiny_processor, load_processor, processor_geometry
+from packline.shapes.pretrain import MANIFEST, PretrainSettings
 from packline.train.setup import build_model
 from pipelines.tiny_base import build_tiny_base
 from schemas.config import PROJECT_ROOT, TINY_BASE, load_config

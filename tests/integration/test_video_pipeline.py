@@ -10,7 +10,7 @@ from itertools import islice
 import pandas as pd
 import torch
 
-from packline.video import probe_video
+from packline.media.video import probe_video
 from stages.connect import connect_processor
 from stages.prepare import prepare_dataset
 from stages.validate import validate_config

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from packline.video import write_video
+from packline.media.video import write_video
 
 #: The overrides the folder's bad rows are made for.
 VIDEO_LIMITS = (

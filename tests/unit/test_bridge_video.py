@@ -15,6 +15,7 @@ import pytest
 from PIL import Image
 
 from packline.energon import bridge_sample_loader
+from packline.media.video import VideoHeader
 from packline.qwen.lengths import (
     DecodedVideo,
     PresampledVideo,
@@ -24,7 +25,6 @@ from packline.qwen.lengths import (
 )
 from packline.qwen.processor import copy_tiny_processor, load_processor
 from packline.qwen.vision import BridgeVideoRule, bridge_fetch_video, set_video_sampling
-from packline.video import VideoHeader
 
 # (pre-sampled frames, height, width): odd and even counts, one frame, small frames that
 # qwen-vl-utils upscales, frames over its per-frame bound, a wide and a tall aspect, a count

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from packline import export
-from packline.export import export_run, latest_iteration
+from packline.serving import export
+from packline.serving.export import export_run, latest_iteration
 from pipelines.cli import main
 from schemas.config import PROJECT_ROOT
 from schemas.errors import UserError
@@ -91,7 +91,7 @@ def _method(tree: ast.Module, cls: str, name: str) -> ast.FunctionDef:
 
 
 def _bridge_calls() -> dict[str, ast.Call]:
-    """The calls :func:`packline.export.bridge_export` makes on ``AutoBridge`` and on the
+    """The calls :func:`packline.serving.export.bridge_export` makes on ``AutoBridge`` and on the
     bridge it makes, by method name."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(export.bridge_export)))
     calls = {}

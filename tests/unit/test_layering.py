@@ -292,13 +292,22 @@ def test_a_source_format_is_one_module_of_packline_sources():
     assert found == SOURCE_KIND_ELSEWHERE, found
 
 
-#: The library's rooms: each subpackage of packline/ counts as one, each top module as one.
+#: Packages of packline/ that hold one feature whole rather than one floor: the shapes set's
+#: words stand under the tiny tokenizer (packline/qwen), its base's pretraining over the
+#: trainer. Each of their modules is a room of its own.
+FEATURES = ("packline.shapes",)
+
+
 def _room(name: str) -> str:
+    """The library's rooms: a subpackage of packline/ (a layer: packing, qwen, energon, ...)
+    counts as one, a top module or a module of a :data:`FEATURES` package as one."""
     parts = name.split(".")
     if parts[0] != "packline" or len(parts) == 1:
         return parts[0]
-    package = ROOT.joinpath(*parts[:2])
-    return ".".join(parts[:2]) if package.is_dir() else name
+    package = ".".join(parts[:2])
+    if package in FEATURES or not ROOT.joinpath(*parts[:2]).is_dir():
+        return name
+    return package
 
 
 def test_the_library_is_floors_no_import_runs_up():

@@ -476,7 +476,7 @@ def test_shipped_field_table_agrees_with_the_pinned_source(path: Path, tmp_path,
 BRIDGE_SIDE = ("packline/megatron/dataset.py", "packline/megatron/task_encoder.py")
 #: The modules that call Bridge in the container and import it there, inside functions: the
 #: train stage's backend, and ``packline export``'s adapter export (AutoBridge).
-BRIDGE_CALLERS = ("stages/train_megatron.py", "packline/export.py")
+BRIDGE_CALLERS = ("stages/train_megatron.py", "packline/serving/export.py")
 
 
 def test_only_train_megatron_and_export_import_bridge_and_only_inside_functions():

@@ -29,7 +29,7 @@ from packline.qwen.processor import (
     special_token_ids,
 )
 from packline.qwen.vision import ImageGeometry
-from packline.synthetic import (
+from packline.shapes.generate import (
     BACKGROUND_NAMES,
     COLOUR_NAMES,
     NUMBER_WORDS,
@@ -40,7 +40,7 @@ from packline.synthetic import (
 )
 
 # sha256 of the tiny tokenizer.json since its corpus takes the shapes set's words, the video
-# questions' included, from packline.synthetic (layout 4): every token id, so every length
+# questions' included, from packline.shapes.generate (layout 4): every token id, so every length
 # and loss, depends on it.
 TINY_TOKENIZER_SHA256 = "e1480c9598e9d653edcec5fc29c1a51cae50f0822db0734f3611b1960e6c8349"
 

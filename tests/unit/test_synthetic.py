@@ -1,4 +1,4 @@
-"""Tests for the built-in ``shapes`` conversation set (packline.synthetic)."""
+"""Tests for the built-in ``shapes`` conversation set (packline.shapes.generate)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from packline.media.video import decode_frames, probe_video, write_video
 from packline.qwen.vision import ImageGeometry, VideoGeometry
-from packline.synthetic import (
+from packline.shapes.generate import (
     _CLIP_FRAMES,
     _CLIP_QUESTIONS,
     _CLIP_SAMPLERS,
@@ -37,7 +38,6 @@ from packline.synthetic import (
     write_pretraining_set,
     write_shapes_dataset,
 )
-from packline.video import decode_frames, probe_video, write_video
 
 # The tiny processor's video geometry (its sampling: 2 fps, at least 4 frames).
 VIDEO_GEOMETRY = VideoGeometry().with_overrides(min_pixels=64 * 64, max_pixels=1024 * 32 * 32)

@@ -1,6 +1,6 @@
 """Videos: the header facts (PyAV), the cheap length rule against the real processor, and
 the lazy encoder (sampled frames only) against the eager one (every frame, the processor
-samples). Every clip is a real file written by :func:`packline.video.write_video`."""
+samples). Every clip is a real file written by :func:`packline.media.video.write_video`."""
 
 from __future__ import annotations
 
@@ -10,11 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from packline.qwen.encode import ConversationEncoder
-from packline.qwen.lengths import DecodedVideo, cheap_lengths, exact_lengths
-from packline.qwen.processor import copy_tiny_processor, load_processor
-from packline.qwen.vision import VideoGeometry
-from packline.video import (
+from packline.media.video import (
     VideoError,
     VideoHeader,
     decode_frames,
@@ -22,6 +18,10 @@ from packline.video import (
     read_video_header,
     write_video,
 )
+from packline.qwen.encode import ConversationEncoder
+from packline.qwen.lengths import DecodedVideo, cheap_lengths, exact_lengths
+from packline.qwen.processor import copy_tiny_processor, load_processor
+from packline.qwen.vision import VideoGeometry
 from tests.integration.video_folder import decodable_frames
 
 # (frames, height, width, fps, rotation, suffix): odd and even counts, fewer frames than
@@ -91,7 +91,7 @@ def _conversation(num_videos: int, num_images: int = 0) -> list[dict]:
     ]
 
 
-# -- packline.video ----------------------------------------------------------------------
+# -- packline.media.video ----------------------------------------------------------------------
 
 
 def test_writer_is_deterministic(tmp_path):
@@ -147,7 +147,7 @@ def test_a_damaged_stream_keeps_its_decoded_count_never_the_announced_one(clips)
     whole = clips[(11, 96, 128, 4.0, 0, ".mkv")]
     cut = whole[: int(len(whole) * 0.6)]  # Matroska: the frames before the cut decode
     header = probe_video(cut)
-    decoded = decodable_frames(cut)  # PyAV's own count, outside packline.video
+    decoded = decodable_frames(cut)  # PyAV's own count, outside packline.media.video
     assert header.num_frames == decoded < 11
     assert header.counted
 

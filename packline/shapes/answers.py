@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from packline.shapes_words import (
+from packline.shapes.words import (
     ANSWER_CHOICES,
     ANSWER_KINDS,
     COLOUR_NAMES,

@@ -1,7 +1,7 @@
 """The built-in shapes set's words: its colours (with the RGB the pictures are drawn in),
 backgrounds, shape kinds, grid positions, directions, ordinals, number words and sizes, and
 the closed answer sets of its question kinds. Plain data, no imaging library: the shapes
-generator (:mod:`packline.synthetic`) draws and phrases with them, and the built-in tiny
+generator (:mod:`packline.shapes.generate`) draws and phrases with them, and the built-in tiny
 tokenizer (:mod:`packline.qwen.processor`) learns them."""
 
 from __future__ import annotations

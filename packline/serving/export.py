@@ -4,7 +4,7 @@ base with the adapter merged in as one Hugging Face checkpoint.
 - ``train.backend: local``: the adapter is the PEFT dir the train stage saved
   (:func:`packline.workdir.adapter_dir`), copied as it is (``adapter_config.json``,
   ``adapter_model.safetensors``, its ``README.md`` model card). Merged: base + adapter loaded
-  as :mod:`packline.serve` loads them (fp32), PEFT's ``merge_and_unload()``, then
+  as :mod:`packline.serving.chat` loads them (fp32), PEFT's ``merge_and_unload()``, then
   ``save_pretrained`` of the model (safetensors) and of connect's processor into one dir that
   ``AutoModelForImageTextToText`` / ``AutoProcessor.from_pretrained`` load on their own.
 - ``train.backend: megatron``: Megatron-Bridge's checkpoint under
@@ -57,7 +57,7 @@ def export_run(cfg: PipelineConfig, to: Path | None = None, *, merge: bool = Fal
         if bridge_problem(packing=False) is not None:
             return bridge_export_command(cfg, to, merge=merge)
         return _into(to, lambda tmp: bridge_export(cfg, tmp, merge=merge))
-    from packline.serve import require_adapter
+    from packline.serving.chat import require_adapter
 
     adapter = require_adapter(cfg)
     if merge:
@@ -100,7 +100,7 @@ def merge_adapter(cfg: PipelineConfig, adapter: Path, out: Path) -> None:
     """Base + ``adapter`` merged (PEFT ``merge_and_unload``), saved with connect's processor
     into dir ``out`` as one HF checkpoint (safetensors, fp32)."""
     from packline.qwen.generate import quiet_libraries
-    from packline.serve import load_tuned
+    from packline.serving.chat import load_tuned
 
     model, processor = load_tuned(cfg, adapter)
     with quiet_libraries():

@@ -3,7 +3,7 @@
 A LoRA fine-tune is meant to adapt a pretrained model, and none can be downloaded here, so
 the project makes its own: the tiny dense Qwen3-VL (:func:`packline.qwen.model.build_tiny_model`)
 trained in full, in fp32 on the CPU, from a seed, on a mix that is *not* the default
-fine-tuning task (:func:`packline.synthetic.write_pretraining_set`: captions of the shapes
+fine-tuning task (:func:`packline.shapes.generate.write_pretraining_set`: captions of the shapes
 pictures, statements about shapes in words and text-only chat; nothing is asked about a
 picture). The data goes the
 way every packline run's does: prepare's shards, the lazy encoder, Energon's online packing

@@ -67,8 +67,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-from packline.shapes_answers import answer_matches, normalize_answer  # noqa: F401
-from packline.shapes_words import (  # noqa: F401 - the set's words, re-exported
+from packline.media.video import write_video
+from packline.shapes.answers import answer_matches, normalize_answer  # noqa: F401
+from packline.shapes.words import (  # noqa: F401 - the set's words, re-exported
     ANSWER_CHOICES,
     ANSWER_KINDS,
     BACKGROUND_NAMES,
@@ -86,7 +87,6 @@ from packline.shapes_words import (  # noqa: F401 - the set's words, re-exported
     SIDES,
     SIZE_WORDS,
 )
-from packline.video import write_video
 
 __all__ = [
     "ANSWER_CHOICES",

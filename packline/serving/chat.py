@@ -95,7 +95,7 @@ def user_prompt(text: str, *, image: Path | None = None, video: Path | None = No
             raise UserError([f"{image}: not a readable image ({exc})"]) from None
         parts.append({"type": "image"})
     if video is not None:
-        from packline.video import VideoError
+        from packline.media.video import VideoError
 
         try:
             videos.append(decoded_video(Path(video)))
