@@ -29,8 +29,9 @@ object is carried through untouched.
 Every image is decoded once and every video is decoded once
 (:func:`packline.media.video.probe_video`: the header alone can announce frames the file does
 not hold); a video's recorded :class:`~packline.media.video.VideoHeader` (decoded frame count,
-rate, upright size) is what its length is later computed from, and its frames are checked against the video processor's
-sampling (at least ``temporal_patch_size`` sampled frames) and prepare's limits.
+rate, upright size) is what its length is later computed from, and its frames are checked
+against the video processor's sampling (at least ``temporal_patch_size`` sampled frames) and
+prepare's limits.
 
 The result is HF message form, ``[{"role", "content": [{"type": "image"} | {"type": "video"}
 | {"type": "text", "text": ...}]}]``, which the chat template of the processor renders; a
