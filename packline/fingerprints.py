@@ -19,9 +19,10 @@ import json
 from typing import Any
 
 import packline
+from packline.backends import backend
 from packline.qwen.processor import image_geometry, tiny_processor_key, video_geometry
 from packline.sources import hash_tree
-from schemas.config import PipelineConfig, TrainBackend
+from schemas.config import PipelineConfig
 
 #: Bumped when the layout of prepare's outputs changes, so older outputs are rebuilt.
 PREPARE_LAYOUT_VERSION = 3  # 3: videos (<key>.vid<k>.<ext>, "videos" headers, video columns)
@@ -45,7 +46,7 @@ def _prepare(cfg: PipelineConfig) -> list[Any]:
 
     source = reader(cfg.data.kind).fingerprint(cfg)
     # for train.backend megatron prepare writes each video's pre-sampled frames
-    bridge = ["bridge-frames"] if cfg.train.backend is TrainBackend.megatron else []
+    bridge = ["bridge-frames"] if backend(cfg).renders_for_bridge else []
     geometry, videos = image_geometry(cfg), video_geometry(cfg)
     return [
         cfg.section_hash("data", "prepare"),
@@ -61,7 +62,7 @@ def _connect(cfg: PipelineConfig) -> list[Any]:
     from packline.megatron.overrides import max_num_frames
 
     src = cfg.processor.dir  # a dir, or a Hub repo's cached snapshot
-    bridge = cfg.train.backend is TrainBackend.megatron  # measured as Bridge renders
+    bridge = backend(cfg).renders_for_bridge  # measured as Bridge renders
     return [
         cfg.section_hash("processor"),
         hash_tree(src, content=True) if src else f"tiny-{tiny_processor_key()}",
@@ -95,27 +96,13 @@ def _validate(cfg: PipelineConfig) -> list[Any]:
     return [settings, model_hash]
 
 
-#: The local run's parallel layout, left out of its fingerprint: any layout resumes any
-#: other's checkpoints (packline/train/checkpoint.py), so a run restarted on more or fewer
-#: ranks, or split otherwise, continues where it stood instead of starting over.
-LOCAL_LAYOUT_KEYS = ("nproc_per_node", "parallel")
-
-
 def _train(cfg: PipelineConfig) -> list[Any]:
-    sections = ["model", "lora", "train", "packing"]
-    if cfg.train.backend == TrainBackend.megatron:
-        sections.append("megatron")
-    d = cfg.to_dict()
-    settings = {s: d[s] for s in sections}
-    if cfg.train.backend == TrainBackend.local:
-        settings["train"] = {
-            k: v for k, v in settings["train"].items() if k not in LOCAL_LAYOUT_KEYS
-        }
-    # The checkpoint's files (path, size, mtime): a base rebuilt at the same path retrains,
-    # and the old run's adapters are not resumed onto it.
+    # The backend's sections (the local run's layout aside: any layout resumes any other's
+    # checkpoints), and the checkpoint's files (path, size, mtime): a base rebuilt at the
+    # same path retrains, and the old run's adapters are not resumed onto it.
     model_dir = cfg.model.dir
     weights = hash_tree(model_dir) if model_dir is not None and model_dir.is_dir() else None
-    return [settings, weights]
+    return [backend(cfg).train_settings(cfg), weights]
 
 
 _OWN = {"prepare": _prepare, "connect": _connect, "validate": _validate, "train": _train}

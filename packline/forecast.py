@@ -12,10 +12,9 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from packline.backends import backend
 from packline.packing.forecast import forecast_fill, simulate_packing, straggler_ratio, stream_order
 from packline.packing.selection import align_up
-from schemas.choices import Balance, Packer, TrainBackend
-from schemas.guardrails import train_nproc_per_node, train_world
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -24,40 +23,26 @@ if TYPE_CHECKING:
 
 
 def data_parallel_ranks(cfg: PipelineConfig) -> int:
-    """Data-parallel ranks the train backend reads data with (Energon's
-    ``WorkerConfig.world_size``; each has ``train.num_workers`` loader workers):
-
-    - backend megatron: the SLURM train job's GPUs, ``nodes × (nproc_per_node or
-      gpus_per_node)``, over TP × CP × PP (Bridge gives Energon the pure DP group; EP and
-      sequence parallel split no data);
-    - backend local: the train run's ranks (every process of the SLURM train job, else
-      ``train.nproc_per_node``) over ``train.parallel.pipeline_parallel`` (the stages of a
-      pipeline read the same rows; EP splits no data)."""
-    pp = cfg.train.parallel.pipeline_parallel
-    if cfg.train.backend is TrainBackend.megatron:
-        s = cfg.executor.slurm
-        job = s.nodes * train_nproc_per_node(cfg)
-        p = cfg.packing
-        return max(job // (p.tensor_parallel * p.context_parallel * pp), 1)
-    return max(train_world(cfg) // pp, 1)
+    """Data-parallel ranks ``cfg``'s train backend reads data with (Energon's
+    ``WorkerConfig.world_size``; each has ``train.num_workers`` loader workers): its
+    spec's (:meth:`packline.backends.Backend.data_parallel_ranks`)."""
+    return backend(cfg).data_parallel_ranks(cfg)
 
 
 def forecast_settings(cfg: PipelineConfig, costs: list[float] | None = None) -> dict[str, Any]:
     """How the forecast simulates ``cfg``'s packer (``simulate_packing``'s keywords): the
-    train backend, its selection, carry-over and FLOPs balance — Bridge's own packer
-    (``packing.packer: bridge`` with backend megatron) runs plain ``ffd`` without either
-    whatever the config says (validate refuses any other setting there), packline's packer
-    ``packing.algorithm``, ``packing.max_carry_rounds`` and, with ``packing.balance: flops``,
-    the samples' ``costs`` (in the order the lengths are given) — and its loader streams,
-    ranks × ``train.num_workers``."""
-    bridge = cfg.train.backend is TrainBackend.megatron and cfg.packing.packer is Packer.bridge
-    balance = not bridge and cfg.packing.balance is Balance.flops
+    train backend, its packer's selection, carry-over and FLOPs balance
+    (:meth:`packline.backends.Backend.forecast_packer`; with balance, the samples' ``costs``
+    in the order the lengths are given) and its loader streams, ranks ×
+    ``train.num_workers``."""
+    spec = backend(cfg)
+    packer = spec.forecast_packer(cfg)
     return {
-        "backend": cfg.train.backend.value,
-        "algorithm": "ffd" if bridge else cfg.packing.algorithm.value,
-        "max_carry_rounds": 0 if bridge else cfg.packing.max_carry_rounds,
-        "costs": costs if balance else None,
-        "num_ranks": data_parallel_ranks(cfg),
+        "backend": spec.name.value,
+        "algorithm": packer["algorithm"],
+        "max_carry_rounds": packer["max_carry_rounds"],
+        "costs": costs if packer["balance"] else None,
+        "num_ranks": spec.data_parallel_ranks(cfg),
         "num_workers": cfg.train.num_workers,
     }
 

@@ -31,7 +31,7 @@ from packline.qwen.vision import ImageGeometry, VideoGeometry
 from packline.sources import NotUtf8, reader, resolve_source
 from packline.sources.jsonl import JsonlLine
 from packline.sources.tables import ChunkWork, EmbeddedMedia, TableRow, chunk_rows
-from schemas.config import PipelineConfig, TrainBackend
+from schemas.config import PipelineConfig
 from schemas.errors import UserError
 from schemas.tables import REJECT_REASONS
 
@@ -44,12 +44,6 @@ def video_limits(cfg: PipelineConfig) -> VideoLimits:
         max_frames_per_video=cfg.prepare.max_frames_per_video,
         max_video_seconds=cfg.prepare.max_video_seconds,
     )
-
-
-def writesbridge_frame_parts(cfg: PipelineConfig) -> bool:
-    """Whether prepare writes each video's pre-sampled frames for Megatron-Bridge (see the
-    module docstring): for ``train.backend: megatron``."""
-    return cfg.train.backend is TrainBackend.megatron
 
 
 @dataclass(frozen=True)
@@ -266,8 +260,10 @@ def row_weight(item: tuple[int, Any]) -> int:
     return payload.rows if isinstance(payload, ChunkWork) else 1
 
 
-def row_context(cfg: PipelineConfig) -> RowContext:
-    """The checks' settings for ``cfg``'s source."""
+def row_context(cfg: PipelineConfig, *, bridge_frames: bool = False) -> RowContext:
+    """The checks' settings for ``cfg``'s source; ``bridge_frames``: write each video's
+    pre-sampled frames for Megatron-Bridge too (see the module docstring; prepare asks the
+    train backend's spec)."""
     source = reader(cfg.data.kind)
     return RowContext(
         media=source.media(cfg, resolve_source(cfg)),
@@ -276,7 +272,7 @@ def row_context(cfg: PipelineConfig) -> RowContext:
         videos=video_limits(cfg),
         max_images=cfg.prepare.max_images,
         val_fraction=cfg.prepare.val_fraction,
-        frames=video_geometry(cfg) if writesbridge_frame_parts(cfg) else None,
+        frames=video_geometry(cfg) if bridge_frames else None,
         max_text_chars=cfg.prepare.max_text_chars,
         media_max_bytes=cfg.prepare.max_media_bytes,
     )

@@ -157,7 +157,7 @@ def cmd_chat(ns: argparse.Namespace) -> int:
 
 
 def cmd_export(ns: argparse.Namespace) -> int:
-    from packline.serving.export import export_run
+    from packline.backends import export_run
 
     done = export_run(_load(ns.args), ns.to, merge=ns.merge)
     print(f"exported to {done}" if not isinstance(done, str) else f"run in the container:\n{done}")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 
+from packline.backends import backend
 from packline.report.cluster import ClusterRun, cluster_table, find_cluster_runs
 from packline.report.compare import (
     COMPARE_DIR,
@@ -25,7 +26,7 @@ from packline.report.compare import (
 )
 from packline.report.mlflow_store import find_training_pair, open_store
 from packline.tracking import experiment_name, tracking_uri
-from schemas.config import PipelineConfig, TrainBackend
+from schemas.config import PipelineConfig
 
 CLUSTER_FILE = "cluster.json"
 
@@ -38,7 +39,7 @@ def compare_runs(
     from packline.progress import wide_console
 
     client = open_store(cfg)
-    if cfg.train.backend is TrainBackend.megatron:
+    if backend(cfg).compares_packers:
         name = experiment or experiment_name(cfg)
         runs = find_cluster_runs(client, name, run_id)
         out = cfg.work_path / COMPARE_DIR

@@ -11,9 +11,9 @@ from pathlib import Path
 import nemo_run as run
 from omegaconf import OmegaConf
 
+from packline.backends import backend
 from packline.faults import quiet_thread_faults
 from packline.fingerprints import stage_fingerprint
-from packline.megatron.overrides import RECIPE_MODULE, bridge_overrides, override_lines
 from packline.progress import console
 from packline.rules.megatron import megatron_problems
 from packline.tracking import Tracker
@@ -30,7 +30,7 @@ from pipelines.outcome import (
 )
 from pipelines.slurm_jobs import SlurmJob, gather_logs, jobs_table, sacct, submitted_jobs
 from pipelines.tasks import error_path, run_stage_task
-from schemas.config import ExecutorKind, PipelineConfig, TrainBackend
+from schemas.config import ExecutorKind, PipelineConfig
 from schemas.errors import UserError
 from stages.base import invalidate_from, is_up_to_date, read_record
 from stages.runner import run_stage
@@ -154,21 +154,9 @@ def dryrun_text(cfg: PipelineConfig, config_path: Path) -> str:
             f"stage={stage!r}) in the job's code/ dir",
             scripts[stage].rstrip(),
         ]
-    if cfg.train.backend == TrainBackend.megatron and "train" in stages:
-        out += ["", *megatron_plan(cfg)]
+    if "train" in stages and (plan := backend(cfg).plan(cfg)):
+        out += ["", *plan]
     return "\n".join(out) + "\n"
-
-
-def megatron_plan(cfg: PipelineConfig) -> list[str]:
-    """The Bridge run the train job makes on every torchrun rank, as lines of text."""
-    step = f"megatron.bridge.training.{cfg.megatron.step_func}.forward_step"
-    return [
-        "## train: Megatron-Bridge inside the container (stages/train_megatron.py), every rank",
-        f"# recipe: {RECIPE_MODULE}.{cfg.megatron.recipe}(peft_scheme='lora')",
-        f"# then: megatron.bridge.training.finetune.finetune(config, forward_step_func={step})",
-        "# overrides, applied in this order (dotted ConfigContainer fields):",
-        *override_lines(bridge_overrides(cfg)),
-    ]
 
 
 def stages_to_launch(cfg: PipelineConfig) -> list[str]:

@@ -17,13 +17,14 @@ from rich.markup import escape
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from packline.backends import backend
 from packline.forecast import read_forecast
 from packline.progress import console
 from packline.report.forecast import forecast_table
 from packline.report.summary import COMPARISON, RunSummary
 from packline.report.table import summary_table as run_table
 from pipelines.tasks import reported_error
-from schemas.config import STAGES, PipelineConfig, TrainBackend
+from schemas.config import STAGES, PipelineConfig
 from schemas.errors import UserError
 from stages.base import read_record, stage_dir
 from stages.runner import available_stages, headline
@@ -178,7 +179,7 @@ def next_steps(cfg: PipelineConfig, prog: list[str], args: list[str]) -> list[tu
     def command(name: str, *options: str) -> str:
         return shlex.join([*prog, name, *config, *options])
 
-    local = cfg.train.backend is TrainBackend.local
+    local = backend(cfg).trains_here  # a PEFT adapter dir, which chat loads
     steps = [("logs", _shown(cfg.work_path / "logs") + "/")]
     if local:
         steps.append(("adapter", _shown(adapter_dir(cfg)) + "/  (model card: README.md)"))

@@ -35,6 +35,7 @@ from typing import Any
 
 import pandas as pd
 
+from packline.backends import backend
 from packline.energon.measure import (
     Measuring,
     VisualRule,
@@ -57,7 +58,7 @@ from packline.progress import console
 from packline.qwen.processor import materialize_processor
 from packline.report.plots import plot_length_histogram
 from packline.workdir import BRIDGE_VIDEOS
-from schemas.config import PipelineConfig, TrainBackend
+from schemas.config import PipelineConfig
 from schemas.errors import UserError
 from schemas.tables import SPLITS, LengthsModel, validate_table
 from stages.base import (
@@ -75,11 +76,6 @@ from stages.base import (
 )
 
 STAGE = "connect"
-
-
-def renders_for_bridge(cfg: PipelineConfig) -> bool:
-    """Whether connect measures as Megatron-Bridge renders (``train.backend: megatron``)."""
-    return cfg.train.backend == TrainBackend.megatron
 
 
 def bridge_max_num_frames(cfg: PipelineConfig) -> int:
@@ -123,10 +119,12 @@ def connect_processor(
             return _task_result(cfg, fp, {"rank": task.rank, "world": task.world}, t0)
     manifest = pd.read_parquet(dataset_dir(cfg) / "manifest.parquet")
     parts = PartsDir(cfg, fp)
-    bridge = renders_for_bridge(cfg)
+    bridge = backend(cfg).renders_for_bridge
     measuring = Measuring(
         dataset=dataset_path(cfg),
-        processor=parts.materialize(lambda out: materialize_processor(cfg, out / PROCESSOR)),
+        processor=parts.materialize(
+            lambda out: materialize_processor(cfg, out / PROCESSOR, for_bridge=bridge)
+        ),
         splits=tuple(split for split in SPLITS if (manifest["split"] == split).any()),
         num_workers=cfg.connect.num_workers,
         part_size=cfg.connect.part_size,
@@ -192,7 +190,7 @@ def merge_parts(
         (out / FORECAST_FILE).write_text(json.dumps(forecast, indent=2))
         plot_length_histogram(df, cfg.packing.seq_length, out / "length_histogram.png")
         bridge_videos = None
-        if renders_for_bridge(cfg) and int(df["num_videos"].sum()):
+        if backend(cfg).renders_for_bridge and int(df["num_videos"].sum()):
             from packline.qwen.processor import load_processor
 
             bridge_videos = bridge_video_summary(

@@ -43,6 +43,7 @@ from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
 
+from packline.backends import backend
 from packline.conversations import (
     Rejected,
     SeenKeys,
@@ -91,7 +92,7 @@ def prepare_dataset(cfg: PipelineConfig, fp: str | None = None) -> StageResult:
     source = resolve_source(cfg)
     if cfg.data.kind is SourceKind.energon:
         return _adopt_energon(cfg, fp, source, t0)
-    context = row_context(cfg)
+    context = row_context(cfg, bridge_frames=backend(cfg).renders_for_bridge)
     seen = SeenKeys("line")  # a LLaVA record's number, as rejects.jsonl's "line" holds it
     tally = Tally()
     num_rows = 0

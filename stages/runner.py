@@ -4,12 +4,14 @@ log it to MLflow as a child of the pipeline's parent run."""
 from __future__ import annotations
 
 import contextlib
+import importlib
 import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
 
 from packline import metrics as names
+from packline.backends import backend
 from packline.faults import machine_fault
 from packline.fingerprints import stage_fingerprint
 from packline.hub import fetch_missing
@@ -18,19 +20,21 @@ from packline.tracking import Tracker
 from packline.train.distributed import launched
 from packline.workdir import hold
 from packline.workers import forks_exit_with_me
-from schemas.config import PipelineConfig, TrainBackend
+from schemas.config import PipelineConfig
 from schemas.errors import InputCrash, UserError
-from stages import connect, prepare, train, train_megatron, validate
+from stages import connect, prepare, validate
 from stages.base import StageResult, is_up_to_date, read_record, result_from_record
 
 
 def train_stage(
     cfg: PipelineConfig, fp: str | None = None, *, parent_run_id: str | None = None
 ) -> StageResult:
-    """Stage train on ``train.backend``: packline's own trainer (:mod:`stages.train`) or the
-    Megatron-Bridge finetune on the cluster (:mod:`stages.train_megatron`)."""
-    megatron = cfg.train.backend == TrainBackend.megatron
-    run = train_megatron.train_megatron if megatron else train.train_lora
+    """Stage train on ``train.backend``: the stage page its spec names
+    (:attr:`packline.backends.Backend.train_stage`: packline's own trainer,
+    :mod:`stages.train`, or the Megatron-Bridge finetune on the cluster,
+    :mod:`stages.train_megatron`)."""
+    module, _, name = backend(cfg).train_stage.partition(":")
+    run = getattr(importlib.import_module(module), name)
     return run(cfg, fp, parent_run_id=parent_run_id)
 
 

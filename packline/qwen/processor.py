@@ -59,7 +59,7 @@ from packline.shapes.words import (
     SHAPE_NAMES,
     SIZE_WORDS,
 )
-from schemas.config import PipelineConfig, TrainBackend
+from schemas.config import PipelineConfig
 from schemas.errors import UserError
 
 TINY_VOCAB_SIZE = 4096
@@ -566,19 +566,19 @@ def processor_source(cfg: PipelineConfig) -> Path | None:
     return cfg.processor.dir
 
 
-def materialize_processor(cfg: PipelineConfig, dest: Path) -> Path:
+def materialize_processor(cfg: PipelineConfig, dest: Path, *, for_bridge: bool = False) -> Path:
     """Write the processor dir ``dest``: a copy of the user's, or the tiny one,
     with the geometry the config sets (``processor.min_pixels`` ...) written into it, so that
     every later reader of the dir (connect itself, the local trainer, Bridge) resizes alike.
 
-    For ``train.backend: megatron`` its video processor also gets ``do_sample_frames:
-    false``: Bridge calls the processor without it (and without a frame rate), so the dir's
-    value decides, and Qwen3-VL's own ``true`` would re-sample prepare's pre-sampled frames
-    under an assumed 24 fps, keeping a few of them (4 of 12 at 2 fps). packline's own calls
-    say ``do_sample_frames`` explicitly, so the local path does not read it."""
+    ``for_bridge`` (the train backend renders as Bridge does: connect asks its spec) also
+    gives its video processor ``do_sample_frames: false``: Bridge calls the processor
+    without it (and without a frame rate), so the dir's value decides, and Qwen3-VL's own
+    ``true`` would re-sample prepare's pre-sampled frames under an assumed 24 fps, keeping
+    a few of them (4 of 12 at 2 fps). packline's own calls say ``do_sample_frames``
+    explicitly, so the local path does not read it."""
     from packline.qwen.vision import set_processor_geometry, set_video_sampling
 
-    bridge = cfg.train.backend is TrainBackend.megatron  # connect measures as Bridge renders
     src = processor_source(cfg)
     if src is None:
         copy_tiny_processor(dest)  # from the cache: the bytes a fresh build writes
@@ -586,7 +586,7 @@ def materialize_processor(cfg: PipelineConfig, dest: Path) -> Path:
         shutil.copytree(src, dest)
     if overrides := cfg.processor.geometry_overrides():
         set_processor_geometry(dest, **overrides)
-    if bridge:
+    if for_bridge:
         set_video_sampling(dest, do_sample_frames=False)
     processor = load_processor(dest)  # fails here, with the loader's message
     loaded = processor_geometry(processor)
@@ -596,7 +596,7 @@ def materialize_processor(cfg: PipelineConfig, dest: Path) -> Path:
             [f"{dest} resizes with {loaded}, the config asks for {wanted}"],
             "connect: the processor dir does not take the configured geometry",
         )
-    if bridge and processor.video_processor.do_sample_frames:
+    if for_bridge and processor.video_processor.do_sample_frames:
         raise UserError(
             [f"{dest} still samples video frames (do_sample_frames) after connect set it off"],
             "connect: the processor dir does not take Megatron-Bridge's video settings",

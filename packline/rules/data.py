@@ -8,6 +8,7 @@ import math
 
 import pandas as pd
 
+from packline.backends import backend
 from packline.energon.packing import buffered_sample_bytes
 from packline.megatron.overrides import (
     MAX_NUM_FRAMES,
@@ -19,7 +20,6 @@ from packline.rules.inputs import GIB, MIB, Inputs
 from packline.workdir import processor_dir, stage_dir
 from schemas.config import (
     OverlengthPolicy,
-    TrainBackend,
 )
 from schemas.guardrails import (
     Issue,
@@ -255,7 +255,7 @@ def _visual_tokens_per_sample(x: Inputs) -> list[Issue]:
     "skips such samples without counting them",
 )
 def _encoder_limits(x: Inputs) -> list[Issue] | None:
-    if x.cfg.train.backend is not TrainBackend.megatron:
+    if not backend(x.cfg).renders_for_bridge:
         return None
     m = x.cfg.megatron
     out = []
@@ -289,7 +289,7 @@ def _encoder_limits(x: Inputs) -> list[Issue] | None:
 def _video_frames(x: Inputs) -> list[Issue] | None:
 
     b = x.bridge_videos
-    if x.cfg.train.backend is not TrainBackend.megatron or not b:
+    if not backend(x.cfg).renders_for_bridge or not b:
         return None
     x.facts["bridge_videos"] = {
         k: b[k] for k in ("videos", "max_num_frames", "do_sample_frames", "max_presampled_frames")
@@ -337,7 +337,7 @@ def _video_frames(x: Inputs) -> list[Issue] | None:
 )
 def _video_timestamps(x: Inputs) -> list[Issue] | None:
     b = x.bridge_videos
-    if x.cfg.train.backend is not TrainBackend.megatron or not b:
+    if not backend(x.cfg).renders_for_bridge or not b:
         return None
     ts = b["timestamps"]
     x.facts["bridge_timestamps"] = {
@@ -370,7 +370,7 @@ def _video_timestamps(x: Inputs) -> list[Issue] | None:
     "counted (it renders every turn media first; connect measured them that way)",
 )
 def _media_first(x: Inputs) -> list[Issue] | None:
-    if x.cfg.train.backend is not TrainBackend.megatron:
+    if not backend(x.cfg).renders_for_bridge:
         return None
     moved = x.lengths[x.lengths["images_moved"]]
     x.facts["images_moved"] = len(moved)

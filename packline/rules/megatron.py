@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+from packline.backends import backend
 from packline.megatron.overrides import (
     BridgeRun,
     bridge_alignment,
@@ -20,9 +21,7 @@ from packline.megatron.overrides import (
 from schemas.config import (
     Balance,
     ExecutorKind,
-    Packer,
     PipelineConfig,
-    TrainBackend,
 )
 from schemas.guardrails import (
     BRIDGE_PACKING_GUARDS,
@@ -38,7 +37,7 @@ MEGATRON_RULES = RuleBook()
 
 
 def _megatron(run: BridgeRun) -> bool:
-    return run.cfg.train.backend is TrainBackend.megatron
+    return backend(run.cfg).renders_for_bridge
 
 
 @MEGATRON_RULES.rule(
@@ -120,7 +119,7 @@ def _micro_batch_setting(run: BridgeRun) -> list[Issue] | None:
 )
 def _algorithm(run: BridgeRun) -> list[Issue] | None:
     cfg = run.cfg
-    if not _megatron(run) or not cfg.packing.enabled or cfg.packing.packer is not Packer.bridge:
+    if not _megatron(run) or not cfg.packing.enabled or packs_with_packline(cfg):
         return None
     out = []
     algorithm = cfg.packing.algorithm.value
@@ -487,7 +486,7 @@ def megatron_findings(
 ) -> tuple[list[Finding], list[Check], BridgeRun | None]:
     """Every Megatron rule on the run ``cfg`` makes: what broke, each rule's status, and the
     run (None when ``train.backend`` is not megatron, or its overrides cannot be built)."""
-    if cfg.train.backend is not TrainBackend.megatron:
+    if not backend(cfg).renders_for_bridge:
         return (
             [],
             [Check(r.id, r.group, r.requires, "not applicable") for r in MEGATRON_RULES.rules],

@@ -8,6 +8,7 @@ import difflib
 
 import torch
 
+from packline.backends import backend
 from packline.qwen.attention import resolve_attention, varlen_problem
 from packline.qwen.processor import processor_geometry, special_token_ids
 from packline.rules.inputs import Inputs
@@ -16,7 +17,6 @@ from packline.train.memory import GIB, StepShape, forecast_peak
 from packline.train.setup import lora_target_matches
 from schemas.config import (
     ExecutorKind,
-    TrainBackend,
 )
 from schemas.guardrails import (
     Issue,
@@ -193,7 +193,7 @@ def _vision_text_width(x: Inputs) -> list[Issue] | None:
     "train.parallel splits the model's decoder layers into whole stages and its experts evenly",
 )
 def _model_parallel(x: Inputs) -> list[Issue] | None:
-    if not x.model_ok or x.cfg.train.backend is not TrainBackend.local:
+    if not x.model_ok or not backend(x.cfg).trains_here:
         return None  # Bridge splits the model itself (megatron rules)
     from schemas.layout import ParallelLayout
 
@@ -230,7 +230,7 @@ def _model_parallel(x: Inputs) -> list[Issue] | None:
 )
 def _attention_device(x: Inputs) -> list[Issue] | None:
     cfg = x.cfg
-    if cfg.train.backend is not TrainBackend.local or cfg.executor.kind is ExecutorKind.slurm:
+    if not backend(cfg).trains_here or cfg.executor.kind is ExecutorKind.slurm:
         return None  # the train node's device is not this machine's
     device = rank_device()
     chosen = resolve_attention(cfg.model.attention.value, device)
@@ -357,7 +357,7 @@ def step_shapes(x: Inputs) -> list[StepShape]:
 )
 def _memory(x: Inputs) -> list[Issue] | None:
     cfg = x.cfg
-    if not x.model_ok or cfg.train.backend is not TrainBackend.local:
+    if not x.model_ok or not backend(cfg).trains_here:
         return None  # Bridge sizes its own runs
     slurm = cfg.executor.kind is ExecutorKind.slurm
     device = rank_device()

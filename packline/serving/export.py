@@ -18,7 +18,9 @@ base with the adapter merged in as one Hugging Face checkpoint.
   training container: elsewhere :func:`bridge_export_command` is the command that runs this
   export there.
 
-Every export is written to a temp dir beside DIR and renamed into place
+Which of the two a run takes is its backend's (:meth:`packline.backends.Backend.export`,
+behind :func:`packline.backends.export_run`). Every export is written to a temp dir beside
+DIR and renamed into place
 (:func:`packline.workdir.publish`); a DIR packline did not make is refused when it is not
 empty (:func:`packline.workdir.claim_dir`), never overwritten.
 """
@@ -32,40 +34,19 @@ from pathlib import Path
 from packline.workdir import (
     MARKER,
     claim_dir,
-    export_dir,
     new_temp_dir,
     publish,
     publish_modes,
     stage_dir,
 )
-from schemas.config import PipelineConfig, TrainBackend
+from schemas.config import PipelineConfig
 from schemas.errors import UserError
 
 #: The adapter files a PEFT ``save_pretrained`` writes (the model card when it wrote one).
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "README.md")
 
 
-def export_run(cfg: PipelineConfig, to: Path | None = None, *, merge: bool = False) -> Path | str:
-    """``packline export``: the config's trained run into ``to`` (default
-    :func:`~packline.workdir.export_dir`; the adapter, or with ``merge`` a merged HF
-    checkpoint). Returns ``to``, or for the megatron backend outside Bridge's container the
-    command that exports there (nothing is written)."""
-    to = Path(to or export_dir(cfg, merge)).expanduser().resolve()
-    if cfg.train.backend is TrainBackend.megatron:
-        from packline.megatron.container import bridge_problem
-
-        if bridge_problem(packing=False) is not None:
-            return bridge_export_command(cfg, to, merge=merge)
-        return _into(to, lambda tmp: bridge_export(cfg, tmp, merge=merge))
-    from packline.serving.chat import require_adapter
-
-    adapter = require_adapter(cfg)
-    if merge:
-        return _into(to, lambda tmp: merge_adapter(cfg, adapter, tmp))
-    return _into(to, lambda tmp: copy_adapter(adapter, tmp))
-
-
-def _into(to: Path, write) -> Path:
+def publish_into(to: Path, write) -> Path:
     """Run ``write(tmp)`` on a fresh temp dir beside ``to``, then rename it to ``to``."""
     try:
         claim_dir(to, "export")  # before any work: a non-empty dir packline did not make

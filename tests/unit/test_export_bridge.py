@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from packline.backends import export_run
 from packline.serving import export
-from packline.serving.export import export_run, latest_iteration
+from packline.serving.export import latest_iteration
 from pipelines.cli import main
 from schemas.config import PROJECT_ROOT
 from schemas.errors import UserError

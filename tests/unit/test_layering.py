@@ -351,3 +351,44 @@ def test_the_packing_simulator_takes_integers_not_the_config():
             if name.rpartition(".")[2] in pure and top in ("torch", "numpy", "pandas"):
                 found.append(f"{name} imports {imported}")
     assert not found, "\n".join(found)
+
+
+#: Where a train backend may be compared by name: its spec (packline/backends/). Who packs
+#: with it (``packing.packer``) is the megatron backend's own business (packline/megatron/).
+BACKEND_HOMES = {
+    "TrainBackend": ("packline.backends",),
+    "Packer": ("packline.backends", "packline.megatron"),
+}
+
+
+def _compared_choices(path: Path) -> set[str]:
+    """The choices a module compares against by name: ``TrainBackend``/``Packer`` members
+    in a comparison (``is``, ``==``, ``in`` ...), and ``.train.backend`` itself compared."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(node, ast.Compare):
+            continue
+        for operand in (node.left, *node.comparators):
+            for sub in ast.walk(operand):
+                if isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name):
+                    if sub.value.id in BACKEND_HOMES:
+                        found.add(sub.value.id)
+                if isinstance(sub, ast.Attribute) and sub.attr == "backend":
+                    if isinstance(sub.value, ast.Attribute) and sub.value.attr == "train":
+                        found.add("TrainBackend")
+    return found
+
+
+def test_only_a_backends_spec_compares_train_backend():
+    """Every caller asks the spec (``packline.backends.backend(cfg)``): no module of the
+    library, the stages or the pipelines branches on ``train.backend`` or ``packing.packer``
+    outside their homes (schemas/ defines them and checks what load_config refuses)."""
+    found = sorted(
+        f"{name} compares {choice}"
+        for name, path in _modules().items()
+        if name.split(".")[0] in ("packline", "stages", "pipelines")
+        for choice in _compared_choices(path)
+        if not name.startswith(BACKEND_HOMES[choice])
+    )
+    assert not found, "ask packline.backends.backend(cfg) instead:\n" + "\n".join(found)
+    assert _compared_choices(ROOT / "schemas" / "guardrails.py") == {"TrainBackend"}  # it sees
