@@ -22,7 +22,6 @@ import nemo_run as run
 from schemas.config import PROJECT_ROOT, ExecutorKind, PipelineConfig
 from schemas.errors import UserError
 from schemas.guardrails import SLURM_RULES, train_nproc_per_node
-from schemas.safety import unsafe_reason
 
 #: What a job needs of the project (the rest of the tree stays home).
 SHIPPED = ("packline", "stages", "schemas", "pipelines", "configs", "pyproject.toml")
@@ -50,15 +49,7 @@ def slurm_problems(cfg: PipelineConfig) -> list[str]:
     """What stops this config from running on SLURM (empty when it can): the errors of the
     SLURM rules (``schemas/guardrails.py``), which the validate stage lists too."""
     findings, _ = SLURM_RULES.run(cfg)
-    problems = [f"{f.message}: {f.fix}" for f in findings if f.severity == "error"]
-    if (why := unsafe_reason(str(PROJECT_ROOT))) is not None:
-        # NeMo-Run's packager ships SHIPPED with `cd <root> && find ... | tar` through a shell
-        problems.append(
-            f"packline's checkout {str(PROJECT_ROOT)!r}: {why}: NeMo-Run ships it to each job "
-            "through a shell command; fix: move the checkout to a path without whitespace or "
-            "shell characters"
-        )
-    return problems
+    return [f"{f.message}: {f.fix}" for f in findings if f.severity == "error"]
 
 
 def slurm_tunnel(cfg: PipelineConfig, *, job_dir: Path) -> run.LocalTunnel | run.SSHTunnel:

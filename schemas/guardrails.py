@@ -596,3 +596,28 @@ def _slurm_layout(cfg: PipelineConfig) -> list[Issue] | None:
     if cfg.executor.kind is not ExecutorKind.slurm or cfg.train.backend is not TrainBackend.local:
         return None  # the Megatron rules split Bridge's GPUs (packline/megatron/overrides.py)
     return layout_issues(cfg, setting="executor.slurm.nproc_per_node")
+
+
+@SLURM_RULES.rule(
+    "slurm.checkout",
+    "slurm",
+    "packline's checkout lies at a path NeMo-Run can ship through a shell command",
+)
+def _checkout(cfg: PipelineConfig) -> list[Issue] | None:
+    from schemas.config import PROJECT_ROOT
+    from schemas.safety import unsafe_reason
+
+    if cfg.executor.kind is not ExecutorKind.slurm:
+        return None
+    why = unsafe_reason(str(PROJECT_ROOT))
+    if why is None:
+        return []
+    # NeMo-Run's packager ships the code with `cd <root> && find ... | tar` through a shell
+    return [
+        error(
+            "executor.kind",
+            f"packline's checkout {str(PROJECT_ROOT)!r}: {why}: NeMo-Run ships it to each job "
+            "through a shell command",
+            "move the checkout to a path without whitespace or shell characters",
+        )
+    ]
