@@ -3,8 +3,8 @@
 :mod:`packline.packing.forecast` over connect's lengths table. connect writes the result
 (:func:`config_forecast`, ``forecast.json``, with :func:`forecast_flops`'s FLOPs of an epoch
 packed and unpacked); validate, train and the pipeline's console read it back
-(:func:`read_forecast`). The simulator stays on integers; this module knows the config, the
-processor and the FLOPs model."""
+(:func:`packline.catalog.read_forecast`). The simulator stays on integers; this module knows
+the config, the processor and the FLOPs model."""
 
 from __future__ import annotations
 
@@ -185,15 +185,3 @@ def config_forecast(
     forecast["alignment"] = m
     forecast["flops"] = forecast_flops(cfg, processor_dir, train)
     return forecast
-
-
-#: connect's forecast, in its stage dir.
-FORECAST_FILE = "forecast.json"
-
-
-def read_forecast(cfg: PipelineConfig) -> dict[str, Any]:
-    """connect's ``forecast.json`` (:func:`config_forecast`), or ``{}`` before connect."""
-    from packline.workdir import stage_dir
-
-    path = stage_dir(cfg, "connect") / FORECAST_FILE
-    return json.loads(path.read_text()) if path.is_file() else {}

@@ -47,88 +47,16 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from packline.energon.files import PACKLINE_METADATASET
-from schemas.config import PipelineConfig, SourceKind
+from packline.catalog import RECORD_NAME
 from schemas.errors import UserError
 
 MARKER = ".packline-owned"
 """The file in every dir packline made and may replace or remove."""
-RECORD_NAME = "_COMPLETE.json"
-"""A stage's completion record (written last: its presence means the outputs are whole)."""
 LOCK_NAME = ".packline.lock"
 LOCK_ENV = "PACKLINE_WORK_LOCK"
 """``<work dir>=<token>`` of the lock this process works under (set by its holder)."""
 #: The temp dirs packline makes inside a work dir and its subdirs.
 TEMP_RE = re.compile(r"\.(tmp|old)-.+")
-
-
-# --- the work dir's layout -----------------------------------------------------------------
-
-PROCESSOR = "processor"
-"""connect's processor dir, inside its stage dir."""
-BRIDGE_VIDEOS = "bridge_videos.json"
-"""connect's report of what Megatron-Bridge's encoder makes of the videos (backend
-megatron), inside its stage dir; validate reads it."""
-
-
-def stage_dir(cfg: PipelineConfig, stage: str) -> Path:
-    """``<work>/<stage>``: where ``stage`` publishes its outputs and its record."""
-    return cfg.work_path / stage
-
-
-def dataset_dir(cfg: PipelineConfig) -> Path:
-    """prepare's output dir: ``manifest.parquet``, ``rejects.jsonl``, Bridge's ``bridge.yaml``
-    view and, unless the source is an Energon dataset adopted in place, the shards."""
-    return stage_dir(cfg, "prepare")
-
-
-def dataset_path(cfg: PipelineConfig) -> Path:
-    """What packline's Energon loaders open: prepare's dir, or for an Energon dataset
-    adopted in place (``data.source`` names one), the metadataset over it that prepare
-    wrote (:data:`PACKLINE_METADATASET`)."""
-    if cfg.data.kind is SourceKind.energon:
-        return dataset_dir(cfg) / PACKLINE_METADATASET
-    return dataset_dir(cfg)
-
-
-def processor_dir(cfg: PipelineConfig) -> Path:
-    """The processor dir connect measured the lengths with; every later stage loads it."""
-    return stage_dir(cfg, "connect") / PROCESSOR
-
-
-def lengths_path(cfg: PipelineConfig) -> Path:
-    """connect's ``lengths.parquet``: every sample's exact length and FLOPs, by key."""
-    return stage_dir(cfg, "connect") / "lengths.parquet"
-
-
-def train_run_dir(cfg: PipelineConfig, packed: bool = True) -> Path:
-    """``<work>/train/packed`` or ``<work>/train/unpacked``: one local training run's dir
-    (checkpoints, ``adapter/``, its resolved ``config.yaml``, ``result.json``)."""
-    return stage_dir(cfg, "train") / ("packed" if packed else "unpacked")
-
-
-def adapter_dir(cfg: PipelineConfig, packed: bool | None = None) -> Path:
-    """The PEFT adapter a local training run saved (``adapter_config.json`` and the
-    ``adapter_model.safetensors``): what ``packline chat`` and ``packline export`` load.
-    By default the run of the config's own packing setting (``packing.enabled``)."""
-    return train_run_dir(cfg, cfg.packing.enabled if packed is None else packed) / "adapter"
-
-
-def export_dir(cfg: PipelineConfig, merge: bool) -> Path:
-    """Where ``packline export`` writes without ``--to``: ``<work>/export/merged`` (a merged
-    HF checkpoint) or ``<work>/export/adapter``."""
-    return cfg.work_path / "export" / ("merged" if merge else "adapter")
-
-
-def read_record(cfg: PipelineConfig, stage: str) -> dict[str, Any] | None:
-    """The completion record of ``stage``, or None when it has not completed."""
-    path = stage_dir(cfg, stage) / RECORD_NAME
-    if not path.is_file():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError:
-        return None
 
 
 # --- what packline made ------------------------------------------------------------------

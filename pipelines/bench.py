@@ -64,7 +64,7 @@ def _default_set(
     dir and the train lengths."""
     import pandas as pd
 
-    from packline.workdir import dataset_path, stage_dir
+    from packline.catalog import dataset_path, stage_dir
 
     # The stages are the only way to a prepared dataset; this entry point may use them.
     from schemas.config import load_config

@@ -37,7 +37,7 @@ def bench_train(
     """Train packing on and off from scratch on the default set (``config``, default
     ``configs/tiny_cpu.yaml``; work dir ``runs/bench``) and print the comparison; returns
     :meth:`PackingComparison.side_by_side` (what ``--json`` prints)."""
-    from packline.workdir import stage_dir
+    from packline.catalog import stage_dir
     from schemas.config import load_config
     from stages.runner import available_stages, run_stage
 

@@ -18,7 +18,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from packline.backends import backend
-from packline.forecast import read_forecast
+from packline.catalog import read_forecast
 from packline.progress import console
 from packline.report.forecast import forecast_table
 from packline.report.summary import COMPARISON, RunSummary
@@ -171,7 +171,7 @@ def next_steps(cfg: PipelineConfig, prog: list[str], args: list[str]) -> list[tu
     """What to do after a finished run, as (what, command or path). The commands name the
     config as the run was given it (``args``: a config file at most), else this run's
     resolved ``pipeline.yaml``, which holds the overrides too."""
-    from packline.workdir import adapter_dir
+    from packline.catalog import adapter_dir
 
     given = args if len(args) <= 1 and not any("=" in a for a in args) else None
     config = given if given is not None else [_shown(cfg.work_path / "pipeline.yaml")]

@@ -45,10 +45,9 @@ from schemas.choices import (
 from schemas.errors import UserError
 from schemas.guardrails import Check, Finding, config_findings
 from schemas.hub import cached, fetch_command, local_dir, repo_id
-from schemas.paths import special_kind, unreadable
+from schemas.paths import PROJECT_ROOT, special_kind, unreadable
 from schemas.ranges import range_problems, ranged
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = PROJECT_ROOT / "configs" / "tiny_cpu.yaml"
 TINY_BASE = PROJECT_ROOT / "models" / "tiny-base"
 """Where ``scripts/build-tiny-base`` writes the tiny Qwen3-VL base by default (a config

@@ -604,7 +604,7 @@ def _slurm_layout(cfg: PipelineConfig) -> list[Issue] | None:
     "packline's checkout lies at a path NeMo-Run can ship through a shell command",
 )
 def _checkout(cfg: PipelineConfig) -> list[Issue] | None:
-    from schemas.config import PROJECT_ROOT
+    from schemas.paths import PROJECT_ROOT
     from schemas.safety import unsafe_reason
 
     if cfg.executor.kind is not ExecutorKind.slurm:

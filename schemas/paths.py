@@ -15,6 +15,9 @@ import os
 import stat
 from pathlib import Path
 
+#: packline's checkout: the dir holding configs/, models/ and the packages.
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
 _NOT_REGULAR = (
     (stat.S_ISDIR, "a directory"),
     (stat.S_ISFIFO, "a FIFO (named pipe)"),

@@ -19,20 +19,16 @@ from pathlib import Path
 from typing import Any
 
 import packline
-from packline.faults import discard_partial
-from packline.workdir import (  # noqa: F401 - the paths, re-exported for the stages
+from packline.catalog import (  # noqa: F401 - the artefacts, re-exported for the stages
     PROCESSOR,
-    RECORD_NAME,
     dataset_dir,
     dataset_path,
-    is_owned,
-    new_temp_dir,
-    not_ours,
     processor_dir,
-    publish,
     read_record,
     stage_dir,
 )
+from packline.faults import discard_partial
+from packline.workdir import RECORD_NAME, is_owned, new_temp_dir, not_ours, publish
 from schemas.config import STAGES, PipelineConfig
 from schemas.errors import UserError
 

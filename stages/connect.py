@@ -36,6 +36,7 @@ from typing import Any
 import pandas as pd
 
 from packline.backends import backend
+from packline.catalog import BRIDGE_VIDEOS, FORECAST_FILE
 from packline.energon.measure import (
     Measuring,
     VisualRule,
@@ -53,11 +54,10 @@ from packline.energon.parts import (
     current_task,
 )
 from packline.fingerprints import stage_fingerprint
-from packline.forecast import FORECAST_FILE, config_forecast, sample_costs
+from packline.forecast import config_forecast, sample_costs
 from packline.progress import console
 from packline.qwen.processor import materialize_processor
 from packline.report.plots import plot_length_histogram
-from packline.workdir import BRIDGE_VIDEOS
 from schemas.config import PipelineConfig
 from schemas.errors import UserError
 from schemas.tables import SPLITS, LengthsModel, validate_table

@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 
 from packline import metrics as names
+from packline.catalog import lengths_path, read_forecast, train_run_dir
 from packline.fingerprints import stage_fingerprint
-from packline.forecast import read_forecast
 from packline.progress import console
 from packline.qwen.processor import load_processor
 from packline.report.plots import plot_row_fill
@@ -53,7 +53,7 @@ from packline.train.distributed import (
 from packline.train.records import read_records
 from packline.train.setup import build_trainer
 from packline.train.trainer import EVAL_LOG, METRICS_LOG
-from packline.workdir import claim_dir, mark_owned, train_run_dir
+from packline.workdir import claim_dir, mark_owned
 from schemas.config import PipelineConfig, load_config
 from stages.base import (
     StageResult,
@@ -109,6 +109,7 @@ def train_run(
         packed=packed,
         dataset_path=dataset_path(cfg),
         processor_dir=processor_dir(cfg),
+        lengths_path=lengths_path(cfg),
         run_dir=run_dir,
         device=rank_device(),
         tracker=tracker,

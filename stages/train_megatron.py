@@ -35,8 +35,8 @@ import os
 import time
 from typing import Any
 
+from packline.catalog import read_forecast
 from packline.fingerprints import stage_fingerprint
-from packline.forecast import read_forecast
 from packline.megatron.container import bridge_problem
 from packline.megatron.overrides import (
     RECIPE_MODULE,

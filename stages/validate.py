@@ -50,8 +50,8 @@ import time
 from omegaconf import OmegaConf
 
 import packline
+from packline.catalog import read_forecast
 from packline.fingerprints import stage_fingerprint
-from packline.forecast import read_forecast
 from packline.progress import console
 from packline.rules import collect, findings_table
 from schemas.config import PipelineConfig

@@ -103,11 +103,11 @@ def spec(name: TrainBackend) -> Backend:
 
 def export_run(cfg: PipelineConfig, to: Path | None = None, *, merge: bool = False) -> Path | str:
     """``packline export``: the config's trained run into ``to`` (default
-    :func:`~packline.workdir.export_dir`; the adapter, or with ``merge`` a merged HF
+    :func:`~packline.catalog.export_dir`; the adapter, or with ``merge`` a merged HF
     checkpoint), as its backend exports (:meth:`Backend.export`). Returns ``to``, or for
     the megatron backend outside Bridge's container the command that exports there
     (nothing is written)."""
-    from packline.workdir import export_dir
+    from packline.catalog import export_dir
 
     to = Path(to or export_dir(cfg, merge)).expanduser().resolve()
     return backend(cfg).export(cfg, to, merge=merge)

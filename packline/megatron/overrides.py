@@ -43,10 +43,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from packline.catalog import dataset_dir, lengths_path, processor_dir, stage_dir
 from packline.energon.files import BRIDGE_METADATASET
 from packline.qwen.processor import image_geometry
 from packline.tracking import experiment_name, tracking_uri
-from packline.workdir import dataset_dir, lengths_path, processor_dir, stage_dir
 from schemas.choices import ATTENTION_PROJECTIONS, EXPERT_PARAMETERS, MLP_PROJECTIONS, Packer
 from schemas.config import PipelineConfig
 from schemas.errors import UserError

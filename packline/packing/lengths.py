@@ -10,7 +10,7 @@ no pandas (about 50 MB of its RSS). Two keys with the same hash are refused when
 is read (never silently merged).
 
     >>> import pandas as pd, tempfile, pathlib
-    >>> path = pathlib.Path(tempfile.mkdtemp()) / "lengths.parquet"
+    >>> path = pathlib.Path(tempfile.mkdtemp()) / "table.parquet"
     >>> pd.DataFrame({"key": ["a", "b"], "split": ["train", "val"], "total_tokens": [7, 9],
     ...               "image_tokens": [0, 4], "video_tokens": [0, 2], "num_images": [0, 1],
     ...               "flops": [70.0, 120.0]}).to_parquet(path)

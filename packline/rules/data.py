@@ -9,6 +9,7 @@ import math
 import pandas as pd
 
 from packline.backends import backend
+from packline.catalog import processor_dir, stage_dir
 from packline.energon.packing import buffered_sample_bytes
 from packline.megatron.overrides import (
     MAX_NUM_FRAMES,
@@ -17,7 +18,6 @@ from packline.megatron.overrides import (
 from packline.packing.selection import align_up
 from packline.qwen.processor import processor_geometry
 from packline.rules.inputs import GIB, MIB, Inputs
-from packline.workdir import processor_dir, stage_dir
 from schemas.config import (
     OverlengthPolicy,
 )

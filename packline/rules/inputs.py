@@ -11,11 +11,18 @@ from typing import Any
 import pandas as pd
 import torch
 
+from packline.catalog import (
+    BRIDGE_VIDEOS,
+    dataset_dir,
+    lengths_path,
+    processor_dir,
+    read_record,
+    stage_dir,
+)
 from packline.fingerprints import stage_fingerprint
 from packline.qwen.model import build_meta_model
 from packline.qwen.processor import load_processor
 from packline.train.setup import model_config
-from packline.workdir import BRIDGE_VIDEOS, dataset_dir, processor_dir, read_record, stage_dir
 from schemas.config import (
     PipelineConfig,
 )
@@ -67,7 +74,7 @@ def load_inputs(cfg: PipelineConfig, alignment: int | None = None) -> Inputs:
     inputs = Inputs(
         cfg=cfg,
         manifest=pd.read_parquet(dataset_dir(cfg) / "manifest.parquet"),
-        lengths=pd.read_parquet(connect_dir / "lengths.parquet"),
+        lengths=pd.read_parquet(lengths_path(cfg)),
         processor=processor,
         connect_current=record.get("fingerprint") == stage_fingerprint(cfg, "connect"),
         alignment=cfg.packing.alignment if alignment is None else alignment,

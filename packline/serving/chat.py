@@ -4,7 +4,7 @@ PEFT, answering a prompt (with an image or a video) or replaying a prepared samp
 The base is what training started from (:func:`packline.train.setup.build_model`: the
 ``model.path`` checkpoint, or with ``model.path`` null the tiny model at random init, rebuilt
 exactly from ``train.seed``), the processor is connect's copy, and the adapter is the one
-:func:`packline.workdir.adapter_dir` names. Generation is greedy, with the processor's chat
+:func:`packline.catalog.adapter_dir` names. Generation is greedy, with the processor's chat
 template and the language model on ``sdpa`` attention (one conversation: the packed
 attention buys nothing here).
 
@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from packline.catalog import adapter_dir, dataset_dir, dataset_path, processor_dir
 from packline.qwen.generate import (
     DEFAULT_MAX_NEW_TOKENS,
     Prompt,
@@ -29,7 +30,6 @@ from packline.qwen.generate import (
     quiet_libraries,
     sample_prompt,
 )
-from packline.workdir import adapter_dir, dataset_dir, dataset_path, processor_dir
 from schemas.config import PipelineConfig
 from schemas.errors import UserError
 

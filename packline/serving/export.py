@@ -2,7 +2,7 @@
 base with the adapter merged in as one Hugging Face checkpoint.
 
 - ``train.backend: local``: the adapter is the PEFT dir the train stage saved
-  (:func:`packline.workdir.adapter_dir`), copied as it is (``adapter_config.json``,
+  (:func:`packline.catalog.adapter_dir`), copied as it is (``adapter_config.json``,
   ``adapter_model.safetensors``, its ``README.md`` model card). Merged: base + adapter loaded
   as :mod:`packline.serving.chat` loads them (fp32), PEFT's ``merge_and_unload()``, then
   ``save_pretrained`` of the model (safetensors) and of connect's processor into one dir that
@@ -31,14 +31,8 @@ import shlex
 import shutil
 from pathlib import Path
 
-from packline.workdir import (
-    MARKER,
-    claim_dir,
-    new_temp_dir,
-    publish,
-    publish_modes,
-    stage_dir,
-)
+from packline.catalog import stage_dir
+from packline.workdir import MARKER, claim_dir, new_temp_dir, publish, publish_modes
 from schemas.config import PipelineConfig
 from schemas.errors import UserError
 

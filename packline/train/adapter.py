@@ -3,7 +3,7 @@
 with ``task_type`` set, a model card (``README.md``) from the run, and the user's file modes.
 
 One home for the adapter dir: the train stage writes it here; ``packline chat`` and
-``packline export`` read it through :func:`packline.workdir.adapter_dir`.
+``packline export`` read it through :func:`packline.catalog.adapter_dir`.
 """
 
 from __future__ import annotations

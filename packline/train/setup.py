@@ -10,6 +10,7 @@ from peft import LoraConfig
 from peft.tuners.tuners_utils import check_target_module_exists
 from transformers.pytorch_utils import Conv1D
 
+from packline.catalog import dataset_path, lengths_path, processor_dir
 from packline.counters import flops_model_for
 from packline.qwen.attention import set_text_attention
 from packline.qwen.model import build_tiny_model, tiny_config
@@ -21,7 +22,6 @@ from packline.train.evaluate import Evaluator
 from packline.train.layout import LayoutGroups
 from packline.train.lora import peft_wrap
 from packline.train.trainer import Trainer, TrainerSettings, use_bf16
-from packline.workdir import dataset_path, processor_dir
 from schemas.layout import ParallelLayout
 
 #: Module types PEFT's LoRA wraps (a name match on any other type fails in get_peft_model).
@@ -174,15 +174,17 @@ def build_trainer(
     packed: bool,
     dataset_path: Path,
     processor_dir: Path,
+    lengths_path: Path,
     run_dir: Path,
     device: torch.device | None = None,
     tracker: Tracker | None = None,
 ) -> Trainer:
     """A :class:`Trainer` for one run of ``cfg`` (packing on or off) over the prepared
-    dataset in ``dataset_path`` and the processor in ``processor_dir``: the configured model
+    dataset in ``dataset_path``, the processor in ``processor_dir`` and connect's lengths
+    table in ``lengths_path`` (the stage hands them over from the catalog): the configured model
     with LoRA (seeded by ``train.seed``) on ``device``, its evaluator, logging to
     ``tracker`` and writing to ``run_dir``."""
-    settings = TrainerSettings.from_config(cfg, packed=packed)
+    settings = TrainerSettings.from_config(cfg, packed=packed, lengths_path=lengths_path)
     image_token_id = int(processor.image_token_id)
     video_token_id = int(processor.video_token_id)
     layout = ParallelLayout.from_config(cfg.train.parallel, rank_world()[1])
@@ -342,7 +344,7 @@ def training_stream(cfg, *, rank: int = 0, world: int = 1) -> TrainStream:
     ``for row in training_stream(cfg).rows(): print(row.keys, row.cu_seqlens.tolist())``
     """
     return TrainStream(
-        TrainerSettings.from_config(cfg, packed=True).stream,
+        TrainerSettings.from_config(cfg, packed=True, lengths_path=lengths_path(cfg)).stream,
         dataset_path=dataset_path(cfg),
         processor_dir=processor_dir(cfg),
         rank=rank,

@@ -64,7 +64,6 @@ from packline.train.engine import DataParallelEngine, Engine, router_metrics
 from packline.train.evaluate import EvalResult, Evaluator
 from packline.train.layout import count_once
 from packline.train.records import append_record, drop_torn_tail
-from packline.workdir import lengths_path
 from schemas.layout import ParallelLayout
 
 METRICS_LOG = "metrics.jsonl"
@@ -109,8 +108,9 @@ class TrainerSettings:
         return self.stream.packing
 
     @classmethod
-    def from_config(cls, cfg, *, packed: bool) -> TrainerSettings:
-        """The settings of ``cfg`` (a :class:`schemas.config.PipelineConfig`)."""
+    def from_config(cls, cfg, *, packed: bool, lengths_path: Path | None) -> TrainerSettings:
+        """The settings of ``cfg`` (a :class:`schemas.config.PipelineConfig`);
+        ``lengths_path``: connect's lengths table (FLOPs balance reads it)."""
         t = cfg.train
         return cls(
             packed=packed,
@@ -132,7 +132,7 @@ class TrainerSettings:
             moe_aux_loss_coef=t.moe_aux_loss_coef,
             stream=StreamSettings(
                 packing=PackingSettings.from_config(
-                    cfg.packing, seed=t.seed, lengths_path=lengths_path(cfg)
+                    cfg.packing, seed=t.seed, lengths_path=lengths_path
                 ),
                 encoder_mode=cfg.packing.encoder.value,
                 packing_buffer_size=cfg.packing.packing_buffer_size,

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from packline.catalog import processor_dir
 from packline.qwen.forward import packed_forward
 from packline.qwen.processor import load_processor
 from packline.train import expert_parallel as ep
@@ -35,7 +36,6 @@ from packline.train.checkpoint import AdapterState
 from packline.train.distributed import all_gather_object, all_reduce_sum, init_from_env, shutdown
 from packline.train.layout import LayoutGroups
 from packline.train.setup import apply_lora, build_model
-from packline.workdir import processor_dir
 from schemas.layout import ParallelLayout
 from tests.integration.parallel_rows import (
     one_process_step,

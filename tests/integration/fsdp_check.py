@@ -23,13 +23,13 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from packline import metrics as names
+from packline.catalog import processor_dir
 from packline.qwen.processor import load_processor
 from packline.train.distributed import all_gather_object, init_from_env, shutdown
 from packline.train.engine import DataParallelEngine
 from packline.train.records import read_records
 from packline.train.setup import apply_lora, build_model
 from packline.train.trainer import lr_lambda
-from packline.workdir import processor_dir
 from schemas.layout import ParallelLayout
 from tests.conftest import make_config
 from tests.integration.parallel_rows import step_rows

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from transformers import Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration
 
+from packline.catalog import processor_dir
 from packline.qwen.forward import packed_forward, token_loss_sum
 from packline.qwen.moe import RouterRecorder, RouterStats
 from packline.qwen.processor import load_processor
@@ -33,7 +34,6 @@ from packline.train.distributed import (
 from packline.train.layout import LayoutGroups
 from packline.train.pipeline import PipelineRunner
 from packline.train.setup import apply_lora, build_model
-from packline.workdir import processor_dir
 from schemas.layout import ParallelLayout
 from tests.conftest import make_config
 from tests.integration.train_helpers import SMALL

@@ -30,6 +30,7 @@ import pandas as pd
 import pytest
 from PIL import Image
 
+from packline.catalog import BRIDGE_VIDEOS, dataset_dir, processor_dir
 from packline.conversations import key_for_id
 from packline.media.video import decode_frames, probe_video, write_video
 from packline.megatron.overrides import bridge_overrides
@@ -38,7 +39,6 @@ from packline.qwen.processor import copy_tiny_processor, video_geometry
 from packline.rules.data import DATA_RULES
 from packline.rules.inputs import load_inputs
 from packline.sources import resolve_source
-from packline.workdir import BRIDGE_VIDEOS, dataset_dir, processor_dir
 from stages.connect import connect_processor
 from stages.prepare import prepare_dataset
 from tests.bridge_data import PLACEHOLDERS, bridge_data_tree

@@ -98,8 +98,8 @@ def test_a_loader_saved_with_samples_carried_over_restores_the_identical_next_pa
 
 
 def test_flops_balance_through_the_loader_packs_every_key_once_and_resumes_identically(work):
-    from packline.workdir import dataset_path, lengths_path
-    from packline.workdir import processor_dir as connected_processor
+    from packline.catalog import dataset_path, lengths_path
+    from packline.catalog import processor_dir as connected_processor
     from tests.integration.train_helpers import SMALL
 
     def loader(balance: str, repeat: bool):

@@ -2,7 +2,7 @@
 
 The adapter is made without training: the config's LoRA on the shipped tiny base, its B
 factors set to small seeded random values (so the adapter changes the logits), saved where
-the train stage saves it (:func:`packline.workdir.adapter_dir`).
+the train stage saves it (:func:`packline.catalog.adapter_dir`).
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from packline.catalog import adapter_dir
 from packline.qwen.generate import model_inputs, sample_prompt
 from packline.serving.chat import load_base, load_tuned, read_sample
 from packline.train.setup import apply_lora
-from packline.workdir import adapter_dir
 from pipelines.cli import main
 from stages.connect import connect_processor
 from stages.prepare import prepare_dataset

@@ -16,6 +16,7 @@ import pytest
 import yaml
 from megatron.energon import WorkerConfig, get_loader, get_train_dataset, get_val_dataset
 
+from packline.catalog import dataset_path
 from packline.energon.chatml import (
     ChatMLDataset,
     shard_records,
@@ -27,7 +28,6 @@ from packline.energon.packing import PackingSettings, make_encoder
 from packline.energon.sample import ConversationReader
 from packline.qwen.processor import copy_tiny_processor
 from packline.rows import row_context
-from packline.workdir import dataset_path
 from tests.conftest import make_config, png_bytes
 from tests.integration.chatml_dataset import (
     STANDARD_FIELDS,

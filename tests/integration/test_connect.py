@@ -48,7 +48,7 @@ def test_connect_cheap_length_equals_processor_for_every_default_sample(default_
 
 
 def test_connect_forecast_is_monotone_and_bounded(default_set):
-    from packline.forecast import read_forecast
+    from packline.catalog import read_forecast
     from packline.packing.forecast import packing_metrics
 
     out, result, cfg = default_set
@@ -210,8 +210,8 @@ def one_task(tmp_path_factory):
 
 
 def _measuring(cfg, processor: Path, *, num_workers: int, part_size: int = 1):
+    from packline.catalog import dataset_path
     from packline.energon.measure import Measuring
-    from packline.workdir import dataset_path
 
     return Measuring(
         dataset=dataset_path(cfg),

@@ -58,7 +58,7 @@ from stages.connect import connect_processor
 from stages.validate import validate_config
 from packline.qwen.processor import load_processor
 from packline.train.setup import build_model
-from packline.workdir import processor_dir
+from packline.catalog import processor_dir
 work, repo = sys.argv[1], sys.argv[2]
 cfg = load_config(None, [f"work_dir={work}", f"model.path={repo}", f"processor.path={repo}",
                          "data.num_train=12", "data.num_val=4", "prepare.num_workers=1",

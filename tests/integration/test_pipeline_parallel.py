@@ -22,12 +22,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from packline.catalog import processor_dir
 from packline.qwen.forward import packed_forward, token_loss_sum
 from packline.qwen.processor import load_processor
 from packline.train.distributed import torchrun_command
 from packline.train.setup import training_stream
 from packline.train.stage_split import StageModule, StagePlan
-from packline.workdir import processor_dir
 from tests.conftest import make_config
 from tests.integration.pp_check import (
     CASES,

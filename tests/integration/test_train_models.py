@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
+from packline.catalog import processor_dir
 from packline.qwen.model import build_tiny_model
 from packline.qwen.processor import load_processor
-from packline.workdir import processor_dir
 from tests.conftest import make_config
 from tests.integration.train_helpers import SMALL, trainer_for
 

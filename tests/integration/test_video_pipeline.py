@@ -94,9 +94,9 @@ def test_the_built_in_set_with_video_trains_packed_and_unpacked_alike(tmp_path):
 def test_video_rows_out_of_the_loader_are_the_same_lazy_and_eager(tmp_path):
     """The lazy encoder (exact length from headers, sampled frames decoded after selection)
     and the eager one (every frame decoded before) give the very same packed rows."""
+    from packline.catalog import dataset_path, processor_dir
     from packline.energon.loader import train_loader
     from packline.energon.packing import PackingSettings, make_encoder
-    from packline.workdir import dataset_path, processor_dir
 
     cfg = make_config(
         tmp_path / "work", "data.num_train=24", "data.num_val=2", "data.video_share=0.6"

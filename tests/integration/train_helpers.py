@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from packline.catalog import dataset_path, lengths_path, processor_dir
 from packline.qwen.processor import load_processor
 from packline.train.setup import build_trainer
 from packline.train.trainer import Trainer
-from packline.workdir import dataset_path, processor_dir
 
 SMALL = (
     "data.num_train=120",
@@ -27,6 +27,7 @@ def trainer_for(cfg, packed: bool, run_dir: Path) -> Trainer:
         packed=packed,
         dataset_path=dataset_path(cfg),
         processor_dir=processor_dir(cfg),
+        lengths_path=lengths_path(cfg),
         run_dir=run_dir,
     )
 

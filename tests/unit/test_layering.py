@@ -265,7 +265,7 @@ def test_rule_books_are_made_in_schemas_guardrails_and_packline_rules_only():
 
 #: Where a source format may be named outside packline/sources/ and schemas/: an Energon
 #: dataset is adopted in place, not read into shards (prepare's adoption, its dataset path).
-SOURCE_KIND_ELSEWHERE = {"stages.prepare": {"energon"}, "packline.workdir": {"energon"}}
+SOURCE_KIND_ELSEWHERE = {"stages.prepare": {"energon"}, "packline.catalog": {"energon"}}
 
 
 def test_a_source_format_is_one_module_of_packline_sources():
@@ -392,3 +392,42 @@ def test_only_a_backends_spec_compares_train_backend():
     )
     assert not found, "ask packline.backends.backend(cfg) instead:\n" + "\n".join(found)
     assert _compared_choices(ROOT / "schemas" / "guardrails.py") == {"TrainBackend"}  # it sees
+
+
+#: The library modules that still ask the catalog for another stage's artefact, and why; a
+#: stage hands every other one its paths, tables and values. The list only shrinks.
+CATALOG_READERS = {
+    "packline.megatron.overrides": "Bridge's config names prepare's and connect's paths",
+    "packline.rules.inputs": "validate's inputs: every rule reads connect's outputs",
+    "packline.rules.data": "a rule's message names connect's processor dir",
+    "packline.train.setup": "training_stream(cfg): the tutorial's look at a prepared work dir",
+    "packline.serving.chat": "packline chat: a finished run's adapter, processor and data",
+    "packline.serving.export": "packline export: Bridge's checkpoints under train/",
+    "packline.backends": "export_run's default target",
+    "packline.workdir": "a dir holding a stage's completion record counts as packline's own",
+}
+
+
+def test_no_library_module_computes_another_stages_path():
+    """Where each artefact of a work dir lies is ``packline/catalog.py``'s; the stages read
+    and write through it (``stages/base.py`` re-exports it) and hand the library what it
+    needs. Library modules outside :data:`CATALOG_READERS` never import it or spell a
+    stage's file names."""
+    found = sorted(
+        f"{name} imports {imported}"
+        for name, path in _modules().items()
+        if name.split(".")[0] == "packline"
+        and name != "packline.catalog"
+        and name not in CATALOG_READERS
+        for imported in _imported_names(name, path)
+        if imported.startswith("packline.catalog")
+    )
+    assert not found, "take the path from the stage instead:\n" + "\n".join(found)
+    spelled = sorted(
+        name
+        for name, path in _modules().items()
+        if name.split(".")[0] == "packline"
+        and name != "packline.catalog"
+        and re.search(r"\"(lengths\.parquet|forecast\.json|_COMPLETE\.json)\"", path.read_text())
+    )
+    assert not spelled, f"these spell a stage's file name (use the catalog's): {spelled}"
