@@ -8,7 +8,7 @@ from pathlib import Path
 from packline.shapes.generate import write_pretraining_set
 from packline.shapes.pretrain import PretrainSettings, pretrain
 from schemas.config import load_config
-from stages.prepare import prepare_dataset
+from stages.prepare import prepare
 
 
 def build_tiny_base(
@@ -29,5 +29,5 @@ def build_tiny_base(
             "mlflow.enabled=false",
         ],
     )
-    dataset = prepare_dataset(cfg).out_dir
+    dataset = prepare(cfg).out_dir
     return pretrain(out_dir, s, dataset=dataset, work_dir=work_dir, steps=steps)

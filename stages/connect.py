@@ -86,7 +86,7 @@ def bridge_max_num_frames(cfg: PipelineConfig) -> int:
     return max_num_frames(cfg)
 
 
-def connect_processor(
+def connect(
     cfg: PipelineConfig,
     fp: str | None = None,
     *,

@@ -84,7 +84,7 @@ from stages.base import (
 STAGE = "prepare"
 
 
-def prepare_dataset(cfg: PipelineConfig, fp: str | None = None) -> StageResult:
+def prepare(cfg: PipelineConfig, fp: str | None = None) -> StageResult:
     """Read, check and shard the conversations, streaming, over ``prepare.num_workers``
     processes; index them for Energon. An Energon source is adopted in place instead."""
     t0 = time.perf_counter()

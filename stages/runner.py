@@ -40,9 +40,9 @@ def train_stage(
 
 #: stage name → the stage function (its record's key: packline.fingerprints.stage_fingerprint)
 REGISTRY: dict[str, Callable[..., StageResult]] = {
-    "prepare": prepare.prepare_dataset,
-    "connect": connect.connect_processor,
-    "validate": validate.validate_config,
+    "prepare": prepare.prepare,
+    "connect": connect.connect,
+    "validate": validate.validate,
     "train": train_stage,
 }
 #: stages whose own MLflow runs nest under the stage's run

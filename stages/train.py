@@ -221,7 +221,7 @@ def _launch_ranks(
     return RunSummary.from_dict(json.loads((run_dir / RESULT).read_text()))
 
 
-def train_lora(
+def train(
     cfg: PipelineConfig, fp: str | None = None, *, parent_run_id: str | None = None
 ) -> StageResult:
     """Train packing on and off (or only the configured mode) and compare them. With

@@ -61,7 +61,7 @@ from stages.base import StageResult, building, require_record, stage_dir, stage_
 STAGE = "validate"
 
 
-def validate_config(cfg: PipelineConfig, fp: str | None = None) -> StageResult:
+def validate(cfg: PipelineConfig, fp: str | None = None) -> StageResult:
     """Check the config, connect's data and the model against each other, all at once."""
     t0 = time.perf_counter()
     fp = fp or stage_fingerprint(cfg, STAGE)

@@ -57,7 +57,7 @@ class Local(Backend):
 
 LOCAL = Local(
     name=TrainBackend.local,
-    train_stage="stages.train:train_lora",
+    train_stage="stages.train:train",
     renders_for_bridge=False,
     trains_here=True,
     compares_packers=False,

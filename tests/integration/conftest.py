@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from stages.connect import connect_processor
-from stages.prepare import prepare_dataset
-from stages.validate import validate_config
+from stages.connect import connect
+from stages.prepare import prepare
+from stages.validate import validate
 from tests.conftest import make_config
 from tests.integration.train_helpers import SMALL
 
@@ -18,7 +18,7 @@ def work(tmp_path_factory) -> Path:
     """A prepared and connected small set, shared by the train tests (read-only)."""
     work = tmp_path_factory.mktemp("train") / "work"
     cfg = make_config(work, *SMALL)
-    prepare_dataset(cfg)
-    connect_processor(cfg)
-    validate_config(cfg)
+    prepare(cfg)
+    connect(cfg)
+    validate(cfg)
     return work

@@ -29,7 +29,7 @@ import yaml
 from packline.energon.chatml import SPLIT_CONFIG, ChatMLDataset
 from packline.energon.files import PACKLINE_METADATASET
 from pipelines.cli import main
-from stages.prepare import prepare_dataset
+from stages.prepare import prepare
 from tests.conftest import make_config, png_bytes
 from tests.integration.chatml_dataset import (
     STANDARD_FIELDS,
@@ -82,7 +82,7 @@ def test_jsonl_bytes_that_are_not_utf8_reject_that_row_and_a_bom_is_text(tmp_pat
         _line("emoji", "\U0001f600 fine"),
     ]
     (folder / "conversations.jsonl").write_bytes(b"\n".join(lines) + b"\n")
-    out = prepare_dataset(make_config(tmp_path / "work", f"data.source={folder}", *LENIENT))
+    out = prepare(make_config(tmp_path / "work", f"data.source={folder}", *LENIENT))
     rejects = _rejects(out.out_dir)
     assert set(rejects) == {None, "escaped"}  # the Latin-1 line has no readable id
     column = lines[2].index(b"\xe9") + 1
@@ -106,7 +106,7 @@ def test_llava_bytes_that_are_not_utf8_reject_that_record_and_a_bom_is_text(tmp_
     path = tmp_path / "src" / "mix.json"
     path.parent.mkdir()
     path.write_bytes(b"\xef\xbb\xbf[" + b",\n".join(records) + b"]")
-    out = prepare_dataset(make_config(tmp_path / "work", f"data.source={path}", *LENIENT))
+    out = prepare(make_config(tmp_path / "work", f"data.source={path}", *LENIENT))
     rejects = _rejects(out.out_dir)
     assert rejects == {
         "latin1": (
@@ -139,7 +139,7 @@ def test_an_adopted_samples_text_that_is_not_utf8_is_rejected_and_a_bom_read(tmp
     energon_prepare(root, ["train-0.tar"], {"train": "^train-0[.]tar$"})
     write_bridge_yaml(root, STANDARD_FIELDS)
     before = file_stats(root)
-    out = prepare_dataset(make_config(tmp_path / "work", f"data.source={root}", *LENIENT))
+    out = prepare(make_config(tmp_path / "work", f"data.source={root}", *LENIENT))
     rejects = _rejects(out.out_dir)
     assert rejects["train-0.tar/latin1"][0] == "text_not_utf8"
     assert "byte 0xe9" in rejects["train-0.tar/latin1"][1]
@@ -163,7 +163,7 @@ def test_a_conversation_over_max_text_chars_is_rejected_before_any_tokenizer(tmp
     cfg = make_config(
         tmp_path / "work", f"data.source={folder}", "prepare.max_text_chars=1000", *LENIENT
     )
-    out = prepare_dataset(cfg)
+    out = prepare(cfg)
     assert _rejects(out.out_dir) == {
         "long": (
             "text_too_long",
@@ -184,7 +184,7 @@ def test_two_ids_that_map_to_one_key_are_both_named(tmp_path: Path):
     hashed = key_for_id("a.b")  # 'a.b' is not a safe key: its key is a hash
     lines = [_line("a.b"), _line(hashed), _line("plain"), _line("plain")]
     (folder / "conversations.jsonl").write_bytes(b"\n".join(lines) + b"\n")
-    out = prepare_dataset(make_config(tmp_path / "work", f"data.source={folder}", *LENIENT))
+    out = prepare(make_config(tmp_path / "work", f"data.source={folder}", *LENIENT))
     rows = [json.loads(x) for x in (out.out_dir / "rejects.jsonl").read_text().splitlines()]
     assert [(r["line"], r["id"], r["detail"]) for r in rows] == [
         (
@@ -215,7 +215,7 @@ def test_an_energon_key_in_two_shards_names_both_ids(tmp_path: Path):
     (meta / ".info.json").write_text(json.dumps({"shard_counts": dict.fromkeys(shards, 2)}))
     (meta / "split.yaml").write_text(yaml.safe_dump({"split_parts": {"train": list(shards)}}))
     write_bridge_yaml(root, STANDARD_FIELDS)
-    out = prepare_dataset(make_config(tmp_path / "work", f"data.source={root}", *LENIENT))
+    out = prepare(make_config(tmp_path / "work", f"data.source={root}", *LENIENT))
     assert _rejects(out.out_dir)["train-1.tar/a"] == (
         "duplicate_id",
         "ids 'train-1.tar/a' and 'train-0.tar/a' (position 1) map to the same key 'a' (an "
@@ -523,7 +523,7 @@ def test_an_adopted_part_over_max_media_bytes_is_rejected_unread(tmp_path: Path)
     cfg = make_config(
         tmp_path / "work", f"data.source={root}", "prepare.max_media_bytes=2000", *LENIENT
     )
-    out = prepare_dataset(cfg)
+    out = prepare(cfg)
     big_part = len(pickle.dumps([big]))
     assert _rejects(out.out_dir) == {
         "train-0.tar/big": (

@@ -27,8 +27,8 @@ import pytest
 
 from packline.megatron.fields import CLASSES
 from packline.megatron.overrides import PACKLINE_DATASET_CLASS
-from stages.connect import connect_processor
-from stages.prepare import prepare_dataset
+from stages.connect import connect
+from stages.prepare import prepare
 from tests.bridge_data import bridge_main_tree
 from tests.conftest import make_config
 
@@ -52,8 +52,8 @@ pytestmark = pytest.mark.slow
 def test_bridge_trains_on_packlines_packs_bitwise_as_its_own_encoder_makes_them(tmp_path: Path):
     overrides = [f"work_dir={tmp_path / 'work'}", *MEGATRON]
     cfg = make_config(tmp_path / "work", *MEGATRON)
-    prepare_dataset(cfg)
-    connect_processor(cfg)
+    prepare(cfg)
+    connect(cfg)
     (tmp_path / "overrides.json").write_text(json.dumps(overrides))
     out = tmp_path / "report.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(bridge_main_tree()), str(ROOT)])}

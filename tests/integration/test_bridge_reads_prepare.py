@@ -39,8 +39,8 @@ from packline.qwen.processor import copy_tiny_processor, video_geometry
 from packline.rules.data import DATA_RULES
 from packline.rules.inputs import load_inputs
 from packline.sources import resolve_source
-from stages.connect import connect_processor
-from stages.prepare import prepare_dataset
+from stages.connect import connect
+from stages.prepare import prepare
 from tests.bridge_data import PLACEHOLDERS, bridge_data_tree
 from tests.bridge_source import IndexUnreachable
 from tests.conftest import make_config
@@ -168,8 +168,8 @@ def _check(cfg, tmp_path: Path, source: Path) -> tuple[pd.DataFrame, dict[str, d
 
 def test_bridge_reads_the_built_in_set_at_connects_lengths(tmp_path: Path):
     cfg = make_config(tmp_path / "work", *MEGATRON, "packing.packing_buffer_size=16")
-    prepare_dataset(cfg)
-    connect_processor(cfg)
+    prepare(cfg)
+    connect(cfg)
     lengths, _ = _check(cfg, tmp_path, resolve_source(cfg))
     assert set(lengths["num_images"]) >= {0, 1, 2}  # text-only, single- and multi-image rows
     assert lengths["num_videos"].sum() > 0  # the built-in set's video rows
@@ -249,8 +249,8 @@ def _user_folder(root: Path) -> Path:
 def test_bridge_reads_a_user_folder_with_mid_text_markers_at_connects_lengths(tmp_path: Path):
     folder = _user_folder(tmp_path)
     cfg = make_config(tmp_path / "work", *MEGATRON, f"data.source={folder}")
-    prepare_dataset(cfg)
-    connect_processor(cfg)
+    prepare(cfg)
+    connect(cfg)
     lengths, seen = _check(cfg, tmp_path, folder)
     moved = dict(zip(lengths["key"], lengths["images_moved"], strict=True))
     # Bridge moves the images of the rows whose markers are not already first in their turn
@@ -328,8 +328,8 @@ def test_bridge_reads_video_rows_at_connects_lengths(tmp_path: Path):
         f"data.source={folder}",
         "megatron.extra_overrides=[dataset.task_encoder.max_num_frames=8]",
     )
-    prepare_dataset(cfg)
-    connect_processor(cfg)
+    prepare(cfg)
+    connect(cfg)
     lengths, seen = _check(cfg, tmp_path, folder)
     by_key = lengths.set_index("key")
     # Bridge keeps every pre-sampled frame (2 fps of 4-fps clips, at least 4) but the long

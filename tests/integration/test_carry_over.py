@@ -16,7 +16,7 @@ from packline.energon.loader import train_loader
 from packline.energon.packing import PackingSettings, make_encoder
 from packline.packing.ledger import Ledger
 from packline.qwen.processor import copy_tiny_processor
-from stages.prepare import prepare_dataset
+from stages.prepare import prepare
 from tests.conftest import make_config
 
 warnings.filterwarnings("ignore", message=".*pin_memory.*")
@@ -32,7 +32,7 @@ def processor_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory) -> Path:
     work = tmp_path_factory.mktemp("carry") / "work"
-    return prepare_dataset(make_config(work, f"data.num_train={ROWS}", "data.num_val=4")).out_dir
+    return prepare(make_config(work, f"data.num_train={ROWS}", "data.num_val=4")).out_dir
 
 
 def _loader(dataset, processor_dir, *, carry: int, workers: int = 0, repeat: bool = True):

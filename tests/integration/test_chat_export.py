@@ -20,8 +20,8 @@ from packline.qwen.generate import model_inputs, sample_prompt
 from packline.serving.chat import load_base, load_tuned, read_sample
 from packline.train.setup import apply_lora
 from pipelines.cli import main
-from stages.connect import connect_processor
-from stages.prepare import prepare_dataset
+from stages.connect import connect
+from stages.prepare import prepare
 from tests.conftest import make_config, png_bytes
 
 SET = ("data.num_train=16", "data.num_val=4", "connect.num_workers=0")
@@ -36,8 +36,8 @@ def work(tmp_path_factory) -> Path:
     """A prepared and connected set and an adapter where the packed run saves one."""
     work = tmp_path_factory.mktemp("chat") / "work"
     cfg = make_config(work, *SET)
-    prepare_dataset(cfg)
-    connect_processor(cfg)
+    prepare(cfg)
+    connect(cfg)
     model, _ = load_base(cfg)
     torch.manual_seed(cfg.train.seed)
     peft = apply_lora(model, cfg.lora)

@@ -399,7 +399,7 @@ def test_write_adoption_escapes_braces_of_excluded_names(tmp_path):
 
 def test_prepare_stops_with_exit_2_on_a_shard_changed_since_it_was_indexed(tmp_path):
     from schemas.errors import UserError
-    from stages.prepare import prepare_dataset
+    from stages.prepare import prepare
     from tests.conftest import make_config
 
     ok = {"conversation.json": _conversation("Hi", "Hello"), "jpgs": pickle.dumps([])}
@@ -413,4 +413,4 @@ def test_prepare_stops_with_exit_2_on_a_shard_changed_since_it_was_indexed(tmp_p
         cfg = make_config(tmp_path / f"w{workers}", f"data.source={root}")
         cfg.prepare.num_workers = workers
         with pytest.raises(UserError, match="holds 2 samples, its Energon index says 1"):
-            prepare_dataset(cfg)
+            prepare(cfg)

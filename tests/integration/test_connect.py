@@ -11,8 +11,8 @@ from packline.packing.forecast import forecast_fill
 from schemas.config import Algorithm
 from schemas.errors import UserError
 from schemas.tables import LengthsModel
-from stages.connect import connect_processor
-from stages.prepare import prepare_dataset
+from stages.connect import connect
+from stages.prepare import prepare
 from tests.conftest import make_config
 
 
@@ -26,8 +26,8 @@ def default_set(tmp_path_factory) -> Path:
     """The built-in set at its default size, prepared and connected once for the module."""
     work = tmp_path_factory.mktemp("default") / "work"
     cfg = make_config(work, "data.num_train=2000", "data.num_val=200", "prepare.num_workers=2")
-    prepare_dataset(cfg)
-    result = connect_processor(cfg)
+    prepare(cfg)
+    result = connect(cfg)
     return result.out_dir, result, cfg
 
 
@@ -86,9 +86,9 @@ def test_connect_forecast_is_monotone_and_bounded(default_set):
 
 def test_connect_catches_a_wrong_cheap_rule(tmp_path: Path):
     cfg = make_config(tmp_path / "work")
-    prepare_dataset(cfg)
+    prepare(cfg)
     with pytest.raises(UserError) as info:
-        connect_processor(cfg, visual_tokens=floor_rule)
+        connect(cfg, visual_tokens=floor_rule)
     assert "cheap length rule disagrees with the processor" in info.value.header
     pattern = (
         r"^\S+: the processor counts (\d+) tokens \((\d+) image, \d+ loss\), the cheap rule (\d+)"
@@ -147,8 +147,8 @@ def _hf_style_processor_dir(root: Path) -> Path:
 def test_connect_with_a_hf_style_processor_dir(tmp_path: Path):
     proc = _hf_style_processor_dir(tmp_path)
     cfg = make_config(tmp_path / "work", f"processor.path={proc}")
-    prepare_dataset(cfg)
-    result = connect_processor(cfg)
+    prepare(cfg)
+    result = connect(cfg)
     lengths = pd.read_parquet(result.out_dir / "lengths.parquet")
     assert result.metrics["connect/cheap_mismatches"] == 0
     # Qwen3-VL's real minimum of 65,536 pixels upscales every image to >= 64 visual tokens.
@@ -204,8 +204,8 @@ def _lengths(result) -> pd.DataFrame:
 def one_task(tmp_path_factory):
     """The small set connected as one task: the table every other layout must equal."""
     cfg = make_config(tmp_path_factory.mktemp("one") / "work", *SHARDED)
-    prepare_dataset(cfg)
-    result = connect_processor(cfg)
+    prepare(cfg)
+    result = connect(cfg)
     return cfg, result, _lengths(result)
 
 
@@ -299,7 +299,7 @@ def test_connect_as_two_slurm_tasks_equals_one_task_and_logs_one_run(
     cfg = make_config(
         tmp_path / "work", *SHARDED, *ON_SLURM, "connect.num_tasks=2", "connect.part_size=7"
     )
-    prepare_dataset(cfg)
+    prepare(cfg)
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
     monkeypatch.setenv("SLURM_NTASKS", "2")
     monkeypatch.setenv("SLURM_PROCID", "0")
@@ -338,12 +338,12 @@ def test_connect_tasks_given_explicitly_with_no_loader_workers_equal_one_task(
 ):
     _, _, table = one_task
     cfg = make_config(tmp_path / "work", *SHARDED, "connect.num_tasks=3", "connect.num_workers=0")
-    prepare_dataset(cfg)
-    results = [connect_processor(cfg, task=(rank, 3)) for rank in (2, 0, 1)]
+    prepare(cfg)
+    results = [connect(cfg, task=(rank, 3)) for rank in (2, 0, 1)]
     assert [r.partial for r in results] == [True, True, False]
     pd.testing.assert_frame_equal(_lengths(results[-1]), table)
     with pytest.raises(ValueError, match="connect.num_tasks is 3"):
-        connect_processor(cfg, task=(0, 2))
+        connect(cfg, task=(0, 2))
 
 
 def test_connect_in_a_job_step_of_another_task_count_is_refused(tmp_path: Path, monkeypatch):
@@ -373,7 +373,7 @@ def test_connect_resumes_after_its_last_finished_part_at_any_cut(one_task, tmp_p
     from packline.energon.parts import PartsDir
 
     cfg = make_config(tmp_path / "work", *SHARDED, "connect.num_tasks=2", "connect.part_size=3")
-    prepare_dataset(cfg)
+    prepare(cfg)
     _, result, _ = one_task
     parts = PartsDir(cfg, "f" * 64)
     m = _measuring(cfg, result.out_dir / "processor", num_workers=2, part_size=3)
@@ -414,7 +414,7 @@ def test_connect_killed_after_its_first_part_resumes_to_the_same_table(one_task,
     overrides = [f"work_dir={tmp_path / 'work'}", "data.num_train=60", "data.num_val=8"]
     overrides += [*SHARDED, "prepare.num_workers=1", "connect.part_size=5", "mlflow.enabled=false"]
     cfg = make_config(tmp_path / "work", *overrides[1:])
-    prepare_dataset(cfg)
+    prepare(cfg)
     proc = subprocess.Popen(
         [sys.executable, "-m", "pipelines.cli", "stage", "connect", *overrides],
         cwd=PROJECT_ROOT,
@@ -450,8 +450,8 @@ def test_connect_verify_a_sample_gives_the_same_table_and_says_so(one_task, tmp_
     cfg = make_config(
         tmp_path / "work", *SHARDED, "connect.verify=10", "connect.num_tasks=2", "train.seed=3"
     )
-    prepare_dataset(cfg)
-    result = connect_processor(cfg)
+    prepare(cfg)
+    result = connect(cfg)
     assert not result.partial
     pd.testing.assert_frame_equal(_lengths(result), table)
     assert table["num_videos"].sum() > 0
@@ -473,8 +473,8 @@ def test_connect_verify_a_sample_as_bridge_renders_gives_the_same_outputs(tmp_pa
     out = {}
     for verify in ("all", "5"):
         cfg = make_config(tmp_path / verify, *megatron, f"connect.verify={verify}")
-        prepare_dataset(cfg)
-        result = connect_processor(cfg)
+        prepare(cfg)
+        result = connect(cfg)
         assert result.metrics["connect/verified_samples"] == (68 if verify == "all" else 5)
         out[verify] = (_lengths(result), (result.out_dir / "bridge_videos.json").read_text())
     pd.testing.assert_frame_equal(out["5"][0], out["all"][0])

@@ -12,7 +12,7 @@ from packline.energon.loader import train_loader
 from packline.energon.packing import PackingSettings, make_encoder
 from packline.packing.ledger import Ledger
 from packline.qwen.processor import copy_tiny_processor
-from stages.prepare import prepare_dataset
+from stages.prepare import prepare
 from tests.conftest import make_config
 
 warnings.filterwarnings("ignore", message=".*pin_memory.*")
@@ -33,14 +33,14 @@ def default_dataset(tmp_path_factory) -> Path:
     cfg = make_config(
         work, f"data.num_train={EPOCH_ROWS}", "data.num_val=20", "prepare.num_workers=2"
     )
-    return prepare_dataset(cfg).out_dir
+    return prepare(cfg).out_dir
 
 
 @pytest.fixture(scope="module")
 def small_dataset(tmp_path_factory) -> Path:
     work = tmp_path_factory.mktemp("small") / "work"
     cfg = make_config(work, "data.num_train=50", "data.num_val=4")
-    return prepare_dataset(cfg).out_dir
+    return prepare(cfg).out_dir
 
 
 def _epoch(dataset, processor_dir, *, buffer, workers, mode="lazy", seq=SEQ):
@@ -152,7 +152,7 @@ def _corrupt_images(dataset: Path, keys: set[str] | None = None) -> int:
 
 
 def test_a_malformed_sample_is_a_counted_skip(tmp_path, processor_dir):
-    dataset = prepare_dataset(
+    dataset = prepare(
         make_config(tmp_path / "work", "data.num_train=30", "data.num_val=2")
     ).out_dir
     manifest = __import__("pandas").read_parquet(dataset / "manifest.parquet")
@@ -178,7 +178,7 @@ def test_all_samples_malformed_stops_instead_of_looping(tmp_path, processor_dir)
     rows = [_row(f"r{i}", [_png(folder / f"{i}.png", (64, 64 + 8 * i))]) for i in range(6)]
     (folder / "conversations.jsonl").write_text("\n".join(rows) + "\n")
     cfg = make_config(tmp_path / "work", f"data.source={folder}", "prepare.val_fraction=0")
-    dataset = prepare_dataset(cfg).out_dir
+    dataset = prepare(cfg).out_dir
     assert _corrupt_images(dataset) == 6
     encoder = make_encoder("lazy", processor_dir, PackingSettings(seq_length=1024))
     loader = train_loader(dataset, encoder, packing_buffer_size=4, repeat=True)

@@ -28,8 +28,8 @@ from torch import nn
 
 from packline.train import expert_parallel as ep
 from packline.train.distributed import torchrun_command
-from stages.connect import connect_processor
-from stages.prepare import prepare_dataset
+from stages.connect import connect
+from stages.prepare import prepare
 from tests.integration.parallel_rows import parallel_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,8 +43,8 @@ def ep_work(tmp_path_factory) -> Path:
     """A prepared and connected small set for the MoE on fixed-width rows (read-only)."""
     work = tmp_path_factory.mktemp("ep") / "work"
     cfg = parallel_config(work)
-    prepare_dataset(cfg)
-    connect_processor(cfg)
+    prepare(cfg)
+    connect(cfg)
     return work
 
 

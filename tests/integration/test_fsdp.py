@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from packline.train.distributed import torchrun_command
-from stages.connect import connect_processor
-from stages.prepare import prepare_dataset
-from stages.validate import validate_config
+from stages.connect import connect
+from stages.prepare import prepare
+from stages.validate import validate
 from tests.conftest import make_config
 from tests.integration.fsdp_check import FSDP, STEPS
 from tests.integration.train_helpers import check_resume_on_one_process
@@ -39,9 +39,9 @@ def _launch(work: Path, mode: str, tmp_path: Path) -> dict:
 def test_fsdp2_on_two_ranks_trains_like_one_process_and_resumes_across(tmp_path, capsys):
     work = tmp_path / "work"
     cfg = make_config(work, *FSDP)
-    prepare_dataset(cfg)
-    connect_processor(cfg)
-    validate_config(cfg)
+    prepare(cfg)
+    connect(cfg)
+    validate(cfg)
 
     r = _launch(work, "train", tmp_path)
     assert r["engine"] == "ShardedEngine" and r["sharding"] == "fsdp2 over 2 ranks"

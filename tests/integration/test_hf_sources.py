@@ -22,7 +22,7 @@ import pytest
 
 from schemas.config import PROJECT_ROOT
 from schemas.errors import UserError
-from stages.prepare import prepare_dataset
+from stages.prepare import prepare
 from tests.conftest import make_config, png_bytes
 
 IMAGE = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
@@ -160,7 +160,7 @@ def _sha(paths: list[Path]) -> dict[Path, str]:
 
 def test_every_layout_gives_the_folder_samples(tmp_path: Path):
     convs = _conversations()
-    folder = prepare_dataset(
+    folder = prepare(
         make_config(tmp_path / "w-folder", f"data.source={_folder(tmp_path, convs)}", *COMMON)
     )
     expected = _samples(folder.out_dir)
@@ -173,7 +173,7 @@ def test_every_layout_gives_the_folder_samples(tmp_path: Path):
             for k, part in enumerate((rows[:3], rows[3:]))
         ]
         before = _sha(files)
-        result = prepare_dataset(
+        result = prepare(
             make_config(tmp_path / f"w-{layout}", f"data.source={tmp_path / layout}", *COMMON)
         )
         assert result.summary["source_kind"] == "parquet"
@@ -187,17 +187,17 @@ def test_every_layout_gives_the_folder_samples(tmp_path: Path):
         assert _sha(files) == before  # the source is only read
     # a file given by name, and a glob, read the same rows
     one = tmp_path / "conversations" / "data" / "train-00000-of-00002.parquet"
-    by_name = prepare_dataset(make_config(tmp_path / "w-one", f"data.source={one}", *COMMON))
+    by_name = prepare(make_config(tmp_path / "w-one", f"data.source={one}", *COMMON))
     assert _samples(by_name.out_dir) == expected[:3]
     pattern = tmp_path / "messages" / "data" / "*.parquet"
-    by_glob = prepare_dataset(make_config(tmp_path / "w-glob", f"data.source={pattern}", *COMMON))
+    by_glob = prepare(make_config(tmp_path / "w-glob", f"data.source={pattern}", *COMMON))
     assert _samples(by_glob.out_dir) == expected
 
 
 def test_rows_without_an_id_get_a_stable_one_from_their_address(tmp_path: Path):
     rows, schema = _rows("texts", _conversations())
     path = _write(tmp_path / "src" / "cauldron.parquet", rows, schema)
-    result = prepare_dataset(make_config(tmp_path / "w", f"data.source={path}", *COMMON))
+    result = prepare(make_config(tmp_path / "w", f"data.source={path}", *COMMON))
     import pandas as pd
 
     ids = pd.read_parquet(result.out_dir / "manifest.parquet")["id"].tolist()
@@ -233,7 +233,7 @@ def test_bad_rows_are_rejected_with_reason_and_address(tmp_path: Path):
     ]
     path = _write(tmp_path / "src" / "mixed.parquet", rows, schema, row_group_size=5)
     before = _sha([path])
-    result = prepare_dataset(make_config(tmp_path / "w", f"data.source={path}", *COMMON))
+    result = prepare(make_config(tmp_path / "w", f"data.source={path}", *COMMON))
     rejects = [
         json.loads(line) for line in (result.out_dir / "rejects.jsonl").read_text().splitlines()
     ]
@@ -260,20 +260,20 @@ def test_a_broken_file_or_an_unknown_layout_stops_prepare_naming_it(tmp_path: Pa
     truncated = tmp_path / "a" / "truncated.parquet"
     truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
     with pytest.raises(UserError) as err:
-        prepare_dataset(make_config(tmp_path / "w1", f"data.source={tmp_path / 'a'}", *COMMON))
+        prepare(make_config(tmp_path / "w1", f"data.source={tmp_path / 'a'}", *COMMON))
     assert f"{truncated}: not a readable Parquet file" in str(err.value)
 
     other = pa.table({"prompt": ["hi"], "dialog": [[{"from": "human", "value": "hi"}]]})
     pq.write_table(other, tmp_path / "b.parquet")
     with pytest.raises(UserError) as err:
-        prepare_dataset(make_config(tmp_path / "w2", f"data.source={tmp_path / 'b.parquet'}"))
+        prepare(make_config(tmp_path / "w2", f"data.source={tmp_path / 'b.parquet'}"))
     text = str(err.value)
     assert "has the columns ['dialog', 'prompt']" in text
     assert "fix: map the conversation column with data.columns, e.g. " in text
     assert "data.columns={conversations: dialog}" in text  # its list column, named
     assert not (tmp_path / "w2" / "prepare").exists()  # nothing half-published
     with pytest.raises(UserError, match=r"names \{'images': 'pics'\} but the file has no such"):
-        prepare_dataset(
+        prepare(
             make_config(
                 tmp_path / "w3",
                 f"data.source={tmp_path / 'b.parquet'}",
@@ -296,7 +296,7 @@ def test_columns_named_otherwise_are_mapped_and_a_system_prompt_goes_first(tmp_p
         for r in rows
     ]  # fmt: skip
     path = _write(tmp_path / "src" / "mine.parquet", mapped, schema)
-    result = prepare_dataset(
+    result = prepare(
         make_config(
             tmp_path / "w",
             f"data.source={path}",
@@ -310,7 +310,7 @@ def test_columns_named_otherwise_are_mapped_and_a_system_prompt_goes_first(tmp_p
     assert pd.read_parquet(result.out_dir / "manifest.parquet")["id"].tolist() == [
         c["id"] for c in convs
     ]
-    folder = prepare_dataset(
+    folder = prepare(
         make_config(tmp_path / "w-folder", f"data.source={_folder(tmp_path, convs)}", *COMMON)
     )
     system = {"role": "system", "content": [{"type": "text", "text": "Answer in one word."}]}
@@ -401,7 +401,7 @@ def test_the_shards_are_the_same_bytes_for_one_and_two_workers(tmp_path: Path):
             tmp_path / f"w{workers}", f"data.source={source}", f"prepare.num_workers={workers}",
             "prepare.samples_per_shard=7", "prepare.val_fraction=0.25",
         )  # fmt: skip
-        outs.append(prepare_dataset(cfg).out_dir)
+        outs.append(prepare(cfg).out_dir)
     names = sorted(p.name for p in outs[0].glob("*.tar"))
     assert len(names) > 2 and names == sorted(p.name for p in outs[1].glob("*.tar"))
     for name in [*names, "manifest.parquet", "rejects.jsonl"]:
@@ -430,9 +430,9 @@ def _lengths(cfg) -> list[tuple]:
     """connect's lengths of every sample, in the manifest's order, keys aside."""
     import pandas as pd
 
-    from stages.connect import connect_processor
+    from stages.connect import connect
 
-    lengths = pd.read_parquet(connect_processor(cfg).out_dir / "lengths.parquet")
+    lengths = pd.read_parquet(connect(cfg).out_dir / "lengths.parquet")
     keys = pd.read_parquet(cfg.work_path / "prepare" / "manifest.parquet")["key"].tolist()
     by_key = lengths.set_index("key")
     columns = ["split", "text_tokens", "image_tokens", "total_tokens", "loss_tokens", "image_grids"]
@@ -452,11 +452,11 @@ def test_a_save_to_disk_folder_gives_the_folder_samples_splits_and_lengths(tmp_p
         for line in lines:
             line["split"] = "val" if line["id"] in ("c4", "c5") else "train"
         Path(path).write_text("".join(json.dumps(line) + "\n" for line in lines))
-    folder = prepare_dataset(folder_cfg)
+    folder = prepare(folder_cfg)
     schema = schema.append(pa.field("split", pa.string()))
     arrow = _save_to_disk(tmp_path / "saved", {"train": rows[:4], "validation": rows[4:]}, schema)
     arrow_cfg = make_config(tmp_path / "w", f"data.source={arrow}", *splits)
-    result = prepare_dataset(arrow_cfg)
+    result = prepare(arrow_cfg)
     assert result.summary["source_kind"] == "arrow"
     assert _samples(result.out_dir) == _samples(folder.out_dir)
     import pandas as pd
@@ -470,7 +470,7 @@ def test_a_save_to_disk_folder_gives_the_folder_samples_splits_and_lengths(tmp_p
     rows, schema = _rows("messages", convs)
     rows[1]["images"] = [_struct(None)] * len(rows[1]["images"])
     broken = _save_to_disk(tmp_path / "saved2", {"train": rows}, schema)
-    result = prepare_dataset(make_config(tmp_path / "w2", f"data.source={broken}", *COMMON))
+    result = prepare(make_config(tmp_path / "w2", f"data.source={broken}", *COMMON))
     reject = json.loads((result.out_dir / "rejects.jsonl").read_text())
     assert reject["reason"] == "image_null"
     assert reject["detail"].startswith("data-00000-of-00001.arrow batch 0 row 1: ")
@@ -480,7 +480,7 @@ def test_several_jsonl_files_by_glob_read_each_rows_media_beside_its_file(tmp_pa
     convs = _conversations()
     whole = _folder(tmp_path, convs)
     expected = _samples(
-        prepare_dataset(make_config(tmp_path / "w-folder", f"data.source={whole}", *COMMON)).out_dir
+        prepare(make_config(tmp_path / "w-folder", f"data.source={whole}", *COMMON)).out_dir
     )
     lines = (whole / "conversations.jsonl").read_text().splitlines()
     for name, part in (("a", lines[:4]), ("b", lines[4:])):
@@ -491,12 +491,12 @@ def test_several_jsonl_files_by_glob_read_each_rows_media_beside_its_file(tmp_pa
     with (tmp_path / "parts" / "b" / "rows.jsonl").open("a") as f:
         f.write(bad + "\n")
     pattern = tmp_path / "parts" / "*" / "rows.jsonl"
-    result = prepare_dataset(make_config(tmp_path / "w", f"data.source={pattern}", *COMMON))
+    result = prepare(make_config(tmp_path / "w", f"data.source={pattern}", *COMMON))
     assert result.summary["source_kind"] == "jsonl"
     assert _samples(result.out_dir) == expected
     reject = json.loads((result.out_dir / "rejects.jsonl").read_text())
     assert reject["reason"] == "missing_image" and reject["line"] == 7
     assert reject["detail"].startswith("rows.jsonl line 3: ")
     one = tmp_path / "parts" / "a" / "rows.jsonl"
-    by_name = prepare_dataset(make_config(tmp_path / "w1", f"data.source={one}", *COMMON))
+    by_name = prepare(make_config(tmp_path / "w1", f"data.source={one}", *COMMON))
     assert _samples(by_name.out_dir) == expected[:4]

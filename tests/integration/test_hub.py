@@ -53,9 +53,9 @@ def _cache_with_tiny_base(home: Path) -> Path:
 _SCRIPT = """
 import json, sys
 from schemas.config import load_config
-from stages.prepare import prepare_dataset
-from stages.connect import connect_processor
-from stages.validate import validate_config
+from stages.prepare import prepare
+from stages.connect import connect
+from stages.validate import validate
 from packline.qwen.processor import load_processor
 from packline.train.setup import build_model
 from packline.catalog import processor_dir
@@ -63,9 +63,9 @@ work, repo = sys.argv[1], sys.argv[2]
 cfg = load_config(None, [f"work_dir={work}", f"model.path={repo}", f"processor.path={repo}",
                          "data.num_train=12", "data.num_val=4", "prepare.num_workers=1",
                          "mlflow.enabled=false"])
-prepare_dataset(cfg)
-connect_processor(cfg)
-report = validate_config(cfg)
+prepare(cfg)
+connect(cfg)
+report = validate(cfg)
 processor = load_processor(processor_dir(cfg))
 model = build_model(cfg, processor).state_dict()
 local = load_config(None, [f"work_dir={work}", f"model.path={sys.argv[3]}"])

@@ -26,7 +26,7 @@ import pytest
 
 from pipelines.cli import main
 from schemas.config import load_config
-from stages.prepare import prepare_dataset
+from stages.prepare import prepare
 from tests.machine import read_only, remount, run_cli, sha256_tree, tmpfs
 
 pytestmark = pytest.mark.slow
@@ -94,7 +94,7 @@ def test_a_read_only_work_dir_is_named_and_left_as_it_was_then_reruns_read_write
     tmp_path: Path,
 ):
     work = tmp_path / "work"
-    prepare_dataset(load_config(None, [f"work_dir={work}", *SMALL]))
+    prepare(load_config(None, [f"work_dir={work}", *SMALL]))
     before = sha256_tree(work)
     with read_only(work):
         result = run_cli(["stage", "prepare", f"work_dir={work}", *SMALL, "--force"])

@@ -30,8 +30,8 @@ import pytest
 from PIL import Image
 
 from packline.qwen.vision import ImageGeometry
-from stages.connect import connect_processor
-from stages.prepare import prepare_dataset
+from stages.connect import connect
+from stages.prepare import prepare
 from tests.conftest import make_config, png_bytes
 from tests.integration.test_bad_input import LENIENT, _accepted_ids, _rejects
 from tests.machine import run_cli, sha256_tree
@@ -131,7 +131,7 @@ def test_prepare_rejects_the_row_when_an_image_is_a_loop_of_symbolic_links(tmp_p
     folder = _folder(tmp_path, {"loop": "a.png"})
     (folder / "a.png").symlink_to("b.png")
     (folder / "b.png").symlink_to("a.png")
-    out = prepare_dataset(make_config(tmp_path / "work", f"data.source={folder}", *LENIENT))
+    out = prepare(make_config(tmp_path / "work", f"data.source={folder}", *LENIENT))
     assert _rejects(out.out_dir) == {
         "loop": ("image_unreadable", "'a.png' is a loop of symbolic links")
     }
@@ -160,7 +160,7 @@ def test_missing_image_names_the_file_when_the_names_differ_in_normalisation(tmp
     assert nfc != nfd
     folder = _folder(tmp_path, {"accent": nfc})
     (folder / nfd).write_bytes(png_bytes((64, 48), "green"))  # as copied from macOS
-    out = prepare_dataset(make_config(tmp_path / "work", f"data.source={folder}", *LENIENT))
+    out = prepare(make_config(tmp_path / "work", f"data.source={folder}", *LENIENT))
     assert _rejects(out.out_dir) == {
         "accent": (
             "missing_image",
@@ -188,10 +188,10 @@ def test_images_keep_their_stored_pixels_when_exif_says_to_turn_them(tmp_path: P
     with Image.open(folder / "turned.jpg") as img:
         assert img.size == (64, 32) and img.getexif()[0x0112] == 6
     cfg = make_config(tmp_path / "work", f"data.source={folder}", "mlflow.enabled=false")
-    prepared = prepare_dataset(cfg)
+    prepared = prepare(cfg)
     assert prepared.metrics["prepare/image_exif_oriented"] == 1
     assert prepared.metrics["prepare/rows_accepted"] == len(GOOD) + 1
-    connect_processor(cfg)
+    connect(cfg)
 
     manifest = pd.read_parquet(prepared.out_dir / "manifest.parquet").set_index("id")
     lengths = pd.read_parquet(cfg.work_path / "connect" / "lengths.parquet").set_index("key")

@@ -17,9 +17,9 @@ import pytest
 from torch.distributed.checkpoint import FileSystemReader
 
 from packline.train.records import read_records
-from stages.connect import connect_processor
-from stages.prepare import prepare_dataset
-from stages.validate import validate_config
+from stages.connect import connect
+from stages.prepare import prepare
+from stages.validate import validate
 from tests.conftest import make_config
 from tests.integration.train_helpers import check_resume_on_one_process
 
@@ -53,9 +53,9 @@ def moe_work(tmp_path_factory) -> Path:
     """The small set prepared and connected once for the tiny MoE with fixed-width rows."""
     work = tmp_path_factory.mktemp("parallel") / "work"
     cfg = make_config(work, *MOE)
-    prepare_dataset(cfg)
-    connect_processor(cfg)
-    validate_config(cfg)
+    prepare(cfg)
+    connect(cfg)
+    validate(cfg)
     return work
 
 

@@ -16,7 +16,7 @@ from packline.qwen.processor import copy_tiny_processor, image_geometry, video_g
 from packline.qwen.vision import VideoGeometry
 from packline.rows import video_limits
 from pipelines.cli import main
-from stages.prepare import prepare_dataset
+from stages.prepare import prepare
 from tests.conftest import make_config
 from tests.integration.video_folder import (
     VIDEO_LIMITS,
@@ -110,7 +110,7 @@ def test_prepare_keeps_good_rows_and_rejects_each_bad_kind_with_reason(tmp_path:
         "prepare.max_images=2",
         "prepare.max_reject_fraction=1.0",
     )
-    result = prepare_dataset(cfg)
+    result = prepare(cfg)
     out = result.out_dir
 
     rejects = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
@@ -187,7 +187,7 @@ def _video_prepare(tmp_path: Path):
         "prepare.max_reject_fraction=1.0",
         *VIDEO_LIMITS,
     )
-    return vf, prepare_dataset(cfg)
+    return vf, prepare(cfg)
 
 
 def _shard_members(out: Path) -> dict[str, bytes]:

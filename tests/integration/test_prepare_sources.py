@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from packline.bench.processes import WorkerRss
-from stages.prepare import prepare_dataset
+from stages.prepare import prepare
 from tests.conftest import make_config, png_bytes
 from tests.integration.test_prepare import make_folder
 from tests.integration.video_folder import make_video_folder
@@ -52,8 +52,8 @@ def test_llava_json_gives_the_folder_outcome_with_each_bad_kind(tmp_path: Path):
     llava = _as_llava(folder)
     assert "'image':" in repr(json.loads(llava.read_text())[2])  # the single-image form
     common = ("prepare.val_fraction=0", "prepare.max_images=2", "prepare.max_reject_fraction=1")
-    by_folder = prepare_dataset(make_config(tmp_path / "a", f"data.source={folder}", *common))
-    by_llava = prepare_dataset(make_config(tmp_path / "b", f"data.source={llava}", *common))
+    by_folder = prepare(make_config(tmp_path / "a", f"data.source={folder}", *common))
+    by_llava = prepare(make_config(tmp_path / "b", f"data.source={llava}", *common))
 
     rejects = [
         json.loads(r) for r in (by_llava.out_dir / "rejects.jsonl").read_text().split("\n")[:-1]
@@ -81,7 +81,7 @@ def test_llava_media_dir_and_a_broken_file(tmp_path: Path):
     good = tmp_path / "json" / "mix.json"
     good.parent.mkdir()
     good.write_text(json.dumps(records))
-    result = prepare_dataset(
+    result = prepare(
         make_config(tmp_path / "w1", f"data.source={good}", f"data.media_dir={media}")
     )
     assert result.metrics["prepare/rows_accepted"] == 4
@@ -91,7 +91,7 @@ def test_llava_media_dir_and_a_broken_file(tmp_path: Path):
     from schemas.errors import UserError
 
     with pytest.raises(UserError, match="broken JSON after record 3"):
-        prepare_dataset(
+        prepare(
             make_config(tmp_path / "w2", f"data.source={broken}", f"data.media_dir={media}")
         )
 
@@ -118,7 +118,7 @@ def test_prepare_output_is_the_same_for_one_and_two_workers(tmp_path: Path):
             "prepare.val_fraction=0.2",
             "train.backend=megatron",  # Bridge's pre-sampled frames, made in the workers
         )
-        outs.append(prepare_dataset(cfg))
+        outs.append(prepare(cfg))
     one, two = (r.out_dir for r in outs)
     assert outs[0].metrics == outs[1].metrics
     assert outs[0].metrics["prepare/shards"] >= 6 and outs[0].metrics["prepare/bridge_frames"] > 0

@@ -4,10 +4,10 @@ from pathlib import Path
 
 from pipelines.experiment import stages_to_launch
 from stages.base import invalidate_from, read_record
-from stages.connect import connect_processor
-from stages.prepare import prepare_dataset
+from stages.connect import connect
+from stages.prepare import prepare
 from stages.runner import run_stage
-from stages.validate import validate_config
+from stages.validate import validate
 from tests.conftest import make_config
 
 
@@ -15,11 +15,11 @@ def test_stage_records_decide_what_reruns(tmp_path: Path):
     work = tmp_path / "work"
     cfg = make_config(work, "data.num_train=30", "data.num_val=4", "mlflow.enabled=false")
     assert stages_to_launch(cfg) == ["prepare", "connect", "validate", "train"]
-    prepare_dataset(cfg)
+    prepare(cfg)
     assert stages_to_launch(cfg) == ["connect", "validate", "train"]
-    connect_processor(cfg)
+    connect(cfg)
     assert stages_to_launch(cfg) == ["validate", "train"]
-    validate_config(cfg)
+    validate(cfg)
     assert stages_to_launch(cfg) == ["train"]
 
     # A setting only connect reads reruns connect and what follows; prepare's record matches.

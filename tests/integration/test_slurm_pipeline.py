@@ -262,8 +262,8 @@ def _check_connect_as_two_tasks(
     import pandas as pd
 
     from schemas.config import load_config
-    from stages.connect import connect_processor
-    from stages.prepare import prepare_dataset
+    from stages.connect import connect
+    from stages.prepare import prepare
 
     steps = subprocess.run(
         ["sacct", "--parsable2", "--noheader", "-j", job_id, "-o", "JobID,NTasks,State"],
@@ -281,8 +281,8 @@ def _check_connect_as_two_tasks(
     assert all(t["samples"] > 0 and t["attempt"] == f"slurm-{job_id}-0" for t in tasks)
     assert not (work / "connect.parts").exists()
     cfg = load_config(None, [f"work_dir={one_task}", *QUICK, "mlflow.enabled=false"])
-    prepare_dataset(cfg)
-    alone = connect_processor(cfg)
+    prepare(cfg)
+    alone = connect(cfg)
     pd.testing.assert_frame_equal(
         pd.read_parquet(work / "connect" / "lengths.parquet"),
         pd.read_parquet(alone.out_dir / "lengths.parquet"),

@@ -15,9 +15,9 @@ from safetensors.torch import load_file
 
 from packline.train.checkpoint import Checkpointer
 from packline.train.distributed import torchrun_command
-from stages.connect import connect_processor
-from stages.prepare import prepare_dataset
-from stages.validate import validate_config
+from stages.connect import connect
+from stages.prepare import prepare
+from stages.validate import validate
 from tests.conftest import make_config
 from tests.integration.train_helpers import SMALL, check_resume_on_one_process
 
@@ -59,9 +59,9 @@ def test_two_rank_stage_reads_disjoint_data_keeps_replicas_equal_and_resumes_on_
     conversation of the epoch twice."""
     run_work = tmp_path / "work"
     cfg = make_config(run_work, *WIDE)
-    prepare_dataset(cfg)
-    connect_processor(cfg)
-    validate_config(cfg)
+    prepare(cfg)
+    connect(cfg)
+    validate(cfg)
     steps = 10
     settings = list(WIDE)
     cmd = [

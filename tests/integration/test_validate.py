@@ -29,11 +29,11 @@ from pipelines.cli import main
 from schemas.config import PROJECT_ROOT
 from schemas.errors import UserError
 from stages.base import invalidate_from, read_record
-from stages.connect import connect_processor
-from stages.prepare import prepare_dataset
+from stages.connect import connect
+from stages.prepare import prepare
 from stages.runner import run_stage
-from stages.train import train_lora
-from stages.validate import validate_config
+from stages.train import train
+from stages.validate import validate
 from tests.conftest import make_config
 
 DENSE = PROJECT_ROOT / "configs" / "qwen3_vl_8b_lora_1node.yaml"
@@ -49,8 +49,8 @@ def connected(tmp_path_factory) -> Path:
     """The default config's built-in set at 60 + 8 samples, prepared and connected once."""
     work = tmp_path_factory.mktemp("validate") / "work"
     cfg = make_config(work, "mlflow.enabled=false")
-    prepare_dataset(cfg)
-    connect_processor(cfg)
+    prepare(cfg)
+    connect(cfg)
     return work
 
 
@@ -122,7 +122,7 @@ def test_default_config_passes_every_rule_and_train_requires_the_record(connecte
     cfg = make_config(connected, "mlflow.enabled=false")
     invalidate_from(cfg, "validate")
     with pytest.raises(UserError) as info:
-        train_lora(cfg)
+        train(cfg)
     assert info.value.header == "train cannot start"
     assert info.value.problems == [
         f"validate has not completed in {connected} (run `packline stage validate` first)"
@@ -132,7 +132,7 @@ def test_default_config_passes_every_rule_and_train_requires_the_record(connecte
 def test_train_validates_changed_settings_before_it_starts(connected):
     """``packline stage train key=value`` after a validated run: the new settings are
     validated first, and validate's errors stop train before any training."""
-    validate_config(make_config(connected, "mlflow.enabled=false"))
+    validate(make_config(connected, "mlflow.enabled=false"))
     cfg = make_config(
         connected, "mlflow.enabled=false", "packing.seq_length=512", "packing.overlength=fail"
     )
@@ -143,7 +143,7 @@ def test_train_validates_changed_settings_before_it_starts(connected):
     assert not (connected / "train").exists()  # nothing trained
     report = json.loads((connected / "validate" / "report.json").read_text())
     assert not report["ok"]  # the report is of the changed settings
-    validate_config(make_config(connected, "mlflow.enabled=false"))  # leave it valid
+    validate(make_config(connected, "mlflow.enabled=false"))  # leave it valid
 
 
 # --- data against config ---------------------------------------------------------------------
@@ -207,8 +207,8 @@ def test_a_set_without_validation_rows_is_refused_unless_the_run_trains_without_
     work = tmp_path / "work"
     small = ["data.num_train=12", "data.num_val=0", "train.max_steps=2", "train.save_every=2"]
     cfg = make_config(work, "mlflow.enabled=false", *small)
-    prepare_dataset(cfg)
-    connect_processor(cfg)
+    prepare(cfg)
+    connect(cfg)
     code, problems, _ = _validate(work, capsys, *small)
     assert code == 2
     assert problems == [
@@ -223,7 +223,7 @@ def test_a_set_without_validation_rows_is_refused_unless_the_run_trains_without_
     assert code == 0 and problems == []
     (warned,) = [f for f in report["warnings"] if f["rule"] == "data.val_rows"]
     assert warned["message"].startswith("the data set has no validation rows: the run trains")
-    result = train_lora(make_config(work, "mlflow.enabled=false", *small, *no_eval))
+    result = train(make_config(work, "mlflow.enabled=false", *small, *no_eval))
     assert result.metrics["compare/packed_final_train_loss"] > 0
     run = work / "train" / "packed"
     assert not (run / "eval.jsonl").exists() and (run / "adapter" / "adapter_config.json").is_file()
@@ -636,7 +636,7 @@ def test_the_stage_itself_rechecks_config_rules_on_the_object_it_gets(connected)
     cfg.train.micro_batch_size = 2
     cfg.lora.rank = 0
     with pytest.raises(UserError) as info:
-        validate_config(cfg)
+        validate(cfg)
     assert info.value.problems == [
         "lora.rank must be > 0, got 0; fix: set lora.rank to a value > 0 (default 8)",
         "train.micro_batch_size is 2, but a packed micro-batch is exactly one row; fix: set "

@@ -11,9 +11,9 @@ import pandas as pd
 import torch
 
 from packline.media.video import probe_video
-from stages.connect import connect_processor
-from stages.prepare import prepare_dataset
-from stages.validate import validate_config
+from stages.connect import connect
+from stages.prepare import prepare
+from stages.validate import validate
 from tests.conftest import make_config
 from tests.integration.train_helpers import trainer_for
 from tests.integration.video_folder import VIDEO_LIMITS, make_video_folder
@@ -51,8 +51,8 @@ def test_a_folder_of_videos_flows_from_prepare_to_a_training_step(tmp_path):
         "train.eval_samples=0",
         "packing.seq_length=1024",
     )
-    prepare_dataset(cfg)
-    result = connect_processor(cfg)  # raises unless cheap == processor on every sample
+    prepare(cfg)
+    result = connect(cfg)  # raises unless cheap == processor on every sample
     assert result.metrics["connect/cheap_mismatches"] == 0
     lengths = pd.read_parquet(result.out_dir / "lengths.parquet").set_index("key")
     assert set(lengths.index) == set(vf.good)
@@ -69,7 +69,7 @@ def test_a_folder_of_videos_flows_from_prepare_to_a_training_step(tmp_path):
         grids = json.loads(row["video_grids"])
         assert row["video_tokens"] == sum(t * h * w for t, h, w in grids) // 4
         assert row["video_frames"] == sum(counts)
-    report = validate_config(cfg)
+    report = validate(cfg)
     assert report.metrics["validate/errors"] == 0
     _same_step(cfg, tmp_path, min_videos=2)
 
@@ -83,9 +83,9 @@ def test_the_built_in_set_with_video_trains_packed_and_unpacked_alike(tmp_path):
         "train.global_batch_size=2",
         "train.eval_samples=0",
     )
-    prepare_dataset(cfg)
-    connect_processor(cfg)
-    validate_config(cfg)
+    prepare(cfg)
+    connect(cfg)
+    validate(cfg)
     rows = _same_step(cfg, tmp_path, min_videos=2)
     assert sum(r.num_video_frames for r in rows) > 0
     assert any(r.num_images for r in rows)  # video beside images in the same step
@@ -101,8 +101,8 @@ def test_video_rows_out_of_the_loader_are_the_same_lazy_and_eager(tmp_path):
     cfg = make_config(
         tmp_path / "work", "data.num_train=24", "data.num_val=2", "data.video_share=0.6"
     )
-    prepare_dataset(cfg)
-    connect_processor(cfg)
+    prepare(cfg)
+    connect(cfg)
     settings = PackingSettings.from_config(cfg.packing, seed=cfg.train.seed)
     rows = {}
     for m in ("lazy", "eager"):
