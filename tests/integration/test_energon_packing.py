@@ -152,9 +152,7 @@ def _corrupt_images(dataset: Path, keys: set[str] | None = None) -> int:
 
 
 def test_a_malformed_sample_is_a_counted_skip(tmp_path, processor_dir):
-    dataset = prepare(
-        make_config(tmp_path / "work", "data.num_train=30", "data.num_val=2")
-    ).out_dir
+    dataset = prepare(make_config(tmp_path / "work", "data.num_train=30", "data.num_val=2")).out_dir
     manifest = __import__("pandas").read_parquet(dataset / "manifest.parquet")
     victim = manifest[(manifest.split == "train") & (manifest.num_images > 0)].key.iloc[0]
     assert _corrupt_images(dataset, {victim}) >= 1

@@ -81,9 +81,7 @@ def test_llava_media_dir_and_a_broken_file(tmp_path: Path):
     good = tmp_path / "json" / "mix.json"
     good.parent.mkdir()
     good.write_text(json.dumps(records))
-    result = prepare(
-        make_config(tmp_path / "w1", f"data.source={good}", f"data.media_dir={media}")
-    )
+    result = prepare(make_config(tmp_path / "w1", f"data.source={good}", f"data.media_dir={media}"))
     assert result.metrics["prepare/rows_accepted"] == 4
 
     broken = tmp_path / "json" / "broken.json"
@@ -91,9 +89,7 @@ def test_llava_media_dir_and_a_broken_file(tmp_path: Path):
     from schemas.errors import UserError
 
     with pytest.raises(UserError, match="broken JSON after record 3"):
-        prepare(
-            make_config(tmp_path / "w2", f"data.source={broken}", f"data.media_dir={media}")
-        )
+        prepare(make_config(tmp_path / "w2", f"data.source={broken}", f"data.media_dir={media}"))
 
 
 def test_prepare_output_is_the_same_for_one_and_two_workers(tmp_path: Path):
