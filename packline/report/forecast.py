@@ -14,7 +14,8 @@ from packline.progress import si
 
 def forecast_table(forecast: dict[str, Any], buffer: int) -> Group:
     """One row per packing buffer size (rows, fill, and without carry-over where it is on),
-    the configured ``buffer`` marked; the lines under it give packing off, the bound, and
+    the configured ``buffer`` marked in the fill the run packs with (with carry-over when it
+    is on); the lines under it give packing off, the bound, and
     the epoch's exact FLOPs packed vs unpacked (lines of the console's width, not the
     table's)."""
     carry = bool(forecast.get("max_carry_rounds"))
@@ -30,10 +31,10 @@ def forecast_table(forecast: dict[str, Any], buffer: int) -> Group:
         table.add_column("fill without carry-over", justify="right")
     for b, v in forecast["buffers"].items():
         mark = " ← packing_buffer_size" if int(b) == buffer else ""
-        cells = [f"{int(b):,}", f"{v['packs']:,}", f"{v['fill']:.3f}"]
+        cells = [f"{int(b):,}", f"{v['packs']:,}", f"{v['fill']:.3f}{mark}"]
         if carry:
             cells.append(f"{v.get('fill_without_carry', v['fill']):.3f}")
-        table.add_row(cells[0], *cells[1:-1], cells[-1] + mark)
+        table.add_row(*cells)
     off, bound, flops = forecast["unpacked"], forecast["lower_bound"], forecast.get("flops", {})
     notes = [
         f"packing off: {off['rows']:,} rows, fill {off['fill']:.3f}; no packer can do better "

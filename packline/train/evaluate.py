@@ -83,24 +83,44 @@ class AnswerScorer(Protocol):
     def matches(self, expected: str, generated: str, kind: str) -> bool: ...
 
 
+def guess_chance(
+    asked: list[tuple[str, str]], choices: Mapping[str, tuple[str, ...]]
+) -> tuple[float, dict[str, float]]:
+    """Accuracy of guessing uniformly among the answers a question kind can have, over the
+    ``asked`` (kind, normalized answer) pairs: (Σ 1/|answers of the question's kind| / N,
+    that per kind). A kind's answers are its ``choices`` (a closed set), or else at least
+    the distinct ones asked; a kind with no closed set whose questions were all answered
+    alike has no chance to tell (one answer is not a choice): it is left out of both, and
+    the overall figure is over the other kinds' questions.
+
+        >>> guess_chance([("colour", "red"), ("count", "3"), ("count", "4")],
+        ...              {"colour": ("red", "green", "blue", "yellow")})
+        (0.4166666666666667, {'colour': 0.25, 'count': 0.5})
+        >>> guess_chance([("colour", "red"), ("shape", "star"), ("shape", "star")],
+        ...              {"colour": ("red", "green", "blue", "yellow")})  # shape: one answer
+        (0.25, {'colour': 0.25})
+    """
+    distinct = Counter(kind for kind, _ in set(asked))
+    by_kind = {
+        kind: 1 / max(n, len(choices.get(kind, ())))
+        for kind, n in sorted(distinct.items())
+        if n > 1 or len(choices.get(kind, ())) > 1
+    }
+    counted = [kind for kind, _ in asked if kind in by_kind]
+    if not counted:
+        return float("nan"), {}
+    return sum(by_kind[kind] for kind in counted) / len(counted), by_kind
+
+
 def chance_accuracy(
     dataset_path: Path, *, max_samples: int, scorer: AnswerScorer
 ) -> tuple[float, dict[str, float]]:
-    """Accuracy of guessing uniformly among the answers a question kind can have, on the
-    questions :func:`eval_accuracy` asks: (Σ 1/|answers of the question's kind| / N, that
-    per kind). A kind's answers are those the scorer's choices give it, or at least the
-    distinct ones asked."""
-    kinds = [
+    """:func:`guess_chance` of the questions :func:`eval_accuracy` asks."""
+    asked = [
         (q["kind"], scorer.normalize(q["answer"]))
         for _, q in _val_questions(dataset_path, max_samples)
     ]
-    if not kinds:
-        return float("nan"), {}
-    distinct = Counter(kind for kind, _ in set(kinds))
-    by_kind = {
-        kind: 1 / max(n, len(scorer.choices.get(kind, ()))) for kind, n in sorted(distinct.items())
-    }
-    return sum(by_kind[kind] for kind, _ in kinds) / len(kinds), by_kind
+    return guess_chance(asked, scorer.choices)
 
 
 @torch.no_grad()

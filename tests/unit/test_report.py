@@ -274,3 +274,25 @@ def test_one_table_renders_a_single_run_without_a_ratio_column():
 def test_target_lines_say_held_or_missed():
     pair = PackingComparison.of([_summary("packed"), _summary("unpacked")])
     assert target_lines(pair)[0] == "speedup: 2.0000 (>= 2x real tokens/s) [green]held[/]"
+
+
+def test_the_forecast_marks_the_fill_the_run_packs_with():
+    """With carry-over on, the configured buffer's mark sits in the "fill" column (what the
+    run packs with), not in "fill without carry-over"; without carry-over there is one fill."""
+    from packline.report.forecast import forecast_table
+
+    buffers = {"16": {"packs": 5, "fill": 0.95, "fill_without_carry": 0.90},
+               "64": {"packs": 4, "fill": 0.997, "fill_without_carry": 0.932}}  # fmt: skip
+    forecast = {"samples": 10, "tokens": 3988, "capacity": 1000, "max_carry_rounds": 4,
+                "buffers": buffers, "unpacked": {"rows": 10, "fill": 0.4},
+                "lower_bound": {"packs": 4, "fill": 0.997}}  # fmt: skip
+    console = Console(width=120, record=True)
+    console.print(forecast_table(forecast, 64))
+    row = next(line for line in console.export_text().splitlines() if "0.932" in line)
+    cells = [c.strip() for c in row.strip("│ ").split("│")]
+    assert cells == ["64", "4", "0.997 ← packing_buffer_size", "0.932"], cells
+    del forecast["max_carry_rounds"]
+    console = Console(width=120, record=True)
+    console.print(forecast_table(forecast, 16))
+    text = console.export_text()
+    assert "without carry-over" not in text and "0.950 ← packing_buffer_size" in text
