@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from schemas.choices import TrainBackend
+from schemas.choices import Balance, TrainBackend
 
 if TYPE_CHECKING:
     from schemas.config import PipelineConfig
@@ -88,6 +88,18 @@ class Backend:
         """``packline export`` into ``to``: the path written, or a command to run where the
         backend's own export runs."""
         raise NotImplementedError
+
+
+def packline_packer(cfg: PipelineConfig) -> dict[str, Any]:
+    """packline's task encoder as the forecast simulates it: ``packing.algorithm``,
+    ``packing.max_carry_rounds`` and ``packing.balance``, as configured (the local backend's
+    packer, and the megatron backend's with ``packing.packer: packline``)."""
+    p = cfg.packing
+    return {
+        "algorithm": p.algorithm.value,
+        "max_carry_rounds": p.max_carry_rounds,
+        "balance": p.balance is Balance.flops,
+    }
 
 
 def backend(cfg: PipelineConfig) -> Backend:

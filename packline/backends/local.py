@@ -7,8 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from packline.backends import Backend
-from schemas.choices import Balance, TrainBackend
+from packline.backends import Backend, packline_packer
+from schemas.choices import TrainBackend
 from schemas.config import PipelineConfig
 from schemas.guardrails import train_world
 
@@ -20,14 +20,8 @@ LAYOUT_KEYS = ("nproc_per_node", "parallel")
 
 class Local(Backend):
     def forecast_packer(self, cfg: PipelineConfig) -> dict[str, Any]:
-        """packline's task encoder: ``packing.algorithm``, ``packing.max_carry_rounds`` and
-        ``packing.balance``, as configured."""
-        p = cfg.packing
-        return {
-            "algorithm": p.algorithm.value,
-            "max_carry_rounds": p.max_carry_rounds,
-            "balance": p.balance is Balance.flops,
-        }
+        """packline's task encoder, as configured (:func:`packline_packer`)."""
+        return packline_packer(cfg)
 
     def data_parallel_ranks(self, cfg: PipelineConfig) -> int:
         """The train run's ranks (every process of the SLURM train job, else

@@ -8,9 +8,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from packline.backends import Backend
+from packline.backends import Backend, packline_packer
 from packline.megatron.overrides import RECIPE_MODULE, bridge_overrides, override_lines
-from schemas.choices import Balance, Packer, TrainBackend
+from schemas.choices import Packer, TrainBackend
 from schemas.config import PipelineConfig
 from schemas.guardrails import train_nproc_per_node
 
@@ -20,14 +20,9 @@ class Megatron(Backend):
         """packline's packer for Bridge (``packing.packer: packline``) selects as the local
         one does; Bridge's own (``bridge``) runs plain ``ffd`` without carry-over or FLOPs
         balance whatever the config says (validate refuses any other setting there)."""
-        p = cfg.packing
-        if p.packer is Packer.bridge:
+        if cfg.packing.packer is Packer.bridge:
             return {"algorithm": "ffd", "max_carry_rounds": 0, "balance": False}
-        return {
-            "algorithm": p.algorithm.value,
-            "max_carry_rounds": p.max_carry_rounds,
-            "balance": p.balance is Balance.flops,
-        }
+        return packline_packer(cfg)
 
     def data_parallel_ranks(self, cfg: PipelineConfig) -> int:
         """The SLURM train job's GPUs, ``nodes × (nproc_per_node or gpus_per_node)``, over
