@@ -220,7 +220,7 @@ def index_with_energon(out: Path, shards: dict[str, list[str]], workers: int) ->
     paths = [name for names in shards.values() for name in names]
     # No backslashes: Energon brace-expands the pattern first, which eats them.
     patterns = [(split, f"^{split}-[0-9]+[.]tar$") for split, names in shards.items() if names]
-    BaseWebdatasetFactory.prepare(
+    BaseWebdatasetFactory.prepare_dataset(
         out,
         paths,
         split_parts_patterns=patterns,

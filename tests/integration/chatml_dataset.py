@@ -259,7 +259,7 @@ def energon_prepare(root: Path, shards: list[str], splits: dict[str, str]) -> No
     """Index ``shards`` with Energon's own prepare; ``splits``: split part → shard regex."""
     from megatron.energon.flavors.webdataset.base_webdataset import BaseWebdatasetFactory
 
-    BaseWebdatasetFactory.prepare(
+    BaseWebdatasetFactory.prepare_dataset(
         root, shards, split_parts_patterns=list(splits.items()), shuffle_seed=None, workers=1
     )
 
