@@ -11,6 +11,7 @@ short list of library modules that still ask it, each with its reason).
 ``connect.forecast``    :func:`forecast_path`: the packing forecast (``forecast.json``)
 ``connect.bridge``      :func:`bridge_videos_path`: Bridge's view of the videos
 ``<stage>.record``      :func:`record_path`: a stage's completion record
+``validate.config``     :func:`validated_config_path`: the config validate checked
 ``train.run(mode)``     :func:`train_run_dir`: one local run (``packed``/``unpacked``)
 ``train.adapter``       :func:`adapter_dir`: the PEFT adapter a local run saved
 ``export(merge)``       :func:`export_dir`: ``packline export``'s default target
@@ -91,6 +92,15 @@ def bridge_videos_path(cfg: PipelineConfig) -> Path:
     return stage_dir(cfg, "connect") / BRIDGE_VIDEOS
 
 
+#: The resolved config validate checked, in its stage dir (what a megatron run trains with).
+VALIDATED_CONFIG = "pipeline.yaml"
+
+
+def validated_config_path(cfg: PipelineConfig) -> Path:
+    """The resolved config the validate stage checked (:data:`VALIDATED_CONFIG`)."""
+    return stage_dir(cfg, "validate") / VALIDATED_CONFIG
+
+
 def train_run_dir(cfg: PipelineConfig, packed: bool = True) -> Path:
     """``<work>/train/packed`` or ``<work>/train/unpacked``: one local training run's dir
     (checkpoints, ``adapter/``, its resolved ``config.yaml``, ``result.json``)."""
@@ -135,6 +145,7 @@ ARTEFACTS: dict[str, Callable[[PipelineConfig], Path]] = {
     "connect.lengths": lengths_path,
     "connect.forecast": forecast_path,
     "connect.bridge": bridge_videos_path,
+    "validate.config": validated_config_path,
     "train.adapter": adapter_dir,
 }
 

@@ -50,7 +50,7 @@ import time
 from omegaconf import OmegaConf
 
 import packline
-from packline.catalog import read_forecast
+from packline.catalog import VALIDATED_CONFIG, read_forecast
 from packline.fingerprints import stage_fingerprint
 from packline.progress import console
 from packline.rules import collect, findings_table
@@ -82,7 +82,7 @@ def validate(cfg: PipelineConfig, fp: str | None = None) -> StageResult:
     }
     with building(cfg, STAGE) as out:
         (out / "report.json").write_text(json.dumps(report, indent=2))
-        (out / "pipeline.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(cfg.to_dict())))
+        (out / VALIDATED_CONFIG).write_text(OmegaConf.to_yaml(OmegaConf.create(cfg.to_dict())))
     out_dir = stage_dir(cfg, STAGE)
     if findings:
         console.print(findings_table(findings, len(checks)))
@@ -116,7 +116,7 @@ def validate(cfg: PipelineConfig, fp: str | None = None) -> StageResult:
         metrics=metrics,
         summary={
             "warnings": [f.text for f in warnings],
-            "artifacts": [str(out_dir / "report.json"), str(out_dir / "pipeline.yaml")],
+            "artifacts": [str(out_dir / "report.json"), str(out_dir / VALIDATED_CONFIG)],
         },
         t0=t0,
     )

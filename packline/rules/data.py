@@ -9,7 +9,6 @@ import math
 import pandas as pd
 
 from packline.backends import backend
-from packline.catalog import processor_dir, stage_dir
 from packline.energon.packing import buffered_sample_bytes
 from packline.megatron.overrides import (
     MAX_NUM_FRAMES,
@@ -41,7 +40,7 @@ def _current(x: Inputs) -> list[Issue]:
     return [
         warning(
             "connect",
-            f"connect's outputs in {stage_dir(x.cfg, 'connect')} were made under other "
+            f"connect's outputs in {x.connect_dir} were made under other "
             "settings (its completion record does not match this config); the data checks "
             "read them as they are",
             "rerun the stale stages: packline run (or packline stage connect)",
@@ -317,7 +316,7 @@ def _video_frames(x: Inputs) -> list[Issue] | None:
         out.append(
             warning(
                 "connect",
-                f"the processor dir Megatron-Bridge loads ({processor_dir(x.cfg)}) samples "
+                f"the processor dir Megatron-Bridge loads ({x.processor_dir}) samples "
                 "video frames (do_sample_frames true): Bridge hands it each video's "
                 "pre-sampled frames without a frame rate, so it samples them again as if they "
                 f"were 24 fps: {again['videos']} of {b['videos']} videos lose "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pandas as pd
@@ -50,6 +51,10 @@ class Inputs:
     bridge_videos: dict[str, Any] | None = None
     """connect's ``bridge_videos.json`` (backend megatron with videos): what Bridge's encoder
     makes of them."""
+    connect_dir: Path | None = None
+    """connect's stage dir (a rule's message names it)."""
+    processor_dir: Path | None = None
+    """connect's processor dir (a rule's message names it)."""
     facts: dict[str, Any] = field(default_factory=dict)
     _model: torch.nn.Module | None = None
 
@@ -78,6 +83,8 @@ def load_inputs(cfg: PipelineConfig, alignment: int | None = None) -> Inputs:
         processor=processor,
         connect_current=record.get("fingerprint") == stage_fingerprint(cfg, "connect"),
         alignment=cfg.packing.alignment if alignment is None else alignment,
+        connect_dir=connect_dir,
+        processor_dir=processor_dir(cfg),
     )
     if (bridge_videos := connect_dir / BRIDGE_VIDEOS).is_file():
         inputs.bridge_videos = json.loads(bridge_videos.read_text())

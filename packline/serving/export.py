@@ -31,7 +31,7 @@ import shlex
 import shutil
 from pathlib import Path
 
-from packline.catalog import stage_dir
+from packline.catalog import validated_config_path
 from packline.workdir import MARKER, claim_dir, new_temp_dir, publish, publish_modes
 from schemas.config import PipelineConfig
 from schemas.errors import UserError
@@ -135,7 +135,7 @@ def bridge_export(cfg: PipelineConfig, out: Path, *, merge: bool = False) -> Non
 
 def validated_config(cfg: PipelineConfig) -> Path:
     """The resolved config the validate stage checked (what the megatron run trained with)."""
-    path = stage_dir(cfg, "validate") / "pipeline.yaml"
+    path = validated_config_path(cfg)
     if not path.is_file():
         raise UserError([f"no validated config at {path}; fix: run the pipeline first"])
     return path

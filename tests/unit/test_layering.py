@@ -399,10 +399,9 @@ def test_only_a_backends_spec_compares_train_backend():
 CATALOG_READERS = {
     "packline.megatron.overrides": "Bridge's config names prepare's and connect's paths",
     "packline.rules.inputs": "validate's inputs: every rule reads connect's outputs",
-    "packline.rules.data": "a rule's message names connect's processor dir",
     "packline.train.setup": "training_stream(cfg): the tutorial's look at a prepared work dir",
     "packline.serving.chat": "packline chat: a finished run's adapter, processor and data",
-    "packline.serving.export": "packline export: Bridge's checkpoints under train/",
+    "packline.serving.export": "packline export: the config validate checked",
     "packline.backends": "export_run's default target",
     "packline.workdir": "a dir holding a stage's completion record counts as packline's own",
 }
