@@ -6,6 +6,7 @@ short list of library modules that still ask it, each with its reason).
 ======================  ============================================================
 ``prepare.dataset``     :func:`dataset_dir`: shards, ``manifest.parquet``, rejects
 ``prepare.loader``      :func:`dataset_path`: what Energon loaders open
+``prepare.manifest``    :func:`manifest_path`: every row's key, split and counts
 ``connect.processor``   :func:`processor_dir`: the processor dir every later stage loads
 ``connect.lengths``     :func:`lengths_path`: every sample's exact length and FLOPs
 ``connect.forecast``    :func:`forecast_path`: the packing forecast (``forecast.json``)
@@ -60,6 +61,11 @@ def dataset_path(cfg: PipelineConfig) -> Path:
     if cfg.data.kind is SourceKind.energon:
         return dataset_dir(cfg) / PACKLINE_METADATASET
     return dataset_dir(cfg)
+
+
+def manifest_path(cfg: PipelineConfig) -> Path:
+    """prepare's ``manifest.parquet``: every accepted row's key, split and counts."""
+    return dataset_dir(cfg) / "manifest.parquet"
 
 
 def processor_dir(cfg: PipelineConfig) -> Path:
@@ -141,6 +147,7 @@ def read_record(cfg: PipelineConfig, stage: str) -> dict[str, Any] | None:
 ARTEFACTS: dict[str, Callable[[PipelineConfig], Path]] = {
     "prepare.dataset": dataset_dir,
     "prepare.loader": dataset_path,
+    "prepare.manifest": manifest_path,
     "connect.processor": processor_dir,
     "connect.lengths": lengths_path,
     "connect.forecast": forecast_path,

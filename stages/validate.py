@@ -50,10 +50,19 @@ import time
 from omegaconf import OmegaConf
 
 import packline
-from packline.catalog import VALIDATED_CONFIG, read_forecast
+from packline.catalog import (
+    VALIDATED_CONFIG,
+    bridge_videos_path,
+    lengths_path,
+    manifest_path,
+    processor_dir,
+    read_forecast,
+    read_record,
+)
 from packline.fingerprints import stage_fingerprint
 from packline.progress import console
 from packline.rules import collect, findings_table
+from packline.rules.inputs import Upstream
 from schemas.config import PipelineConfig
 from schemas.errors import UserError
 from stages.base import StageResult, building, require_record, stage_dir, stage_result, write_record
@@ -61,12 +70,25 @@ from stages.base import StageResult, building, require_record, stage_dir, stage_
 STAGE = "validate"
 
 
+def upstream(cfg: PipelineConfig) -> Upstream:
+    """What the rules read of prepare's and connect's outputs, from the catalog."""
+    record = read_record(cfg, "connect") or {}
+    return Upstream(
+        manifest=manifest_path(cfg),
+        lengths=lengths_path(cfg),
+        processor_dir=processor_dir(cfg),
+        connect_dir=stage_dir(cfg, "connect"),
+        bridge_videos=bridge_videos_path(cfg),
+        connect_current=record.get("fingerprint") == stage_fingerprint(cfg, "connect"),
+    )
+
+
 def validate(cfg: PipelineConfig, fp: str | None = None) -> StageResult:
     """Check the config, connect's data and the model against each other, all at once."""
     t0 = time.perf_counter()
     fp = fp or stage_fingerprint(cfg, STAGE)
     require_record(cfg, "connect", by="validate")
-    findings, checks, inputs = collect(cfg)
+    findings, checks, inputs = collect(cfg, upstream(cfg))
     errors = [f for f in findings if f.severity == "error"]
     warnings = [f for f in findings if f.severity == "warning"]
     # connect's FLOPs forecast of one epoch, packing on vs off: shown again here, the last

@@ -19,19 +19,19 @@ from __future__ import annotations
 
 from packline.megatron.overrides import bridge_alignment
 from packline.rules.data import DATA_RULES
-from packline.rules.inputs import Inputs, load_inputs
+from packline.rules.inputs import Inputs, Upstream, load_inputs
 from packline.rules.megatron import megatron_findings
 from packline.rules.model import MODEL_RULES
 from schemas.config import PipelineConfig, section_findings
 from schemas.guardrails import CONFIG_RULES, SLURM_RULES, Check, Finding
 
 
-def collect(cfg: PipelineConfig) -> tuple[list[Finding], list[Check], Inputs]:
+def collect(cfg: PipelineConfig, upstream: Upstream) -> tuple[list[Finding], list[Check], Inputs]:
     """Every rule, in order: config sections, guardrails, SLURM, Megatron, data, model;
-    what broke, each rule's status, and the inputs the data and model rules read (with the
-    figures they computed in ``facts``)."""
+    what broke, each rule's status, and the inputs the data and model rules read from
+    ``upstream`` (with the figures they computed in ``facts``)."""
     megatron_found, megatron_ran, run = megatron_findings(cfg)
-    inputs = load_inputs(cfg, bridge_alignment(run) if run is not None else None)
+    inputs = load_inputs(cfg, upstream, bridge_alignment(run) if run is not None else None)
     findings: list[Finding] = []
     checks: list[Check] = []
     for found, ran in (

@@ -12,15 +12,6 @@ from typing import Any
 import pandas as pd
 import torch
 
-from packline.catalog import (
-    BRIDGE_VIDEOS,
-    dataset_dir,
-    lengths_path,
-    processor_dir,
-    read_record,
-    stage_dir,
-)
-from packline.fingerprints import stage_fingerprint
 from packline.qwen.model import build_meta_model
 from packline.qwen.processor import load_processor
 from packline.train.setup import model_config
@@ -70,24 +61,42 @@ class Inputs:
         return self.model_config is not None and self.model_config_problem is None
 
 
-def load_inputs(cfg: PipelineConfig, alignment: int | None = None) -> Inputs:
-    """Read prepare's manifest, connect's lengths and processor, and the model's config.
-    ``alignment`` defaults to ``packing.alignment``."""
-    connect_dir = stage_dir(cfg, "connect")
-    processor = load_processor(processor_dir(cfg))
-    record = read_record(cfg, "connect") or {}
+@dataclass(frozen=True)
+class Upstream:
+    """What validate reads of the stages before it: the validate stage hands it over from
+    the catalog (``stages/validate.py``), so no rule knows where a stage keeps its files."""
+
+    manifest: Path
+    """prepare's ``manifest.parquet``."""
+    lengths: Path
+    """connect's lengths table."""
+    processor_dir: Path
+    """connect's processor dir."""
+    connect_dir: Path
+    """connect's stage dir."""
+    bridge_videos: Path
+    """connect's report of Bridge's view of the videos (present with backend megatron and
+    videos)."""
+    connect_current: bool
+    """connect's completion record holds these very settings."""
+
+
+def load_inputs(cfg: PipelineConfig, upstream: Upstream, alignment: int | None = None) -> Inputs:
+    """Read prepare's manifest, connect's lengths and processor (``upstream``), and the
+    model's config. ``alignment`` defaults to ``packing.alignment``."""
+    processor = load_processor(upstream.processor_dir)
     inputs = Inputs(
         cfg=cfg,
-        manifest=pd.read_parquet(dataset_dir(cfg) / "manifest.parquet"),
-        lengths=pd.read_parquet(lengths_path(cfg)),
+        manifest=pd.read_parquet(upstream.manifest),
+        lengths=pd.read_parquet(upstream.lengths),
         processor=processor,
-        connect_current=record.get("fingerprint") == stage_fingerprint(cfg, "connect"),
+        connect_current=upstream.connect_current,
         alignment=cfg.packing.alignment if alignment is None else alignment,
-        connect_dir=connect_dir,
-        processor_dir=processor_dir(cfg),
+        connect_dir=upstream.connect_dir,
+        processor_dir=upstream.processor_dir,
     )
-    if (bridge_videos := connect_dir / BRIDGE_VIDEOS).is_file():
-        inputs.bridge_videos = json.loads(bridge_videos.read_text())
+    if upstream.bridge_videos.is_file():
+        inputs.bridge_videos = json.loads(upstream.bridge_videos.read_text())
     model_dir = cfg.model.dir  # a dir, or a Hub repo's cached snapshot
     if cfg.model.path and model_dir is None:
         inputs.model_config_problem = "a Hub repo the local Hugging Face cache lacks"

@@ -41,6 +41,7 @@ from packline.rules.inputs import load_inputs
 from packline.sources import resolve_source
 from stages.connect import connect
 from stages.prepare import prepare
+from stages.validate import upstream
 from tests.bridge_data import PLACEHOLDERS, bridge_data_tree
 from tests.bridge_source import IndexUnreachable
 from tests.conftest import make_config
@@ -358,7 +359,7 @@ def test_bridge_reads_video_rows_at_connects_lengths(tmp_path: Path):
     }
     assert report["resampled"]["videos"] == 0
     assert report["timestamps"]["videos"] == 7  # positions over 24 fps: none is right
-    findings, _ = DATA_RULES.run(load_inputs(cfg))
+    findings, _ = DATA_RULES.run(load_inputs(cfg, upstream(cfg)))
     warned = {f.rule: f for f in findings if f.rule.startswith("megatron.video")}
     assert set(warned) == {"megatron.video_frames", "megatron.video_timestamps"}
     cut = warned["megatron.video_frames"]

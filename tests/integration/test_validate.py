@@ -33,7 +33,7 @@ from stages.connect import connect
 from stages.prepare import prepare
 from stages.runner import run_stage
 from stages.train import train
-from stages.validate import validate
+from stages.validate import upstream, validate
 from tests.conftest import make_config
 
 DENSE = PROJECT_ROOT / "configs" / "qwen3_vl_8b_lora_1node.yaml"
@@ -339,7 +339,7 @@ def _shard_samples(prepare_dir: Path) -> dict[str, tuple[list, list[bytes], list
 
 def test_buffer_estimate_equals_the_bytes_the_real_encoders_hold(connected):
     cfg = make_config(connected, "mlflow.enabled=false")
-    inputs = load_inputs(cfg)
+    inputs = load_inputs(cfg, upstream(cfg))
     estimate = buffered_bytes(inputs)
     train = inputs.lengths[inputs.lengths["split"] == "train"].reset_index(drop=True)
     samples = _shard_samples(connected / "prepare")

@@ -398,7 +398,6 @@ def test_only_a_backends_spec_compares_train_backend():
 #: stage hands every other one its paths, tables and values. The list only shrinks.
 CATALOG_READERS = {
     "packline.megatron.overrides": "Bridge's config names prepare's and connect's paths",
-    "packline.rules.inputs": "validate's inputs: every rule reads connect's outputs",
     "packline.train.setup": "training_stream(cfg): the tutorial's look at a prepared work dir",
     "packline.serving.chat": "packline chat: a finished run's adapter, processor and data",
     "packline.serving.export": "packline export: the config validate checked",
