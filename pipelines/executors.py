@@ -21,7 +21,7 @@ import nemo_run as run
 
 from schemas.config import PROJECT_ROOT, ExecutorKind, PipelineConfig
 from schemas.errors import UserError
-from schemas.guardrails import SLURM_RULES, train_nproc_per_node
+from schemas.rules import SLURM_RULES, train_nproc_per_node
 
 #: What a job needs of the project (the rest of the tree stays home).
 SHIPPED = ("packline", "stages", "schemas", "pipelines", "configs", "pyproject.toml")
@@ -47,7 +47,7 @@ def project_packager(root: Path = PROJECT_ROOT) -> run.PatternPackager:
 
 def slurm_problems(cfg: PipelineConfig) -> list[str]:
     """What stops this config from running on SLURM (empty when it can): the errors of the
-    SLURM rules (``schemas/guardrails.py``), which the validate stage lists too."""
+    SLURM rules (``schemas/rules.py``), which the validate stage lists too."""
     findings, _ = SLURM_RULES.run(cfg)
     return [f"{f.message}: {f.fix}" for f in findings if f.severity == "error"]
 

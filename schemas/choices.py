@@ -1,7 +1,7 @@
 """The choices of the config's enumerated keys (``packing.algorithm``, ``train.backend``, ...).
 
 A leaf: it imports nothing of packline, so the config tree (``schemas/config.py``) and the
-rules about it (``schemas/guardrails.py``) both use these without importing each other.
+rules about it (``schemas/rules.py``) both use these without importing each other.
 ``schemas.config`` exports them too.
 """
 

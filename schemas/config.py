@@ -43,10 +43,10 @@ from schemas.choices import (
     TrainBackend,
 )
 from schemas.errors import UserError
-from schemas.guardrails import Check, Finding, config_findings
 from schemas.hub import cached, fetch_command, local_dir, repo_id
 from schemas.paths import PROJECT_ROOT, special_kind, unreadable
 from schemas.ranges import range_problems, ranged
+from schemas.rules import Check, Finding, config_findings
 
 DEFAULT_CONFIG = PROJECT_ROOT / "configs" / "tiny_cpu.yaml"
 TINY_BASE = PROJECT_ROOT / "models" / "tiny-base"
@@ -690,7 +690,7 @@ class LoraConfig(_Section):
 
 
 # --- Megatron-Bridge settings and validate thresholds ---------------------------------------
-# The guardrails (schemas/guardrails.py) and validate's rules (packline/rules/) check
+# The cross-section rules (schemas/rules.py) and validate's rules (packline/rules/) check
 # these against packing.
 
 
@@ -1204,8 +1204,8 @@ def load_config(
 
 def _rule_problems(cfg: DictConfig) -> list[str]:
     """Every broken rule at once: each section's own rules (ranges, paths, the alignment)
-    and, when every section could be built, the errors of the cross-section guardrails
-    (``schemas/guardrails.py``: the packing rules Megatron-Bridge enforces at start-up)."""
+    and, when every section could be built, the errors of the cross-section rules
+    (``schemas/rules.py``: the packing rules Megatron-Bridge enforces at start-up)."""
     names = [f.name for f in fields(PipelineConfig) if f.name not in ("name", "work_dir")]
     problems: list[str] = []
     built: dict[str, _Section] = {}
@@ -1249,7 +1249,7 @@ def section_findings(cfg: PipelineConfig) -> tuple[list[Finding], list[Check]]:
             message, _, fix = problem.partition("; fix: ")
             key = _leading_key(message, f.name)
             fix = fix or f"change {key} (schemas/config.py documents it)"
-            found.append(Finding(rule_id, requires, "error", key, message, fix))
+            found.append(Finding("error", key, message, fix, rule=rule_id, requires=requires))
         findings += found
         checks.append(Check(rule_id, "config", requires, "error" if found else "ok"))
     return findings, checks

@@ -1,6 +1,6 @@
 """The parallel layout of a local training run, as arithmetic: which rank holds which part of
 the model and reads which rows, and every reason a layout cannot run. Plain data, no torch:
-the config's rules (``schemas/guardrails.py``) and validate check a layout before anything
+the config's rules (``schemas/rules.py``) and validate check a layout before anything
 starts; :mod:`packline.train.layout` builds its process groups.
 
 ``train.parallel`` (schemas/config.py) names the layout: ``pipeline_parallel`` P stages,

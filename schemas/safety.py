@@ -13,7 +13,7 @@ Two facts make these rules necessary:
   dataset inside one of those dirs would be deleted, and a dataset holding the work dir
   would change (and be rewritten) by every run.
 
-Each function returns ``(setting, what is wrong, fix)`` triples; ``schemas/guardrails.py``
+Each function returns ``(setting, what is wrong, fix)`` triples; ``schemas/rules.py``
 turns them into findings, so ``load_config`` refuses them all at once and validate lists
 them.
 

@@ -58,6 +58,7 @@ from packline.forecast import config_forecast, sample_costs
 from packline.progress import console
 from packline.qwen.processor import materialize_processor
 from packline.report.plots import plot_length_histogram
+from schemas.choices import ExecutorKind
 from schemas.config import PipelineConfig
 from schemas.errors import UserError
 from schemas.tables import SPLITS, LengthsModel, validate_table
@@ -86,6 +87,12 @@ def bridge_max_num_frames(cfg: PipelineConfig) -> int:
     return max_num_frames(cfg)
 
 
+def this_task(cfg: PipelineConfig) -> Task | None:
+    """This process's connect task in a SLURM job step of ``connect.num_tasks`` tasks (see
+    :func:`packline.energon.parts.current_task`); None when it measures every share."""
+    return current_task(cfg.connect.num_tasks, slurm=cfg.executor.kind is ExecutorKind.slurm)
+
+
 def connect(
     cfg: PipelineConfig,
     fp: str | None = None,
@@ -97,7 +104,7 @@ def connect(
     check that they agree, and publish the lengths, the forecast and the record.
 
     ``task=(r, N)`` measures only task r's share of N (``N`` must be ``connect.num_tasks``);
-    without it, a task of a SLURM job step measures its own (:func:`current_task`), and a
+    without it, a task of a SLURM job step measures its own (:func:`this_task`), and a
     process on its own measures every task's share in turn. Whichever task finishes last
     merges the parts and returns the stage's result; any other returns a ``partial`` result
     (its share is measured; no record, nothing to log). A killed run resumes from its
@@ -107,7 +114,7 @@ def connect(
     fp = fp or stage_fingerprint(cfg, STAGE)
     require_record(cfg, "prepare", by="connect")
     if task is None:
-        task = current_task(cfg)
+        task = this_task(cfg)
     if task is not None:
         task = Task(*task)
         if task.world != cfg.connect.num_tasks or not 0 <= task.rank < task.world:
@@ -128,7 +135,9 @@ def connect(
         splits=tuple(split for split in SPLITS if (manifest["split"] == split).any()),
         num_workers=cfg.connect.num_workers,
         part_size=cfg.connect.part_size,
-        verify_keys=verify_keys(cfg, list(manifest["key"])),
+        verify_keys=verify_keys(
+            list(manifest["key"]), cfg.connect.verify_samples, seed=cfg.train.seed
+        ),
         visual_tokens=visual_tokens,
         bridge=bridge,
         max_num_frames=bridge_max_num_frames(cfg) if bridge else None,

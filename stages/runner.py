@@ -60,7 +60,7 @@ def available_stages() -> list[str]:
 
 def _task_rank(cfg: PipelineConfig, name: str) -> int:
     """This process's task of a stage in :data:`SPREADS` (0 when it runs alone)."""
-    task = connect.current_task(cfg) if name in SPREADS else None
+    task = connect.this_task(cfg) if name in SPREADS else None
     return task.rank if task is not None else 0
 
 

@@ -1,4 +1,4 @@
-"""Stage validate: every guardrail at once, on the laptop, before any GPU hour is spent.
+"""Stage validate: every rule at once, on the laptop, before any GPU hour is spent.
 
 A packed multimodal fine-tune fails late and expensively when one setting is off, and
 Megatron-Bridge rejects such settings one at a time at start-up on the cluster. This stage
@@ -14,10 +14,10 @@ Outputs in ``<work>/validate/``::
 Rule groups, in order, all in one pass:
 
 - ``config``: each section's types, ranges and enums (``schemas/config.py``);
-- ``packing`` / ``megatron``: the cross-section guardrails on packline's settings
-  (``schemas/guardrails.py``), which ``load_config`` already enforces, so a config breaking
+- ``packing`` / ``megatron``: the cross-section rules on packline's settings
+  (``schemas/rules.py``), which ``load_config`` already enforces, so a config breaking
   one stops before any stage runs;
-- ``slurm``: what ``packline run --executor slurm`` refuses (``schemas/guardrails.py``);
+- ``slurm``: what ``packline run --executor slurm`` refuses (``schemas/rules.py``);
 - ``megatron`` (``train.backend: megatron``): the Megatron rules on the overrides Bridge will
   really get, packline's plus ``megatron.extra_overrides`` (applied last), the same rules
   ``run --executor slurm`` refuses (``packline/megatron/overrides.py``): paths, executor, GPUs

@@ -10,7 +10,7 @@ from typing import Any
 from packline.backends import Backend, packline_packer
 from schemas.choices import TrainBackend
 from schemas.config import PipelineConfig
-from schemas.guardrails import train_world
+from schemas.rules import train_world
 
 #: The local run's parallel layout, left out of its fingerprint: any layout resumes any
 #: other's checkpoints (packline/train/checkpoint.py), so a run restarted on more or fewer

@@ -12,7 +12,7 @@ from packline.backends import Backend, packline_packer
 from packline.megatron.overrides import RECIPE_MODULE, bridge_overrides, override_lines
 from schemas.choices import Packer, TrainBackend
 from schemas.config import PipelineConfig
-from schemas.guardrails import train_nproc_per_node
+from schemas.rules import train_nproc_per_node
 
 
 class Megatron(Backend):

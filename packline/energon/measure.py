@@ -40,7 +40,6 @@ from packline.energon.sample import (
 )
 from packline.progress import progress
 from packline.qwen.vision import read_image_size
-from schemas.config import PipelineConfig
 from schemas.errors import UserError
 
 LENGTH_COLUMNS = [
@@ -411,18 +410,17 @@ def _write_part(
     return k + 1
 
 
-def verify_keys(cfg: PipelineConfig, keys: list[str]) -> frozenset[str] | None:
-    """The samples the processor measures: every one (None) for ``connect.verify: all``, else
-    a seeded sample of N of the manifest's keys (seed ``train.seed``): the same for every task.
+def verify_keys(keys: list[str], sample: int | None, seed: int) -> frozenset[str] | None:
+    """The samples the processor measures: every one (None) when ``sample`` is None
+    (``connect.verify: all``), else a seeded sample of that many of the manifest's keys
+    (``seed``: ``train.seed``): the same for every task.
 
-    >>> from schemas.config import load_config
-    >>> sorted(verify_keys(load_config(None, ["connect.verify=2"]), ["a", "b", "c", "d"]))
+    >>> sorted(verify_keys(["a", "b", "c", "d"], 2, seed=0))
     ['b', 'd']
     """
-    n = cfg.connect.verify_samples
-    if n is None:
+    if sample is None:
         return None
-    return frozenset(random.Random(cfg.train.seed).sample(sorted(keys), min(n, len(keys))))
+    return frozenset(random.Random(seed).sample(sorted(keys), min(sample, len(keys))))
 
 
 def _mismatch(key: str, exact: dict[str, Any], cheap: dict[str, Any]) -> str:

@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 
 import pandas as pd
 
-from schemas.config import ExecutorKind, PipelineConfig
+from schemas.config import PipelineConfig
 from schemas.errors import UserError
 
 PARTS = "connect.parts"
@@ -61,21 +61,22 @@ class Task(NamedTuple):
     world: int
 
 
-def current_task(cfg: PipelineConfig) -> Task | None:
+def current_task(num_tasks: int, *, slurm: bool) -> Task | None:
     """This process's connect task when it is one of several tasks of a SLURM job step
-    (``executor.kind: slurm``; ``SLURM_PROCID`` of ``SLURM_NTASKS``, which must equal
-    ``connect.num_tasks``); None when it is alone (executor local, ``packline stage connect``
-    outside a job, a one-task job), and then measures every task's share in turn."""
-    if cfg.executor.kind is not ExecutorKind.slurm or "SLURM_PROCID" not in os.environ:
+    (``slurm``: ``executor.kind: slurm``; ``SLURM_PROCID`` of ``SLURM_NTASKS``, which must
+    equal ``num_tasks``, ``connect.num_tasks``); None when it is alone (executor local,
+    ``packline stage connect`` outside a job, a one-task job), and then measures every task's
+    share in turn."""
+    if not slurm or "SLURM_PROCID" not in os.environ:
         return None
     ntasks = int(os.environ.get("SLURM_NTASKS", "1"))
     if ntasks == 1:
         return None
-    if ntasks != cfg.connect.num_tasks:
+    if ntasks != num_tasks:
         raise UserError(
             [
                 f"this SLURM job step runs {ntasks} tasks, connect.num_tasks is "
-                f"{cfg.connect.num_tasks}: set connect.num_tasks={ntasks}, or start connect "
+                f"{num_tasks}: set connect.num_tasks={ntasks}, or start connect "
                 "as one task (it then measures every share in turn)"
             ],
             "connect cannot tell its share",

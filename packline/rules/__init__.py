@@ -1,10 +1,10 @@
-"""Every rule packline checks a run against, in one place, as one :class:`~schemas.guardrails.Rule`
-type gathered in :class:`~schemas.guardrails.RuleBook` s:
+"""Every rule packline checks a run against, in one place, as one :class:`~schemas.rules.Rule`
+type gathered in :class:`~schemas.rules.RuleBook` s:
 
 - the config's own: each section's types and ranges (``schemas/config.py``) and the rules
   across sections — packing, Megatron-Bridge's packing guardrails on packline's settings,
   what a config may not hold (shell syntax, data where a run replaces its outputs) — and the
-  SLURM rules (``schemas/guardrails.py``). They live on the bottom floor because
+  SLURM rules (``schemas/rules.py``). They live on the bottom floor because
   ``load_config`` refuses their errors before anything imports torch;
 - the Megatron rules on the overrides Bridge will really get (:mod:`packline.rules.megatron`);
 - the data against the config (:mod:`packline.rules.data`: connect's tables);
@@ -23,7 +23,7 @@ from packline.rules.inputs import Inputs, Upstream, load_inputs
 from packline.rules.megatron import megatron_findings
 from packline.rules.model import MODEL_RULES
 from schemas.config import PipelineConfig, section_findings
-from schemas.guardrails import CONFIG_RULES, SLURM_RULES, Check, Finding
+from schemas.rules import CONFIG_RULES, SLURM_RULES, Check, Finding
 
 
 def collect(cfg: PipelineConfig, upstream: Upstream) -> tuple[list[Finding], list[Check], Inputs]:

@@ -20,8 +20,8 @@ from packline.rules.inputs import GIB, MIB, Inputs
 from schemas.config import (
     OverlengthPolicy,
 )
-from schemas.guardrails import (
-    Issue,
+from schemas.rules import (
+    Finding,
     RuleBook,
     error,
     warning,
@@ -34,7 +34,7 @@ DATA_RULES = RuleBook()
 
 
 @DATA_RULES.rule("data.current", "data", "connect's outputs were made under this config")
-def _current(x: Inputs) -> list[Issue]:
+def _current(x: Inputs) -> list[Finding]:
     if x.connect_current:
         return []
     return [
@@ -53,7 +53,7 @@ def _current(x: Inputs) -> list[Issue]:
     "data",
     "manifest and lengths hold the same keys, once each, with the same split and image count",
 )
-def _tables(x: Inputs) -> list[Issue]:
+def _tables(x: Inputs) -> list[Finding]:
     out = []
     for table, problem in cross_table_problems(x.manifest, x.lengths):
         if table == "manifest.parquet":
@@ -75,7 +75,7 @@ def _aligned(x: Inputs) -> pd.Series:
     "samples longer than packing.seq_length are dropped and counted, or fail the run, per "
     "packing.overlength",
 )
-def _overlength(x: Inputs) -> list[Issue]:
+def _overlength(x: Inputs) -> list[Finding]:
     p, m = x.cfg.packing, x.alignment
     aligned = _aligned(x)
     over = aligned > p.seq_length
@@ -116,7 +116,7 @@ def _overlength(x: Inputs) -> list[Issue]:
 @DATA_RULES.rule(
     "data.train_fits", "data", "at least one training sample fits in packing.seq_length"
 )
-def _train_fits(x: Inputs) -> list[Issue]:
+def _train_fits(x: Inputs) -> list[Finding]:
     seq = x.cfg.packing.seq_length
     train = _aligned(x)[x.lengths["split"] == "train"]
     if len(train) == 0 or (train <= seq).any():
@@ -144,7 +144,7 @@ _VAL_ROWS_FIX = (
     "data",
     "the val split holds a sample that fits in packing.seq_length, when train.eval is on",
 )
-def _val_rows(x: Inputs) -> list[Issue]:
+def _val_rows(x: Inputs) -> list[Finding]:
     seq = x.cfg.packing.seq_length
     aligned = _aligned(x)
     in_val = x.lengths["split"] == "val"
@@ -178,7 +178,7 @@ def _val_rows(x: Inputs) -> list[Issue]:
 @DATA_RULES.rule(
     "data.images_per_sample", "data", "no sample has more images than prepare.max_images"
 )
-def _images_per_sample(x: Inputs) -> list[Issue]:
+def _images_per_sample(x: Inputs) -> list[Finding]:
     limit = x.cfg.prepare.max_images
     images = x.lengths["num_images"]
     x.facts["images_per_sample"] = {"max": int(images.max()) if len(images) else 0}
@@ -200,7 +200,7 @@ def _images_per_sample(x: Inputs) -> list[Issue]:
     "data",
     "no video has more sampled frames than prepare.max_frames_per_video",
 )
-def _frames_per_video(x: Inputs) -> list[Issue] | None:
+def _frames_per_video(x: Inputs) -> list[Finding] | None:
     counts = [n for doc in x.lengths["video_frame_counts"] for n in json.loads(doc)]
     if not counts:
         return None
@@ -224,7 +224,7 @@ def _frames_per_video(x: Inputs) -> list[Issue] | None:
     "data",
     "no sample has more visual tokens (images and videos) than validate.max_visual_tokens",
 )
-def _visual_tokens_per_sample(x: Inputs) -> list[Issue]:
+def _visual_tokens_per_sample(x: Inputs) -> list[Finding]:
     visual = x.lengths["image_tokens"] + x.lengths["video_tokens"]
     limit = x.cfg.validate.max_visual_tokens
     x.facts["visual_tokens_per_sample"] = {
@@ -253,7 +253,7 @@ def _visual_tokens_per_sample(x: Inputs) -> list[Issue]:
     "no sample exceeds the image and visual-token limits of Megatron-Bridge's encoder, which "
     "skips such samples without counting them",
 )
-def _encoder_limits(x: Inputs) -> list[Issue] | None:
+def _encoder_limits(x: Inputs) -> list[Finding] | None:
     if not backend(x.cfg).renders_for_bridge:
         return None
     m = x.cfg.megatron
@@ -285,7 +285,7 @@ def _encoder_limits(x: Inputs) -> list[Issue] | None:
     "Megatron-Bridge's encoder keeps every frame prepare pre-sampled of each video: none is "
     "cut by its max_num_frames or re-sampled by a processor dir that samples frames",
 )
-def _video_frames(x: Inputs) -> list[Issue] | None:
+def _video_frames(x: Inputs) -> list[Finding] | None:
 
     b = x.bridge_videos
     if not backend(x.cfg).renders_for_bridge or not b:
@@ -334,7 +334,7 @@ def _video_frames(x: Inputs) -> list[Issue] | None:
     "the frame timestamps Megatron-Bridge's encoder writes into the text are counted against "
     "the videos' real times (it passes no frame rate: positions over 24 fps)",
 )
-def _video_timestamps(x: Inputs) -> list[Issue] | None:
+def _video_timestamps(x: Inputs) -> list[Finding] | None:
     b = x.bridge_videos
     if not backend(x.cfg).renders_for_bridge or not b:
         return None
@@ -368,7 +368,7 @@ def _video_timestamps(x: Inputs) -> list[Issue] | None:
     "the samples whose images Megatron-Bridge's encoder moves before their turn's text are "
     "counted (it renders every turn media first; connect measured them that way)",
 )
-def _media_first(x: Inputs) -> list[Issue] | None:
+def _media_first(x: Inputs) -> list[Finding] | None:
     if not backend(x.cfg).renders_for_bridge:
         return None
     moved = x.lengths[x.lengths["images_moved"]]
@@ -393,7 +393,7 @@ def _media_first(x: Inputs) -> list[Issue] | None:
     "packing",
     "the forecast fill at packing.packing_buffer_size reaches validate.min_forecast_fill",
 )
-def _forecast_fill(x: Inputs) -> list[Issue] | None:
+def _forecast_fill(x: Inputs) -> list[Finding] | None:
     from packline.forecast import forecast_settings
     from packline.packing.forecast import forecast_fill
 
@@ -474,7 +474,7 @@ def buffered_bytes(x: Inputs) -> dict[str, list[int]]:
     "packing",
     "one loader worker's packing buffer stays under validate.worker_memory_warn_gib",
 )
-def _worker_memory(x: Inputs) -> list[Issue] | None:
+def _worker_memory(x: Inputs) -> list[Finding] | None:
     cfg = x.cfg
     if not cfg.trains_packed:
         return None

@@ -23,11 +23,10 @@ from schemas.config import (
     ExecutorKind,
     PipelineConfig,
 )
-from schemas.guardrails import (
+from schemas.rules import (
     BRIDGE_PACKING_GUARDS,
     Check,
     Finding,
-    Issue,
     RuleBook,
     error,
     warning,
@@ -43,7 +42,7 @@ def _megatron(run: BridgeRun) -> bool:
 @MEGATRON_RULES.rule(
     "megatron.executor", "megatron", "train.backend megatron runs as a SLURM job (its container)"
 )
-def _executor(run: BridgeRun) -> list[Issue] | None:
+def _executor(run: BridgeRun) -> list[Finding] | None:
     if not _megatron(run):
         return None
     if run.cfg.executor.kind is ExecutorKind.slurm:
@@ -63,7 +62,7 @@ def _executor(run: BridgeRun) -> list[Issue] | None:
     "megatron",
     "model.path and processor.path name the model's HF checkpoint and processor dirs",
 )
-def _paths(run: BridgeRun) -> list[Issue] | None:
+def _paths(run: BridgeRun) -> list[Finding] | None:
     if not _megatron(run):
         return None
     cfg, out = run.cfg, []
@@ -93,7 +92,7 @@ def _paths(run: BridgeRun) -> list[Issue] | None:
     "megatron",
     "train.micro_batch_size is 1: packline sends Megatron-Bridge one row per micro-batch",
 )
-def _micro_batch_setting(run: BridgeRun) -> list[Issue] | None:
+def _micro_batch_setting(run: BridgeRun) -> list[Finding] | None:
     cfg = run.cfg
     if not _megatron(run) or cfg.trains_packed:
         return None  # packed: the guardrail packing.micro_batch checks it
@@ -117,7 +116,7 @@ def _micro_batch_setting(run: BridgeRun) -> list[Issue] | None:
     "packing.balance none, as Megatron-Bridge's own encoder packs (plain first-fit "
     "decreasing, no carry-over, no FLOPs balance)",
 )
-def _algorithm(run: BridgeRun) -> list[Issue] | None:
+def _algorithm(run: BridgeRun) -> list[Finding] | None:
     cfg = run.cfg
     if not _megatron(run) or not cfg.packing.enabled or packs_with_packline(cfg):
         return None
@@ -157,7 +156,7 @@ def _algorithm(run: BridgeRun) -> list[Issue] | None:
 @MEGATRON_RULES.rule(
     "megatron.dense_experts", "megatron", "train.parallel.expert_parallel > 1 only on an MoE model"
 )
-def _dense_experts(run: BridgeRun) -> list[Issue] | None:
+def _dense_experts(run: BridgeRun) -> list[Finding] | None:
     cfg = run.cfg
     if not _megatron(run):
         return None
@@ -180,7 +179,7 @@ def _dense_experts(run: BridgeRun) -> list[Issue] | None:
     "the train job's GPUs split into TP × CP groups and EP groups, and the data-parallel "
     "size divides the global batch",
 )
-def _world(run: BridgeRun) -> list[Issue] | None:
+def _world(run: BridgeRun) -> list[Finding] | None:
     if not _megatron(run):
         return None
     world = run.world_size
@@ -224,7 +223,7 @@ def _world(run: BridgeRun) -> list[Issue] | None:
     "megatron",
     "every LoRA target has a Megatron module name (lora.target_modules, target_parameters)",
 )
-def _lora_targets(run: BridgeRun) -> list[Issue] | None:
+def _lora_targets(run: BridgeRun) -> list[Finding] | None:
     if not _megatron(run):
         return None
     return [
@@ -243,7 +242,7 @@ def _lora_targets(run: BridgeRun) -> list[Issue] | None:
     "every megatron.extra_overrides key names a field of Megatron-Bridge's config "
     "(packline/megatron/fields.py, from the pinned release)",
 )
-def _extra_override_fields(run: BridgeRun) -> list[Issue] | None:
+def _extra_override_fields(run: BridgeRun) -> list[Finding] | None:
     if not _megatron(run):
         return None
     classes = section_classes(run.cfg)
@@ -268,14 +267,14 @@ def _extra_override_fields(run: BridgeRun) -> list[Issue] | None:
     "megatron.extra_overrides keep Megatron-Bridge's native-packing guardrails (they are "
     "applied last: checked as the values Bridge gets)",
 )
-def _extra_override_guardrails(run: BridgeRun) -> list[Issue] | None:
+def _extra_override_guardrails(run: BridgeRun) -> list[Finding] | None:
     if not _megatron(run) or not run.packing:
         return None
     out = []
     for g in BRIDGE_PACKING_GUARDS:  # the same guardrails the config rules check
         if g.key in run.extra and not g.holds(run.extra[g.key]):
             out.append(
-                Issue(
+                Finding(
                     g.severity,
                     "megatron.extra_overrides",
                     f"{run.shown(g.key)}: Energon native packing in Megatron-Bridge needs "
@@ -315,7 +314,7 @@ MEASURED = {
     "megatron.extra_overrides do not change what connect measured and validate checked "
     "(sequence length, buffer, parallelism, dataset, processor and its visual geometry)",
 )
-def _extra_override_measured(run: BridgeRun) -> list[Issue] | None:
+def _extra_override_measured(run: BridgeRun) -> list[Finding] | None:
     if not _megatron(run):
         return None
     return [
@@ -335,7 +334,7 @@ def _extra_override_measured(run: BridgeRun) -> list[Issue] | None:
     "megatron",
     "Megatron-Bridge's train and dataset micro-batches are equal, and 1 with native packing",
 )
-def _micro_batch(run: BridgeRun) -> list[Issue] | None:
+def _micro_batch(run: BridgeRun) -> list[Finding] | None:
     if not _megatron(run):
         return None
     keys = ("train.micro_batch_size", "dataset.micro_batch_size")
@@ -368,7 +367,7 @@ def _micro_batch(run: BridgeRun) -> list[Issue] | None:
     "megatron",
     "validation.eval_micro_batch_size equals the Energon dataset's micro-batch",
 )
-def _eval_micro_batch(run: BridgeRun) -> list[Issue] | None:
+def _eval_micro_batch(run: BridgeRun) -> list[Finding] | None:
     if not _megatron(run) or run.get("dataset.do_validation", True) is False:
         return None
     key = "validation.eval_micro_batch_size"
@@ -394,7 +393,7 @@ def _eval_micro_batch(run: BridgeRun) -> list[Issue] | None:
     "megatron",
     "Energon native packing in Megatron-Bridge needs Qwen3-VL DistTrain off",
 )
-def _dist_train(run: BridgeRun) -> list[Issue] | None:
+def _dist_train(run: BridgeRun) -> list[Finding] | None:
     if not _megatron(run) or not run.packing:
         return None
     key = "model.dist_train.use_dist_train"
@@ -415,7 +414,7 @@ def _dist_train(run: BridgeRun) -> list[Issue] | None:
     "megatron",
     "packing.packer bridge: Energon native packing excludes the legacy in-batch packing flags",
 )
-def _in_batch_packing(run: BridgeRun) -> list[Issue] | None:
+def _in_batch_packing(run: BridgeRun) -> list[Finding] | None:
     if not _megatron(run) or not run.packing or packs_with_packline(run.cfg):
         return None  # packline's dataset has no such flags (an extra override is refused)
     return [
@@ -436,7 +435,7 @@ def _in_batch_packing(run: BridgeRun) -> list[Issue] | None:
     "packing.seq_length is a multiple of the alignment the run pads to: lcm(2·CP, CP·TP) over "
     "the train and eval CP sizes, with SP as the run has it (on for MoE with TP > 1)",
 )
-def _alignment(run: BridgeRun) -> list[Issue] | None:
+def _alignment(run: BridgeRun) -> list[Finding] | None:
     if not _megatron(run):
         return None
     p = run.cfg.packing
@@ -498,13 +497,13 @@ def megatron_findings(
         requires = "packline's Megatron-Bridge overrides can be built from the config"
         problem = str(exc).strip().splitlines()[0]
         found = Finding(
-            "megatron.overrides",
-            requires,
             "error",
             "processor.path",
             f"the Megatron-Bridge overrides cannot be built: {problem}",
             "point processor.path at the model's HF processor dir (the overrides send its "
             "image geometry); the other Megatron rules run once the overrides can be built",
+            rule="megatron.overrides",
+            requires=requires,
         )
         return [found], [Check(found.rule, "megatron", requires, "error")], None
     findings, checks = MEGATRON_RULES.run(run)

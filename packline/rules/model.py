@@ -18,8 +18,8 @@ from packline.train.setup import lora_target_matches
 from schemas.config import (
     ExecutorKind,
 )
-from schemas.guardrails import (
-    Issue,
+from schemas.rules import (
+    Finding,
     RuleBook,
     error,
     train_world,
@@ -31,7 +31,7 @@ MODEL_RULES = RuleBook()
 
 
 @MODEL_RULES.rule("model.config", "model", "the model's config loads as a Qwen3-VL config")
-def _model_config(x: Inputs) -> list[Issue]:
+def _model_config(x: Inputs) -> list[Finding]:
     if x.model_config_problem is None:
         x.facts["model"] = {
             "type": x.model_config.model_type,
@@ -51,7 +51,7 @@ def _model_config(x: Inputs) -> list[Issue]:
 @MODEL_RULES.rule(
     "model.moe", "model", "model.moe says what model.path's checkpoint is (dense or MoE)"
 )
-def _moe_flag(x: Inputs) -> list[Issue] | None:
+def _moe_flag(x: Inputs) -> list[Finding] | None:
     if not x.model_ok or not x.cfg.model.path:
         return None
     is_moe = x.model_config.model_type == "qwen3_vl_moe"
@@ -89,7 +89,7 @@ TOKEN_ID_FIELDS = (
     "model",
     "the processor's special-token ids equal the model config's",
 )
-def _token_ids(x: Inputs) -> list[Issue] | None:
+def _token_ids(x: Inputs) -> list[Finding] | None:
     if not x.model_ok:
         return None
     ids = special_token_ids(x.processor)
@@ -114,7 +114,7 @@ def _token_ids(x: Inputs) -> list[Issue] | None:
 @MODEL_RULES.rule(
     "model.vocab", "model", "every processor token id is inside the model's vocabulary"
 )
-def _vocab(x: Inputs) -> list[Issue] | None:
+def _vocab(x: Inputs) -> list[Finding] | None:
     if not x.model_ok:
         return None
     ours, theirs = len(x.processor.tokenizer), int(x.model_config.text_config.vocab_size)
@@ -136,7 +136,7 @@ def _vocab(x: Inputs) -> list[Issue] | None:
     "model",
     "the processor's patch, temporal patch and merge sizes equal the vision tower's",
 )
-def _vision_geometry(x: Inputs) -> list[Issue] | None:
+def _vision_geometry(x: Inputs) -> list[Finding] | None:
     if not x.model_ok:
         return None
     g = processor_geometry(x.processor)
@@ -169,7 +169,7 @@ def _vision_geometry(x: Inputs) -> list[Issue] | None:
     "model",
     "the vision tower's output width equals the language model's hidden size",
 )
-def _vision_text_width(x: Inputs) -> list[Issue] | None:
+def _vision_text_width(x: Inputs) -> list[Finding] | None:
     if not x.model_ok:
         return None
     out_width = int(x.model_config.vision_config.out_hidden_size)
@@ -192,7 +192,7 @@ def _vision_text_width(x: Inputs) -> list[Issue] | None:
     "model",
     "train.parallel splits the model's decoder layers into whole stages and its experts evenly",
 )
-def _model_parallel(x: Inputs) -> list[Issue] | None:
+def _model_parallel(x: Inputs) -> list[Finding] | None:
     if not x.model_ok or not backend(x.cfg).trains_here:
         return None  # Bridge splits the model itself (megatron rules)
     from schemas.layout import ParallelLayout
@@ -228,7 +228,7 @@ def _model_parallel(x: Inputs) -> list[Issue] | None:
     "model.attention runs on the device that trains (varlen: CUDA, Ampere or later; flex: "
     "trains on CUDA only)",
 )
-def _attention_device(x: Inputs) -> list[Issue] | None:
+def _attention_device(x: Inputs) -> list[Finding] | None:
     cfg = x.cfg
     if not backend(cfg).trains_here or cfg.executor.kind is ExecutorKind.slurm:
         return None  # the train node's device is not this machine's
@@ -256,7 +256,7 @@ def _attention_device(x: Inputs) -> list[Issue] | None:
     "lora",
     "every LoRA target matches at least one module (or parameter) of the model",
 )
-def _lora_targets(x: Inputs) -> list[Issue] | None:
+def _lora_targets(x: Inputs) -> list[Finding] | None:
     if not x.model_ok:
         return None
     lora = x.cfg.lora
@@ -355,7 +355,7 @@ def step_shapes(x: Inputs) -> list[StepShape]:
     "train",
     "the per-GPU forecast of a training step's peak fits the GPU's memory",
 )
-def _memory(x: Inputs) -> list[Issue] | None:
+def _memory(x: Inputs) -> list[Finding] | None:
     cfg = x.cfg
     if not x.model_ok or not backend(cfg).trains_here:
         return None  # Bridge sizes its own runs

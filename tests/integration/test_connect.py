@@ -347,7 +347,8 @@ def test_connect_tasks_given_explicitly_with_no_loader_workers_equal_one_task(
 
 
 def test_connect_in_a_job_step_of_another_task_count_is_refused(tmp_path: Path, monkeypatch):
-    from packline.energon.parts import Task, current_task
+    from packline.energon.parts import Task
+    from stages.connect import this_task as current_task
 
     cfg = make_config(tmp_path / "work", *ON_SLURM, "connect.num_tasks=2")
     assert current_task(cfg) is None  # not in a SLURM job: one process, every share

@@ -11,7 +11,7 @@ import pytest
 from pipelines.executors import SHIPPED, slurm_executor, slurm_problems
 from schemas.config import PROJECT_ROOT
 from schemas.errors import UserError
-from schemas.guardrails import train_nproc_per_node
+from schemas.rules import train_nproc_per_node
 from tests.conftest import make_config
 
 

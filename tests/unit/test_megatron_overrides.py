@@ -558,7 +558,7 @@ VALIDATED_MOE = {
 
 @pytest.mark.parametrize("path", [DENSE, MOE], ids=["8b_1node", "30b_a3b_ep8"])
 def test_overrides_send_exactly_what_validate_passed(path: Path, tmp_path: Path):
-    from schemas.guardrails import config_findings
+    from schemas.rules import config_findings
 
     cfg = cluster_config(path, tmp_path)
     assert [f.text for f in config_findings(cfg) if f.severity == "error"] == []

@@ -11,7 +11,7 @@ import pytest
 
 from schemas.config import load_config
 from schemas.errors import UserError
-from schemas.guardrails import CONFIG_RULES
+from schemas.rules import CONFIG_RULES
 from schemas.safety import bad_name, unsafe_reason
 
 HOSTILE = ["a;touch p", "$(touch p)", "`touch p`", "a b", "a\nb", "a|b", "a&b", "a>b", "50%x"]

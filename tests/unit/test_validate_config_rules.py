@@ -1,4 +1,4 @@
-"""The config-only rules of the validate stage (schemas/guardrails.py): each broken rule is
+"""The config-only rules of the validate stage (schemas/rules.py): each broken rule is
 refused by ``load_config`` with its exact message and the CLI exits 2; all broken rules are
 listed at once. The Megatron rules on the overrides Bridge gets (packline/megatron/overrides.py),
 each alone, and ``run --executor slurm`` refusing what validate lists. Also: the LoRA target
@@ -24,7 +24,7 @@ from packline.train.setup import lora_target_matches
 from pipelines.cli import main
 from schemas.config import PROJECT_ROOT, TINY_BASE, load_config
 from schemas.errors import UserError
-from schemas.guardrails import CONFIG_RULES, config_findings
+from schemas.rules import CONFIG_RULES, config_findings
 from tests.unit.test_megatron_overrides import DENSE, MOE, cluster_config
 
 SHIPPED = sorted((PROJECT_ROOT / "configs").glob("*.yaml"))
@@ -58,7 +58,7 @@ CONFIG_ERRORS = [
         "to a value > 0 (default 64)",
     ),
     (
-        "packing.context_length",  # schemas/guardrails.py, the model's config.json
+        "packing.context_length",  # schemas/rules.py, the model's config.json
         ["packing.seq_length=131072"],
         f"packing.seq_length 131,072 exceeds the model's context length 128,000 "
         f"(max_position_embeddings of {TINY_BASE}/config.json): a row is one sequence to the "
@@ -66,7 +66,7 @@ CONFIG_ERRORS = [
         "packing.seq_length <= 128000",
     ),
     (
-        "processor.pixel_bounds",  # schemas/guardrails.py, the processor's own bounds
+        "processor.pixel_bounds",  # schemas/rules.py, the processor's own bounds
         ["processor.max_pixels=2048"],
         "processor.max_pixels 2,048 is below the processor's own min_pixels (the built-in tiny "
         "processor) 4,096: no image size lies within both; fix: set processor.max_pixels >= "

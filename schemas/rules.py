@@ -1,4 +1,4 @@
-"""Cross-section rules of a resolved config: the packing guardrails, and the SLURM rules.
+"""Cross-section rules of a resolved config: the packing rules, and the SLURM rules.
 
 Megatron-Bridge enforces the guardrails at start-up on the cluster, one at a time
 (``ConfigContainer.validate()``, ``EnergonDatasetConfig.validate()``). Here each rule is a
@@ -17,7 +17,7 @@ values) and the fix.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from schemas.choices import STAGES, ExecutorKind, TrainBackend
@@ -29,31 +29,12 @@ Severity = Literal["error", "warning"]
 Status = Literal["ok", "error", "warning", "not applicable"]
 
 
-class Issue(NamedTuple):
-    """What a rule function returns for one broken rule (the book adds the rule's id)."""
-
-    severity: Severity
-    setting: str
-    message: str
-    fix: str
-
-
-def error(setting: str, message: str, fix: str) -> Issue:
-    return Issue("error", setting, message, fix)
-
-
-def warning(setting: str, message: str, fix: str) -> Issue:
-    return Issue("warning", setting, message, fix)
-
-
 @dataclass(frozen=True)
 class Finding:
-    """One broken rule: the setting to change, the rule, what is wrong, and the fix."""
+    """One broken rule: the setting to change, the rule, what is wrong, and the fix. A rule
+    function makes its findings with :func:`error` and :func:`warning`; the book that runs it
+    fills in ``rule`` and ``requires``."""
 
-    rule: str
-    """Id of the rule, e.g. ``packing.micro_batch``."""
-    requires: str
-    """What the rule requires, in one line."""
     severity: Severity
     setting: str
     """The dotted config key to change (or the table / file at fault)."""
@@ -61,6 +42,10 @@ class Finding:
     """What is wrong, with the values found."""
     fix: str
     """What to set or run instead."""
+    rule: str = ""
+    """Id of the rule, e.g. ``packing.micro_batch``."""
+    requires: str = ""
+    """What the rule requires, in one line."""
 
     @property
     def text(self) -> str:
@@ -68,7 +53,16 @@ class Finding:
         return f"{self.message}; fix: {self.fix}"
 
     def to_dict(self) -> dict[str, str]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        keys = ("rule", "requires", "severity", "setting", "message", "fix")
+        return {k: getattr(self, k) for k in keys}
+
+
+def error(setting: str, message: str, fix: str) -> Finding:
+    return Finding("error", setting, message, fix)
+
+
+def warning(setting: str, message: str, fix: str) -> Finding:
+    return Finding("warning", setting, message, fix)
 
 
 @dataclass(frozen=True)
@@ -89,8 +83,8 @@ class Rule:
     id: str
     group: str
     requires: str
-    fn: Callable[..., list[Issue] | None]
-    """Returns the broken rule's issues ([] when it holds), or None when it does not apply."""
+    fn: Callable[..., list[Finding] | None]
+    """Returns the broken rule's findings ([] when it holds), or None when it does not apply."""
 
 
 @dataclass
@@ -101,7 +95,7 @@ class RuleBook:
     rules: list[Rule] = field(default_factory=list)
 
     def rule(self, id: str, group: str, requires: str):
-        def register(fn: Callable[..., list[Issue] | None]):
+        def register(fn: Callable[..., list[Finding] | None]):
             self.rules.append(Rule(id, group, requires, fn))
             return fn
 
@@ -112,10 +106,10 @@ class RuleBook:
         findings: list[Finding] = []
         checks: list[Check] = []
         for r in self.rules:
-            issues = r.fn(*args)
-            found = [Finding(r.id, r.requires, *issue) for issue in issues or []]
+            made = r.fn(*args)
+            found = [replace(f, rule=r.id, requires=r.requires) for f in made or []]
             findings += found
-            status: Status = "not applicable" if issues is None else "ok"
+            status: Status = "not applicable" if made is None else "ok"
             if found:
                 status = "error" if any(f.severity == "error" for f in found) else "warning"
             checks.append(Check(r.id, r.group, r.requires, status))
@@ -134,7 +128,7 @@ def _megatron_packed(cfg: PipelineConfig) -> bool:
 @CONFIG_RULES.rule(
     "packing.micro_batch", "packing", "packing needs a physical micro-batch of one row (MBS 1)"
 )
-def _micro_batch(cfg: PipelineConfig) -> list[Issue] | None:
+def _micro_batch(cfg: PipelineConfig) -> list[Finding] | None:
     if not cfg.trains_packed:
         return None
     mbs = cfg.train.micro_batch_size
@@ -288,7 +282,7 @@ def _register_guards(*rule_ids: str) -> None:
         guards = [g for g in BRIDGE_PACKING_GUARDS if g.rule == rule_id]
         group = rule_id.split(".")[0]
 
-        def check(cfg: PipelineConfig, guards=guards) -> list[Issue] | None:
+        def check(cfg: PipelineConfig, guards=guards) -> list[Finding] | None:
             if not _megatron_packed(cfg):
                 return None  # the local backend: per-token loss and summed gradients by design
             out = []
@@ -296,7 +290,7 @@ def _register_guards(*rule_ids: str) -> None:
                 value = _setting_value(cfg, g.setting)
                 if not g.holds(value):
                     message = f"{g.setting} is {_shown(value)}: {g.why}"
-                    out.append(Issue(g.severity, g.setting, message, g.fix))
+                    out.append(Finding(g.severity, g.setting, message, g.fix))
             return out
 
         CONFIG_RULES.rule(rule_id, group, guards[0].requires)(check)
@@ -308,7 +302,7 @@ _register_guards("packing.per_token_loss", "packing.no_collective_average")
 @CONFIG_RULES.rule(
     "packing.fixed_width", "packing", "EP > 1 or PP > 1 needs fixed-width packed rows"
 )
-def _fixed_width(cfg: PipelineConfig) -> list[Issue] | None:
+def _fixed_width(cfg: PipelineConfig) -> list[Finding] | None:
     if not cfg.trains_packed:
         return None
     par = cfg.train.parallel
@@ -334,7 +328,7 @@ def _fixed_width(cfg: PipelineConfig) -> list[Issue] | None:
     "packing",
     "packing.seq_length is within the model's context length (max_position_embeddings)",
 )
-def _context_length(cfg: PipelineConfig) -> list[Issue] | None:
+def _context_length(cfg: PipelineConfig) -> list[Finding] | None:
     from schemas.facts import context_length
 
     limit = context_length(cfg.model.path)
@@ -376,7 +370,7 @@ def _physical_memory() -> int:
     "packing",
     "one packing round at packing.seq_length fits in this machine's memory",
 )
-def _packer_memory(cfg: PipelineConfig) -> list[Issue] | None:
+def _packer_memory(cfg: PipelineConfig) -> list[Finding] | None:
     p = cfg.packing
     buffers = [p.packing_buffer_size, *p.forecast_buffer_sizes]
     if p.seq_length < 1 or min(buffers) < 1:
@@ -405,7 +399,7 @@ def _packer_memory(cfg: PipelineConfig) -> list[Issue] | None:
     "the pixel bounds an image is resized within are consistent (the processor's own, or "
     "processor.* in their place)",
 )
-def _pixel_bounds(cfg: PipelineConfig) -> list[Issue] | None:
+def _pixel_bounds(cfg: PipelineConfig) -> list[Finding] | None:
     from schemas.facts import ImageBounds
 
     overrides = cfg.processor.geometry_overrides()
@@ -433,7 +427,7 @@ SUPPORTED_TASK_ENCODERS = ("QwenVLEnergonTaskEncoderConfig",)
     "megatron",
     "Energon packing in Megatron-Bridge needs its Qwen-VL task encoder",
 )
-def _task_encoder(cfg: PipelineConfig) -> list[Issue] | None:
+def _task_encoder(cfg: PipelineConfig) -> list[Finding] | None:
     if not _megatron_packed(cfg):
         return None
     name = cfg.megatron.task_encoder
@@ -460,7 +454,7 @@ _register_guards("megatron.ep_comm_overlap", "megatron.delay_wgrad")
     "config",
     "no value that reaches a shell or SLURM command line holds shell syntax or whitespace",
 )
-def _shell_safe(cfg: PipelineConfig) -> list[Issue]:
+def _shell_safe(cfg: PipelineConfig) -> list[Finding]:
     from schemas.safety import shell_problems
 
     return [error(*found) for found in shell_problems(cfg.to_dict(), cfg.work_path)]
@@ -471,7 +465,7 @@ def _shell_safe(cfg: PipelineConfig) -> list[Issue]:
     "config",
     "no input lies in a dir a run replaces, and the work dir is outside the data",
 )
-def _data_placement(cfg: PipelineConfig) -> list[Issue]:
+def _data_placement(cfg: PipelineConfig) -> list[Finding]:
     from schemas.safety import data_placement_problems
 
     return [error(*found) for found in data_placement_problems(cfg.work_path, STAGES, cfg.inputs())]
@@ -483,7 +477,7 @@ def _data_placement(cfg: PipelineConfig) -> list[Issue]:
     "a Hugging Face Hub repo named by model.path or processor.path is in the local cache, "
     "or model.download lets connect fetch it",
 )
-def _hub(cfg: PipelineConfig) -> list[Issue] | None:
+def _hub(cfg: PipelineConfig) -> list[Finding] | None:
     from schemas.hub import cached, fetch_command, repo_id
 
     repos = [(k, repo_id(v)) for k, v in (("model.path", cfg.model.path),
@@ -506,7 +500,7 @@ def _hub(cfg: PipelineConfig) -> list[Issue] | None:
 
 
 @CONFIG_RULES.rule("config.work_dir", "config", "the work dir is a directory, or can be made one")
-def _work_dir(cfg: PipelineConfig) -> list[Issue]:
+def _work_dir(cfg: PipelineConfig) -> list[Finding]:
     from schemas.paths import work_dir_problem
 
     problem = work_dir_problem(cfg.work_path)
@@ -538,7 +532,7 @@ def train_world(cfg: PipelineConfig) -> int:
     return cfg.train.nproc_per_node
 
 
-def layout_issues(cfg: PipelineConfig, *, setting: str) -> list[Issue]:
+def layout_findings(cfg: PipelineConfig, *, setting: str) -> list[Finding]:
     """Why ``train.parallel`` cannot run on the train run's ranks (:func:`train_world`), one
     error each: the ranks, rows and stages must split evenly, and the combination must be
     one the engines run (``schemas.layout.ParallelLayout.problems``). Fixed width and
@@ -581,10 +575,10 @@ def layout_issues(cfg: PipelineConfig, *, setting: str) -> list[Issue]:
     "train",
     "the local backend's layout splits this machine's ranks, rows and stages evenly",
 )
-def _local_layout(cfg: PipelineConfig) -> list[Issue] | None:
+def _local_layout(cfg: PipelineConfig) -> list[Finding] | None:
     if cfg.train.backend is not TrainBackend.local or cfg.executor.kind is ExecutorKind.slurm:
         return None  # on SLURM: slurm.parallel; Bridge splits its GPUs (packline.rules.megatron)
-    return layout_issues(cfg, setting="train.nproc_per_node")
+    return layout_findings(cfg, setting="train.nproc_per_node")
 
 
 @SLURM_RULES.rule(
@@ -592,10 +586,10 @@ def _local_layout(cfg: PipelineConfig) -> list[Issue] | None:
     "slurm",
     "with train.backend local, the train job's ranks fit train.parallel and the batch",
 )
-def _slurm_layout(cfg: PipelineConfig) -> list[Issue] | None:
+def _slurm_layout(cfg: PipelineConfig) -> list[Finding] | None:
     if cfg.executor.kind is not ExecutorKind.slurm or cfg.train.backend is not TrainBackend.local:
         return None  # the Megatron rules split Bridge's GPUs (packline/megatron/overrides.py)
-    return layout_issues(cfg, setting="executor.slurm.nproc_per_node")
+    return layout_findings(cfg, setting="executor.slurm.nproc_per_node")
 
 
 @SLURM_RULES.rule(
@@ -603,7 +597,7 @@ def _slurm_layout(cfg: PipelineConfig) -> list[Issue] | None:
     "slurm",
     "packline's checkout lies at a path NeMo-Run can ship through a shell command",
 )
-def _checkout(cfg: PipelineConfig) -> list[Issue] | None:
+def _checkout(cfg: PipelineConfig) -> list[Finding] | None:
     from schemas.paths import PROJECT_ROOT
     from schemas.safety import unsafe_reason
 
