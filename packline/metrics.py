@@ -41,6 +41,10 @@ TRAIN_LR = "train/lr"
 TRAIN_GRAD_NORM = "train/grad_norm"
 TRAIN_STEP_SECONDS = "train/step_seconds"
 """Wall time of the step: data, forward, backward, update."""
+TRAIN_CPU_SECONDS = "train/cpu_seconds"
+"""CPU time of the step, every thread of every rank's process (``time.process_time``): what
+the step cost the machine's cores, which a neighbour's load does not stretch the way it
+stretches the wall time (loader worker processes are not in it)."""
 TRAIN_DATA_SECONDS = "train/data_seconds"
 """Of the step seconds on rank 0: waiting for the step's rows."""
 TRAIN_VISION_SECONDS = "train/vision_seconds"
@@ -202,8 +206,11 @@ MOE_METRICS = (MOE_AUX_LOSS, MOE_EXPERT_LOAD_MAX, MOE_EXPERT_LOAD_MIN)
 
 COMPARE_SPEEDUP_REAL_TOKENS_PER_S = "compare/speedup_real_tokens_per_s"
 """Packed real tokens/s ÷ unpacked real tokens/s."""
+COMPARE_SPEEDUP_PER_CPU_S = "compare/speedup_per_cpu_s"
+"""Packed ÷ unpacked real tokens per CPU-second (``train/cpu_seconds``)."""
 COMPARE_FIGURES = (
     "real_tokens_per_s",
+    "real_tokens_per_cpu_s",
     "eval_loss",
     "eval_token_accuracy",
     "eval_accuracy",
@@ -262,6 +269,7 @@ STEP_METRICS = (
     TRAIN_LR,
     TRAIN_GRAD_NORM,
     TRAIN_STEP_SECONDS,
+    TRAIN_CPU_SECONDS,
     TRAIN_DATA_SECONDS,
     TRAIN_VISION_SECONDS,
     *TRAIN_COUNTERS,

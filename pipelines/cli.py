@@ -5,7 +5,7 @@
     packline stage NAME [CONFIG] [key=value ...] [--force] [--wait]
     packline bench {packing,loader,train,data,cluster-memory,gpu} [key=value ...] [--json]
                    [--config PATH] [--work-dir DIR] [--samples N] [--small-samples N]
-                   [--bridge-path DIR] [--smoke] [--models LIST]
+                   [--bridge-path DIR] [--smoke] [--models LIST] [--noise] [--window N]
     packline compare [CONFIG] [key=value ...] [--experiment NAME] [--run RUN_ID]
     packline ui [CONFIG] [key=value ...] [--port N]
     packline chat [CONFIG] [key=value ...] [--image PATH | --video PATH] ["prompt" | --sample KEY]
@@ -110,7 +110,7 @@ def cmd_bench(ns: argparse.Namespace) -> int:
     else:
         from pipelines.bench_train import bench_train
 
-        bench_train(**common)
+        bench_train(**common, **opt.train_bench_options(ns))
     return 0
 
 
@@ -211,17 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", action="store_true", help="print JSON instead of a table")
     b.add_argument("--config", help="pipeline config of the default set (default: tiny_cpu)")
     b.add_argument("--work-dir", help="where the benchmark prepares and runs (default: runs/bench)")
-    b.add_argument("--samples", type=opt.int_in(1), help="bench data: conversations of the large "
-                   "set (default 20,000; the small one is a quarter of it)")  # fmt: skip
-    b.add_argument("--small-samples", type=opt.int_in(1), help="bench data: conversations of the "
-                   "small set (its first rows; default a quarter of --samples)")  # fmt: skip
-    b.add_argument(
-        "--bridge-path",
-        help="bench cluster-memory: a dir holding Megatron-Bridge's data path, put first on "
-        "the measured processes' PYTHONPATH (default: the installed Bridge)",
-    )
-    b.add_argument("--smoke", action="store_true", help="bench gpu: tiny sizes on the CPU")
-    b.add_argument("--models", help="bench gpu: comma-separated models (default: all)")
+    opt.add_bench_only_options(b)
     b.set_defaults(fn=cmd_bench)
 
     g = sub.add_parser("config", help="the resolved config (YAML) and where each value came from")

@@ -38,7 +38,34 @@ BENCH_ONLY = {
     "bridge_path": "cluster-memory",
     "smoke": "gpu",
     "models": "gpu",
+    "noise": "train",
+    "window": "train",
 }
+
+
+def add_bench_only_options(b: argparse.ArgumentParser) -> None:
+    """The options of :data:`BENCH_ONLY` on ``packline bench``'s parser."""
+    b.add_argument("--samples", type=int_in(1), help="bench data: conversations of the large "
+                   "set (default 20,000; the small one is a quarter of it)")  # fmt: skip
+    b.add_argument("--small-samples", type=int_in(1), help="bench data: conversations of the "
+                   "small set (its first rows; default a quarter of --samples)")  # fmt: skip
+    b.add_argument(
+        "--bridge-path",
+        help="bench cluster-memory: a dir holding Megatron-Bridge's data path, put first on "
+        "the measured processes' PYTHONPATH (default: the installed Bridge)",
+    )
+    b.add_argument("--smoke", action="store_true", help="bench gpu: tiny sizes on the CPU")
+    b.add_argument("--models", help="bench gpu: comma-separated models (default: all)")
+    b.add_argument("--noise", action="store_true", help="bench train: a CPU-bound neighbour "
+                   "process beside the second half of the windows, and the ratio quiet "
+                   "against noisy")  # fmt: skip
+    b.add_argument("--window", type=int_in(1), help="bench train: optimizer steps per window "
+                   "of packed and unpacked training in turns (default 2)")  # fmt: skip
+
+
+def train_bench_options(ns: argparse.Namespace) -> dict[str, object]:
+    """``packline bench train``'s own options given on its command line."""
+    return {"noise": ns.noise} | ({"window_steps": ns.window} if ns.window else {})
 
 
 def refuse_misplaced_bench_options(ns: argparse.Namespace) -> None:

@@ -213,8 +213,10 @@ def headline(cfg: PipelineConfig, stage: str, m: dict[str, float]) -> str:
         )
     if stage == "train":
         speedup = m.get(names.COMPARE_SPEEDUP_REAL_TOKENS_PER_S)
+        per_cpu = m.get(names.COMPARE_SPEEDUP_PER_CPU_S)
         on = m.get(names.compare("packed", "real_tokens_per_s"))
         off = m.get(names.compare("unpacked", "real_tokens_per_s"))
         if speedup is not None and on is not None and off is not None:
-            return f"packed {on:,.0f} vs unpacked {off:,.0f} real tok/s ({speedup:.2f}x)"
+            cpu = f"; {per_cpu:.2f}x per CPU-s" if per_cpu is not None else ""
+            return f"packed {on:,.0f} vs unpacked {off:,.0f} real tok/s ({speedup:.2f}x{cpu})"
     return ""

@@ -25,6 +25,7 @@ SPEEDUP_TARGET = 2.0
 STEP_INPUTS = (
     M.TRAIN_LOSS,
     M.TRAIN_STEP_SECONDS,
+    M.TRAIN_CPU_SECONDS,
     M.TRAIN_DATA_SECONDS,
     M.TRAIN_VISION_SECONDS,
     M.TRAIN_TOKENS_REAL,
@@ -37,6 +38,8 @@ STEP_INPUTS = (
 """The metrics :func:`summarize_run` reads from every step record."""
 EVAL_INPUTS = (M.EVAL_LOSS, M.EVAL_TOKEN_ACCURACY, M.EVAL_ACCURACY, M.EVAL_QUESTIONS)
 """The metrics :func:`summarize_run` reads from every eval record."""
+WINDOWS = 8
+"""Windows a run's steps are split into for the spread of its throughput (unless told)."""
 
 
 @dataclass(kw_only=True)
@@ -81,6 +84,17 @@ class RunSummary:
     """Of ``train_seconds``: vision tower forwards (the same work packed or not; rank 0)."""
     real_tokens_per_s: float
     """``real_tokens`` / ``train_seconds``."""
+    cpu_seconds: float
+    """Σ ``train/cpu_seconds``: CPU time of the steps, every thread of every rank."""
+    real_tokens_per_cpu_s: float
+    """``real_tokens`` / ``cpu_seconds``: throughput per CPU-second, which load beside the
+    run does not dilute the way it dilutes wall-clock throughput."""
+    window_steps: int
+    """Steps per window of :attr:`window_tokens_per_s` (the last window may be shorter)."""
+    window_tokens_per_s: list[float]
+    """Real tokens/s of each window of ``window_steps`` consecutive steps, in step order."""
+    window_tokens_per_cpu_s: list[float]
+    """Real tokens per CPU-second of each window."""
     padding_fraction: float
     """``padded_tokens`` / (real + padded): the executed tokens that are padding."""
     fill: float
@@ -121,6 +135,12 @@ class RunSummary:
     and the sharding."""
     evals: list[EvalPoint] = field(default_factory=list)
     """Every evaluation in step order (for the seconds to reach an eval loss)."""
+
+    @property
+    def window_spread(self) -> tuple[float, float]:
+        """(min, max) real tokens/s over the windows."""
+        w = self.window_tokens_per_s
+        return (min(w), max(w)) if w else (math.nan, math.nan)
 
     @property
     def other_seconds(self) -> float:
@@ -165,16 +185,19 @@ def summarize_run(
     wall_seconds: float | None = None,
     run_id: str | None = None,
     ran: Mapping[str, str] | None = None,
+    window_steps: int | None = None,
 ) -> RunSummary:
     """The summary of one run from its step and eval records (each in any order, one
-    record per step) and the facts the records do not carry.
+    record per step) and the facts the records do not carry. Its throughput is given per
+    window of ``window_steps`` consecutive steps too (default: :data:`WINDOWS` windows).
 
     ``ValueError`` when a record lacks a metric the summary reads (:data:`STEP_INPUTS`,
     :data:`EVAL_INPUTS`): a renamed metric fails here instead of counting as zero.
 
     >>> def step(n, real, padded, seconds):
     ...     return {"step": n, M.TRAIN_LOSS: 3.0 - n, M.TRAIN_STEP_SECONDS: seconds,
-    ...             M.TRAIN_DATA_SECONDS: 0.5, M.TRAIN_VISION_SECONDS: 0.5,
+    ...             M.TRAIN_CPU_SECONDS: 2 * seconds, M.TRAIN_DATA_SECONDS: 0.5,
+    ...             M.TRAIN_VISION_SECONDS: 0.5,
     ...             M.TRAIN_TOKENS_REAL: real, M.TRAIN_PADDED_TOKENS: padded,
     ...             M.TRAIN_CONVERSATIONS: 4, M.TRAIN_FLOPS_USEFUL: 1e12,
     ...             M.TRAIN_FLOPS_EXECUTED: 2e12, M.PACK_ROWS: 2}
@@ -189,6 +212,8 @@ def summarize_run(
     ...                   chance=0.25, chance_by_kind={"count": 0.25})
     >>> s.real_tokens, s.real_tokens_per_s, s.fill, s.conversations_per_row, s.other_seconds
     (6144, 1536.0, 0.75, 2.0, 2.0)
+    >>> s.real_tokens_per_cpu_s, s.window_steps, s.window_tokens_per_s
+    (768.0, 1, [1500.0, 1572.0])
     >>> (s.eval_loss_start, s.eval_loss), (s.eval_token_accuracy_start, s.eval_token_accuracy)
     ((8.0, 6.0), (0.1, 0.4))
     >>> s.eval_by_kind, s.seconds_to_eval_loss(6.0)
@@ -238,6 +263,14 @@ def summarize_run(
             for kind, v in last[M.EVAL_BY_KIND].items()
         }
     useful = total(M.TRAIN_FLOPS_USEFUL) / 1e12
+    cpu = total(M.TRAIN_CPU_SECONDS)
+    per = window_steps or max(1, math.ceil(len(steps) / WINDOWS))
+    windows = [steps[i : i + per] for i in range(0, len(steps), per)]
+
+    def rate(window: Sequence[Mapping[str, Any]], seconds: str) -> float:
+        spent = sum(s[seconds] for s in window)
+        return sum(s[M.TRAIN_TOKENS_REAL] for s in window) / spent if spent else math.nan
+
     return RunSummary(
         run=run,
         steps=len(steps),
@@ -252,6 +285,11 @@ def summarize_run(
         data_seconds=total(M.TRAIN_DATA_SECONDS),
         vision_seconds=total(M.TRAIN_VISION_SECONDS),
         real_tokens_per_s=real / seconds if seconds else 0.0,
+        cpu_seconds=cpu,
+        real_tokens_per_cpu_s=real / cpu if cpu else 0.0,
+        window_steps=per,
+        window_tokens_per_s=[rate(w, M.TRAIN_STEP_SECONDS) for w in windows],
+        window_tokens_per_cpu_s=[rate(w, M.TRAIN_CPU_SECONDS) for w in windows],
         padding_fraction=padded / (real + padded) if real + padded else 0.0,
         fill=real / (rows * seq_length) if rows else 0.0,
         conversations_per_row=total(M.TRAIN_CONVERSATIONS) / rows if rows else 0.0,
@@ -321,6 +359,23 @@ class PackingComparison:
         return _div(self.packed.real_tokens_per_s, self.unpacked.real_tokens_per_s)
 
     @property
+    def speedup_per_cpu_s(self) -> float:
+        """Real tokens per CPU-second packed ÷ unpacked: the speedup load beside the runs
+        leaves alone (it takes wall time from both, CPU time from neither)."""
+        return _div(self.packed.real_tokens_per_cpu_s, self.unpacked.real_tokens_per_cpu_s)
+
+    def window_speedups(self, per_cpu_s: bool = False) -> list[float]:
+        """Packed ÷ unpacked real tokens/s (or per CPU-second) window by window: the same
+        conversations in both (the same steps). Interleaved windows (``packline bench
+        train``) ran side by side in time, so load that comes and goes lands on both."""
+        on, off = (
+            (r.window_tokens_per_cpu_s if per_cpu_s else r.window_tokens_per_s) for r in self.runs
+        )
+        if self.packed.window_steps != self.unpacked.window_steps:
+            return []
+        return [_div(a, b) for a, b in zip(on, off, strict=False)]
+
+    @property
     def speedup_without_data(self) -> float:
         """Unpacked ÷ packed train seconds with the data wait taken out: what a machine
         sees whose loader workers keep up on cores of their own."""
@@ -384,6 +439,9 @@ class PackingComparison:
         """The pair's own figures, by name."""
         return {
             "speedup_real_tokens_per_s": self.speedup,
+            "speedup_per_cpu_s": self.speedup_per_cpu_s,
+            "window_speedups": self.window_speedups(),
+            "window_speedups_per_cpu_s": self.window_speedups(per_cpu_s=True),
             "speedup_without_data": self.speedup_without_data,
             "speedup_without_data_and_vision": self.speedup_without_data_and_vision,
             "flops_executed_ratio": self.flops_executed_ratio,
@@ -397,6 +455,10 @@ class PackingComparison:
         the ratios and the targets."""
         per_run = (
             "real_tokens_per_s",
+            "real_tokens_per_cpu_s",
+            "window_tokens_per_s",
+            "window_tokens_per_cpu_s",
+            "cpu_seconds",
             "train_seconds",
             "real_tokens",
             "padded_tokens",
@@ -414,6 +476,9 @@ class PackingComparison:
         out["target_eval_loss"] = self.target_eval_loss
         out["seconds_to_eval_loss"] = self.seconds_to_eval_loss
         out["speedup"] = self.speedup
+        out["speedup_per_cpu_s"] = self.speedup_per_cpu_s
+        out["window_speedups"] = self.window_speedups()
+        out["window_speedups_per_cpu_s"] = self.window_speedups(per_cpu_s=True)
         for k in ("speedup_without_data", "speedup_without_data_and_vision"):
             out[k] = getattr(self, k)
         out["flops_executed_ratio"] = self.flops_executed_ratio
@@ -438,7 +503,7 @@ def comparison_record(runs: Sequence[RunSummary]) -> dict[str, Any]:
 
 def compare_metrics(runs: Sequence[RunSummary]) -> dict[str, float]:
     """The train stage run's own ``compare/*`` metrics: :data:`packline.metrics.COMPARE_FIGURES`
-    of each run and, for a pair, the speedup."""
+    of each run and, for a pair, the speedups (wall-clock and per CPU-second)."""
     out = {
         M.compare(r.run, figure): float(getattr(r, figure))
         for r in runs
@@ -446,5 +511,7 @@ def compare_metrics(runs: Sequence[RunSummary]) -> dict[str, float]:
         if getattr(r, figure) is not None
     }
     if len(runs) == 2:
-        out[M.COMPARE_SPEEDUP_REAL_TOKENS_PER_S] = PackingComparison.of(runs).speedup
+        pair = PackingComparison.of(runs)
+        out[M.COMPARE_SPEEDUP_REAL_TOKENS_PER_S] = pair.speedup
+        out[M.COMPARE_SPEEDUP_PER_CPU_S] = pair.speedup_per_cpu_s
     return out

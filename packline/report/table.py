@@ -5,12 +5,13 @@ compare`` and ``packline bench train`` all print it."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+import statistics
+from collections.abc import Callable, Mapping, Sequence
 
 from rich.table import Table
 
 from packline.progress import UNITS, si
-from packline.report.summary import PackingComparison, RunSummary
+from packline.report.summary import PackingComparison, RunSummary, Target
 
 
 def _num(v: float | None, fmt: str) -> str:
@@ -27,6 +28,20 @@ def _ratio(on: float | None, off: float | None) -> str:
     if on is None or off is None or off == 0 or math.isnan(on) or math.isnan(off):
         return ""
     return f"{on / off:.2f}x"
+
+
+def _spread(r: RunSummary) -> str:
+    low, high = r.window_spread
+    n = len(r.window_tokens_per_s)
+    return f"{_num(low, ',.0f')} – {_num(high, ',.0f')} ({n} × {r.window_steps} steps)"
+
+
+def _median_range(values: Sequence[float]) -> str:
+    """``1.23x (1.10x – 1.31x)``: the median of per-window ratios and their range."""
+    shown = sorted(v for v in values if not math.isnan(v))
+    if not shown:
+        return "n/a"
+    return f"{statistics.median(shown):.2f}x ({shown[0]:.2f}x – {shown[-1]:.2f}x)"
 
 
 def _steps(r: RunSummary) -> str:
@@ -49,6 +64,8 @@ ROWS: tuple[Row, ...] = (
     ),  # fmt: skip
     ("real tokens", lambda r: r.real_tokens, ",.0f", False),
     ("real tokens/s", lambda r: r.real_tokens_per_s, ",.0f", True),
+    ("  over windows (min – max)", lambda r: _spread(r), None, False),
+    ("real tokens per CPU-second", lambda r: r.real_tokens_per_cpu_s, ",.0f", True),
     ("train seconds (Σ steps)", lambda r: r.train_seconds, ".1f", True),
     ("  of them data (same work)", lambda r: r.data_seconds, ".1f", False),
     ("  of them vision tower (same work)", lambda r: r.vision_seconds, ".1f", False),
@@ -105,7 +122,13 @@ def summary_table(
     notes = [source] if source else []
     if pair:
         notes.append(
-            f"speedup (real tokens/s packed ÷ unpacked) {pair.speedup:.2f}x; without the data "
+            f"speedup (real tokens/s packed ÷ unpacked) {pair.speedup:.2f}x, window by window "
+            f"{_median_range(pair.window_speedups())}; per CPU-second "
+            f"{pair.speedup_per_cpu_s:.2f}x, window by window "
+            f"{_median_range(pair.window_speedups(per_cpu_s=True))}"
+        )
+        notes.append(
+            f"without the data "
             f"wait {pair.speedup_without_data:.2f}x; without data and vision "
             f"{pair.speedup_without_data_and_vision:.2f}x; executed FLOPs unpacked ÷ packed "
             f"{pair.flops_executed_ratio:.2f}x"
@@ -156,10 +179,11 @@ def summary_table(
     return table
 
 
-def target_lines(pair: PackingComparison) -> list[str]:
-    """``bench train``'s targets, one rich-markup line each: value, rule, held or missed."""
+def target_lines(targets: Mapping[str, Target]) -> list[str]:
+    """``bench train``'s targets (:meth:`PackingComparison.targets` and the bench's own), one
+    rich-markup line each: value, rule, held or missed."""
     lines = []
-    for name, t in pair.targets().items():
+    for name, t in targets.items():
         held = "[green]held[/]" if t.held else "[red]missed[/]"
         lines.append(f"{name}: {t.value:.4f} ({t.rule}) {held}")
     return lines

@@ -35,6 +35,7 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -204,6 +205,8 @@ class StepResult:
     image decoding and processing, unless loader workers did it ahead)."""
     vision_seconds: float = 0.0
     """Of ``seconds`` on rank 0: the vision tower's forwards (the same work packed or not)."""
+    cpu_seconds: float = 0.0
+    """CPU time of the step summed over the ranks' processes, every thread of each."""
     router: dict[str, float] = field(default_factory=dict)
     """``moe/*`` of the step over every rank (MoE only)."""
 
@@ -304,7 +307,9 @@ class Trainer:
         self.step = 0
         self.counters = RunningCounters.fresh()
         self.chance_by_kind: dict[str, float] = {}
-        """Per question kind, the accuracy of guessing (set by :meth:`train`)."""
+        """Per question kind, the accuracy of guessing (set by :meth:`begin`)."""
+        self._start = 0  # the step begin() resumed at
+        self._chance = float("nan")  # guessing accuracy on the questions (begin() on rank 0)
 
     @property
     def lead(self) -> bool:
@@ -374,40 +379,61 @@ class Trainer:
         """Train to ``max_steps``, resuming from the latest complete checkpoint if any;
         evaluate at the start, every ``eval_every`` steps and at the end. Every rank calls
         this."""
-        s = self.s
-        start = self.resume()
-        log, eval_log = self.run_dir / METRICS_LOG, self.run_dir / EVAL_LOG
-        if self.lead:  # a kill in the middle of a record left a fragment: the next starts clean
-            for torn in (log, eval_log):
-                drop_torn_tail(torn)
-        chance = float("nan")
-        if self.lead and s.eval_samples and self.evaluator is not None:
-            chance, self.chance_by_kind = self.evaluator.chance()
-            self.tracker.log_metrics({names.EVAL_ACCURACY_CHANCE: chance}, step=start)
-        if start == 0:
-            self.evaluate()
-        name = "packed" if s.packed else "unpacked"
+        self.begin()
+        name = "packed" if self.s.packed else "unpacked"
         with progress(disable=not self.lead) as bar:
-            task = bar.add_task(f"train {name}", total=s.max_steps, completed=start)
-            while self.step < s.max_steps:
-                r = self.train_step()
-                metrics = self.step_metrics(r)  # a collective: every rank
-                if self.lead:
-                    self._log_step(r, metrics, log)
+            task = bar.add_task(f"train {name}", total=self.s.max_steps, completed=self.step)
+
+            def shown(r: StepResult) -> None:
                 bar.update(task, completed=r.step, description=f"train {name} loss {r.loss:.3f}")
-                if s.save_every and r.step % s.save_every == 0:
-                    self.save_checkpoint()
-                if s.eval_every and r.step % s.eval_every == 0 and r.step < s.max_steps:
-                    self.evaluate()
-        # the last step's checkpoint, unless a save_every step wrote it or the run resumed at
-        # max_steps (a rerun of a finished run: that checkpoint is the one it loaded)
-        if self.step > start and self.step % max(s.save_every, 1):
+
+            self.advance(self.s.max_steps, on_step=shown)
+        return self.finish()
+
+    def begin(self) -> None:
+        """What comes before the first step: resume, the guessing chance of the questions,
+        and (from step 0) the first evaluation. :meth:`train` is ``begin``, ``advance`` to
+        ``max_steps``, ``finish``; ``packline bench train`` advances two trainers in turn."""
+        s = self.s
+        self._start = self.resume()
+        if self.lead:  # a kill in the middle of a record left a fragment: the next starts clean
+            for torn in (self.run_dir / METRICS_LOG, self.run_dir / EVAL_LOG):
+                drop_torn_tail(torn)
+        self._chance = float("nan")
+        if self.lead and s.eval_samples and self.evaluator is not None:
+            self._chance, self.chance_by_kind = self.evaluator.chance()
+            self.tracker.log_metrics({names.EVAL_ACCURACY_CHANCE: self._chance}, step=self._start)
+        if self._start == 0:
+            self.evaluate()
+
+    def advance(self, steps: int, on_step: Callable[[StepResult], None] | None = None) -> None:
+        """Up to ``steps`` optimizer steps (never past ``max_steps``), each logged, with the
+        checkpoints and evaluations due on the way."""
+        s = self.s
+        log = self.run_dir / METRICS_LOG
+        for _ in range(min(steps, s.max_steps - self.step)):
+            r = self.train_step()
+            metrics = self.step_metrics(r)  # a collective: every rank
+            if self.lead:
+                self._log_step(r, metrics, log)
+            if on_step is not None:
+                on_step(r)
+            if s.save_every and r.step % s.save_every == 0:
+                self.save_checkpoint()
+            if s.eval_every and r.step % s.eval_every == 0 and r.step < s.max_steps:
+                self.evaluate()
+
+    def finish(self) -> RunOutcome:
+        """After the last step: its checkpoint, unless a ``save_every`` step wrote it or the
+        run resumed at ``max_steps`` (a rerun of a finished run: that checkpoint is the one it
+        loaded), and the last evaluation."""
+        if self.step > self._start and self.step % max(self.s.save_every, 1):
             self.save_checkpoint()
         self.evaluate()
         return RunOutcome(
             ranks=self.world,
             precision=self.precision,
-            chance=chance,
+            chance=self._chance,
             chance_by_kind=self.chance_by_kind,
             ran=self.what_ran(),
         )
@@ -479,6 +505,7 @@ class Trainer:
             names.TRAIN_LR: r.lr,
             names.TRAIN_GRAD_NORM: r.grad_norm,
             names.TRAIN_STEP_SECONDS: r.seconds,
+            names.TRAIN_CPU_SECONDS: r.cpu_seconds,
             names.TRAIN_DATA_SECONDS: r.data_seconds,
             names.TRAIN_VISION_SECONDS: r.vision_seconds,
             **r.counts.to_metrics("train"),
@@ -543,7 +570,7 @@ class Trainer:
         return self.layout, self.rank
 
     def train_step(self) -> StepResult:
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         self.model.train()
         self._vision_seconds = 0.0
         rows = self.step_rows()
@@ -563,8 +590,10 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
+        cpu_seconds = time.process_time() - cpu0
         gathered = all_gather_object(
             (
+                cpu_seconds,
                 self.coords.stage,
                 counts.tokens_real,
                 counts.flops_useful,
@@ -576,7 +605,8 @@ class Trainer:
                 ),
             )
         )
-        gathered = [g[1:] for g in gathered if g[0] == 0]  # a pipeline's rows count once
+        cpu_seconds = sum(g[0] for g in gathered)  # every rank's process works
+        gathered = [g[2:] for g in gathered if g[1] == 0]  # a pipeline's rows count once
         checksums = self.engine.check_replicas(step=self.step)
         total = _sum_counts(counts, *self._once)
         self.counters.add(total)
@@ -594,6 +624,7 @@ class Trainer:
             weights_checksums=checksums,
             data_seconds=data_seconds,
             vision_seconds=self._vision_seconds,
+            cpu_seconds=cpu_seconds,
             router=router_metrics(self._router, self.layout),
         )
 

@@ -8,13 +8,13 @@ import sys
 from pathlib import Path
 
 
-def run_bench(what: str, config_yaml: str, tmp: Path) -> tuple[dict, Path, Path]:
+def run_bench(what: str, config_yaml: str, tmp: Path, *options: str) -> tuple[dict, Path, Path]:
     """(the printed JSON object, the config path, the work dir) of ``bench what`` on a
-    config written from ``config_yaml`` under ``tmp``."""
+    config written from ``config_yaml`` under ``tmp``, with the bench's own ``options``."""
     config = tmp / "small.yaml"
     config.write_text(config_yaml)
     work = tmp / "bench"
-    cmd = [sys.executable, "-m", "pipelines.cli", "bench", what, "--json"]
+    cmd = [sys.executable, "-m", "pipelines.cli", "bench", what, "--json", *options]
     out = subprocess.run(
         [*cmd, "--config", str(config), "--work-dir", str(work)],
         capture_output=True,

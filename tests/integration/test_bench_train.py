@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -19,10 +20,31 @@ train: {max_steps: 2, global_batch_size: 2, eval_samples: 2}
 
 @pytest.mark.slow
 def test_bench_train_cli_measures_both_runs_on_the_same_conversations(tmp_path: Path):
-    result, _, work = run_bench("train", SMALL_YAML, tmp_path)
+    """Both runs in turns, a window of one step each, a CPU-bound neighbour beside the
+    second window (--noise): every figure per wall-clock and per CPU-second, per window."""
+    result, _, work = run_bench("train", SMALL_YAML, tmp_path, "--noise", "--window", "1")
     rate = result["real_tokens_per_s"]
     assert rate["packed"] > 0 and rate["unpacked"] > 0
     assert result["speedup"] == pytest.approx(rate["packed"] / rate["unpacked"])
+    # per CPU-second: the process's CPU time over all its threads, beside the wall clock
+    cpu, per_cpu = result["cpu_seconds"], result["real_tokens_per_cpu_s"]
+    for run in ("packed", "unpacked"):
+        assert per_cpu[run] == pytest.approx(result["real_tokens"][run] / cpu[run])
+    assert result["speedup_per_cpu_s"] == pytest.approx(per_cpu["packed"] / per_cpu["unpacked"])
+    # two windows of one step, the neighbour beside the second; a ratio per window
+    assert result["window_steps"] == 1 and result["noisy_from_window"] == 1
+    windows = result["window_tokens_per_s"]
+    assert len(windows["packed"]) == len(windows["unpacked"]) == 2
+    assert result["window_speedups"] == pytest.approx(
+        [a / b for a, b in zip(windows["packed"], windows["unpacked"], strict=True)]
+    )
+    noise = result["noise"]
+    assert noise["quiet_wall"] == pytest.approx(result["window_speedups"][0])
+    assert noise["noisy_wall"] == pytest.approx(result["window_speedups"][1])
+    assert noise["noisy_over_quiet_wall"] == pytest.approx(
+        noise["noisy_wall"] / noise["quiet_wall"]
+    )
+    assert noise["noisy_over_quiet_cpu"] == pytest.approx(noise["noisy_cpu"] / noise["quiet_cpu"])
     # the same conversations per step: equal real tokens, loss and accuracy; only padding differs
     assert result["real_tokens"]["packed"] == result["real_tokens"]["unpacked"] > 0
     assert result["padded_tokens"]["packed"] == 0 < result["padded_tokens"]["unpacked"]
@@ -44,8 +66,12 @@ def test_bench_train_cli_measures_both_runs_on_the_same_conversations(tmp_path: 
         reach["unpacked"] / reach["packed"]
     )
     assert result["targets"]["equal_accuracy"]["held"]
-    assert set(result["targets"]) == {"speedup", "equal_accuracy"}
-    assert (work / "train" / "packed" / "eval.jsonl").is_file()
+    assert set(result["targets"]) == {"speedup", "equal_accuracy", "noise"}
+    assert result["targets"]["noise"]["value"] == noise["noisy_over_quiet_wall"]
+    for run in ("packed", "unpacked"):  # each run's own records, from scratch
+        steps = [json.loads(line) for line in (work / "bench-train" / run / "metrics.jsonl").open()]
+        assert [s["step"] for s in steps] == [1, 2]
+        assert (work / "bench-train" / run / "eval.jsonl").is_file()
     # where the time went: data and vision are parts of each run's training seconds
     for run in ("packed", "unpacked"):
         data, vision = result["data_seconds"][run], result["vision_seconds"][run]

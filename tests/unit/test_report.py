@@ -28,6 +28,7 @@ SEQ = 100
 # Two steps of four conversations each: 150 real tokens per step either way. Packed: two
 # rows per step, no padding; unpacked: one row per conversation, 50 padded tokens a step.
 SECONDS = {"packed": [2.0, 2.0], "unpacked": [4.0, 4.0]}
+CPU_SECONDS = {"packed": [3.0, 3.0], "unpacked": [6.0, 9.0]}  # both threads, more or less busy
 DATA, VISION = 0.5, 0.25  # per step, the same work in both runs
 
 
@@ -38,6 +39,7 @@ def _steps(run: str) -> list[dict]:
             "step": n,
             M.TRAIN_LOSS: 5.0 - n,
             M.TRAIN_STEP_SECONDS: SECONDS[run][n - 1],
+            M.TRAIN_CPU_SECONDS: CPU_SECONDS[run][n - 1],
             M.TRAIN_DATA_SECONDS: DATA,
             M.TRAIN_VISION_SECONDS: VISION,
             M.TRAIN_TOKENS_REAL: 150,
@@ -224,12 +226,42 @@ def test_side_by_side_holds_the_bench_train_json_keys():
     json.dumps(out)  # plain data
 
 
+def test_throughput_per_cpu_second_and_window_by_window():
+    """Per CPU-second beside wall-clock; a window's ratio compares the same steps of both."""
+    pair = PackingComparison.of([_summary("packed"), _summary("unpacked")])
+    assert pair.packed.cpu_seconds == 6.0 and pair.unpacked.cpu_seconds == 15.0
+    assert pair.packed.real_tokens_per_cpu_s == 50.0 and pair.unpacked.real_tokens_per_cpu_s == 20.0
+    assert pair.speedup_per_cpu_s == 2.5 and pair.speedup == 2.0
+    assert pair.packed.window_steps == 1  # two steps: fewer than summary.WINDOWS windows
+    assert pair.unpacked.window_tokens_per_s == [37.5, 37.5]
+    assert pair.window_speedups() == [2.0, 2.0]
+    assert pair.window_speedups(per_cpu_s=True) == [2.0, 3.0]
+    assert pair.unpacked.window_spread == (37.5, 37.5)
+    one_window = summarize_run(
+        _steps("unpacked"), _evals(), run="unpacked", seq_length=SEQ, precision="fp32",
+        window_steps=2,
+    )  # fmt: skip
+    assert one_window.window_tokens_per_cpu_s == [20.0]
+    # windows of other lengths do not pair up
+    assert PackingComparison(packed=pair.packed, unpacked=one_window).window_speedups() == []
+    out = pair.side_by_side()
+    assert out["speedup_per_cpu_s"] == 2.5 and out["window_speedups_per_cpu_s"] == [2.0, 3.0]
+    text = _text(summary_table(pair.runs))
+    assert "real tokens per CPU-second" in text and "2.50x" in text
+    assert "38 – 38 (2 × 1 steps)" in text  # unpacked: 37.5 tokens/s in each window
+    assert (
+        "window by window 2.00x (2.00x – 2.00x); per CPU-second 2.50x, window by window "
+        "2.50x (2.00x – 3.00x)" in " ".join(text.split())
+    )
+
+
 def test_the_stage_figures_come_from_the_summaries():
     runs = [_summary("packed"), _summary("unpacked")]
     metrics = compare_metrics(runs)
     assert metrics[M.COMPARE_SPEEDUP_REAL_TOKENS_PER_S] == 2.0
     assert metrics[M.compare("unpacked", "train_seconds")] == 8.0
-    assert len(metrics) == 2 * len(M.COMPARE_FIGURES) + 1
+    assert metrics[M.COMPARE_SPEEDUP_PER_CPU_S] == 2.5
+    assert len(metrics) == 2 * len(M.COMPARE_FIGURES) + 2
     record = comparison_record(runs)
     assert [r["run"] for r in record["runs"]] == ["packed", "unpacked"]
     assert record["speedup_real_tokens_per_s"] == 2.0
@@ -273,7 +305,7 @@ def test_one_table_renders_a_single_run_without_a_ratio_column():
 
 def test_target_lines_say_held_or_missed():
     pair = PackingComparison.of([_summary("packed"), _summary("unpacked")])
-    assert target_lines(pair)[0] == "speedup: 2.0000 (>= 2x real tokens/s) [green]held[/]"
+    assert target_lines(pair.targets())[0] == "speedup: 2.0000 (>= 2x real tokens/s) [green]held[/]"
 
 
 def test_the_forecast_marks_the_fill_the_run_packs_with():
