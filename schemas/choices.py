@@ -140,6 +140,18 @@ class Precision(Enum):
     """fp32 everywhere (for numerics checks on a GPU)."""
 
 
+class LossWeighting(Enum):
+    """How the loss of a global batch weighs its tokens (``train.loss``)."""
+
+    token = "token"
+    """Every target token alike: Σ token loss ÷ the global batch's target tokens (over all
+    micro-batches and ranks). A long conversation weighs more; packed and unpacked agree."""
+    sample = "sample"
+    """Every conversation alike: each one's mean token loss, averaged over the global
+    batch's conversations (over all micro-batches and ranks). Packed and unpacked agree:
+    a conversation's weight comes from its own tokens, never from its row."""
+
+
 class TrainBackend(Enum):
     local = "local"
     """HF transformers + PEFT in this process (CPU or one GPU), torchrun for DP."""

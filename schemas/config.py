@@ -35,6 +35,7 @@ from schemas.choices import (
     CudaGraphImpl,
     EncoderMode,
     ExecutorKind,
+    LossWeighting,
     OverlengthPolicy,
     Packer,
     PipelineSchedule,
@@ -822,6 +823,12 @@ class TrainConfig(_Section):
     """AdamW's decay of the gradient's running mean."""
     adam_beta2: float = ranged(0.999, gt=0, lt=1)
     """AdamW's decay of the squared gradient's running mean."""
+    loss: LossWeighting = LossWeighting.token
+    """``token``: Σ token loss ÷ the global batch's target tokens, each token alike (long
+    conversations weigh more). ``sample``: each conversation's mean token loss, averaged over
+    the global batch's conversations, each conversation alike. Both are over every
+    micro-batch and rank, and equal packed and unpacked. Backend local only: Megatron-Bridge
+    main's loss is per token with no hook to replace it (validate refuses ``sample``)."""
     precision: Precision = Precision.auto
     """Backend local: ``auto`` (bf16 on a GPU that has it, fp32 on CPU), ``bf16`` or
     ``fp32``. With bf16 the frozen base is loaded in bf16 (no fp32 copy of it is ever made)

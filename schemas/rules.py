@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
-from schemas.choices import STAGES, ExecutorKind, TrainBackend
+from schemas.choices import STAGES, ExecutorKind, LossWeighting, TrainBackend
 
 if TYPE_CHECKING:  # annotations only: schemas/config.py imports this module to apply the rules
     from schemas.config import PipelineConfig
@@ -316,6 +316,30 @@ def _fixed_width(cfg: PipelineConfig) -> list[Finding] | None:
             f"{par.pipeline_parallel}: EP > 1 or PP > 1 needs every packed row padded to "
             "packing.seq_length",
             "set packing.pad_to_max_length=true",
+        )
+    ]
+
+
+@CONFIG_RULES.rule(
+    "megatron.loss_weighting",
+    "megatron",
+    "Megatron-Bridge trains with train.loss token (main's loss has no per-sample hook)",
+)
+def _loss_weighting(cfg: PipelineConfig) -> list[Finding] | None:
+    if cfg.train.backend is not TrainBackend.megatron:
+        return None
+    if cfg.train.loss is LossWeighting.token:
+        return []
+    return [
+        error(
+            "train.loss",
+            "train.loss is sample with train.backend megatron: Megatron-Bridge main's VLM "
+            "step builds its loss with create_masked_next_token_loss_function "
+            "(training/vlm_step.py forward_step; training/losses.py masked_next_token_loss: "
+            "Σ token loss × loss_mask, counted per token) and offers no hook to weigh each "
+            "conversation alike",
+            "set train.loss=token (the default; packed and unpacked agree), or train with "
+            "train.backend=local",
         )
     ]
 

@@ -117,19 +117,57 @@ def _media_inputs(batch, image_token_id: int, video_token_id: int | None) -> dic
     }
 
 
-def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
+def token_loss_sum(
+    logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None
+) -> tuple[torch.Tensor, int]:
     """(Σ token cross-entropy, number of target tokens): labels are already shifted, so
     no shift happens here. Per-token losses are summed in float64, so the sum does not
     depend on how the tokens were laid out. Divide by the global target count, never
-    average per row."""
+    average per row. ``weights`` (labels' shape, float64: :func:`conversation_weights`)
+    weigh each token's loss in the sum."""
     flat = labels.reshape(-1)
     per_token = F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]).float(),
         flat,
         ignore_index=IGNORE_INDEX,
         reduction="none",
-    )
-    return per_token.double().sum(), int((flat != IGNORE_INDEX).sum())
+    ).double()
+    if weights is not None:
+        per_token = per_token * weights.reshape(-1)
+    return per_token.sum(), int((flat != IGNORE_INDEX).sum())
+
+
+def conversation_weights(batch) -> tuple[torch.Tensor, int]:
+    """(each label's weight in the loss sum, the conversations with a target) for
+    ``train.loss: sample``: 1/n on each of a conversation's n target tokens, 0 elsewhere, so
+    Σ weight × token loss is the sum of the conversations' mean token losses; divided by the
+    global batch's conversations it is their mean. A packed row's conversations are found
+    from its ``cu_seqlens_padded``, a padded batch holds one per row: the weights of a
+    conversation do not depend on the layout. On the batch's device (float64).
+
+    >>> from packline.packing.thd import EncodedConversation, build_packed_batch
+    >>> convs = [EncodedConversation(key=k, input_ids=torch.arange(n), target_mask=torch.ones(
+    ...     n, dtype=torch.bool), mrope=torch.arange(n).expand(3, n)) for k, n in
+    ...     (("a", 3), ("b", 5))]
+    >>> w, n = conversation_weights(build_packed_batch(convs, seq_length=8))
+    >>> [round(x, 2) for x in w[0].tolist()], n  # shifted labels: 2 and 4 targets
+    ([0.5, 0.5, 0.0, 0.25, 0.25, 0.25, 0.25, 0.0], 2)
+    """
+    labels = batch.labels
+    target = labels != IGNORE_INDEX
+    bounds = getattr(batch, "cu_seqlens_padded", None)
+    if bounds is None:  # padded: one conversation per row
+        counts = target.sum(dim=-1, keepdim=True)
+        weights = target / counts.clamp(min=1).to(torch.float64)
+        return weights.to(torch.float64), int((counts > 0).sum())
+    bounds = bounds.to(device=labels.device, dtype=torch.long)
+    n = max(len(bounds) - 1, 1)
+    offsets = torch.arange(labels.shape[-1], device=labels.device)
+    segment = torch.searchsorted(bounds[1:], offsets, right=True).clamp(max=n - 1)
+    counts = torch.bincount(segment[target.reshape(-1)], minlength=n)
+    per_token = 1.0 / counts.clamp(min=1).to(torch.float64)
+    weights = torch.where(target.reshape(-1), per_token[segment], 0.0).view_as(labels)
+    return weights, int((counts > 0).sum())
 
 
 def token_hits(logits: torch.Tensor, labels: torch.Tensor) -> int:
@@ -167,11 +205,18 @@ def _hf_parts(model) -> tuple[torch.nn.Module, torch.nn.Module]:
     return hf.model, hf.lm_head
 
 
-def _chunk_loss(lm_head: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor):
-    """Σ token cross-entropy (float64) of one chunk: its logits in fp32 live only here."""
+def _chunk_loss(
+    lm_head: torch.nn.Module,
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor | None = None,
+):
+    """Σ token cross-entropy (float64, each token's ``weights`` if given) of one chunk: its
+    logits in fp32 live only here."""
     logits = lm_head(hidden).float()
     per_token = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="none")
-    return per_token.double().sum()
+    per_token = per_token.double()
+    return (per_token if weights is None else per_token * weights).sum()
 
 
 def chunked_token_loss(
@@ -181,22 +226,26 @@ def chunked_token_loss(
     *,
     chunk_tokens: int = LOSS_CHUNK_TOKENS,
     with_hits: bool = False,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, int, int]:
     """(Σ token cross-entropy in float64, target tokens, top-1 hits when ``with_hits``) of
     ``hidden`` [..., H] (the final norm's output) under ``lm_head``, ``chunk_tokens``
     positions at a time: no [T, vocab] tensor exists, and with gradients each chunk's logits
     are recomputed in the backward (a non-reentrant checkpoint) instead of kept. The same
-    sum as :func:`token_loss_sum` of the whole logits (labels already shifted)."""
+    sum as :func:`token_loss_sum` of the whole logits (labels already shifted), with the
+    same ``weights``."""
     flat_h = hidden.reshape(-1, hidden.shape[-1])
     flat_y = labels.reshape(-1)
+    flat_w = None if weights is None else weights.reshape(-1)
     total = torch.zeros((), dtype=torch.float64, device=hidden.device)
     hits = 0
     for start in range(0, flat_y.numel(), chunk_tokens):
         h, y = flat_h[start : start + chunk_tokens], flat_y[start : start + chunk_tokens]
+        w = None if flat_w is None else flat_w[start : start + chunk_tokens]
         if torch.is_grad_enabled() and h.requires_grad:
-            total = total + checkpoint(_chunk_loss, lm_head, h, y, use_reentrant=False)
+            total = total + checkpoint(_chunk_loss, lm_head, h, y, w, use_reentrant=False)
         else:
-            total = total + _chunk_loss(lm_head, h, y)
+            total = total + _chunk_loss(lm_head, h, y, w)
         if with_hits:
             with torch.no_grad():
                 hits += token_hits(lm_head(h).unsqueeze(0), y.unsqueeze(0))
@@ -211,9 +260,11 @@ def packed_loss(
     video_token_id: int | None = None,
     chunk_tokens: int = LOSS_CHUNK_TOKENS,
     with_hits: bool = False,
+    per_sample: bool = False,
 ) -> tuple[torch.Tensor, int, int]:
     """:func:`chunked_token_loss` of a packed row, its conversations isolated as in
-    :func:`packed_forward` (same checks, same inputs), the LM head applied chunk by chunk."""
+    :func:`packed_forward` (same checks, same inputs), the LM head applied chunk by chunk;
+    ``per_sample``: each conversation's tokens weighed by :func:`conversation_weights`."""
     check_packed_inputs(
         position_ids=batch.position_ids,
         cu_seqlens_padded=batch.cu_seqlens_padded,
@@ -223,7 +274,12 @@ def packed_loss(
     body, lm_head = _hf_parts(model)
     hidden = body(**packed_inputs(batch, image_token_id, video_token_id)).last_hidden_state
     return chunked_token_loss(
-        lm_head, hidden, batch.labels, chunk_tokens=chunk_tokens, with_hits=with_hits
+        lm_head,
+        hidden,
+        batch.labels,
+        chunk_tokens=chunk_tokens,
+        with_hits=with_hits,
+        weights=conversation_weights(batch)[0] if per_sample else None,
     )
 
 
@@ -235,11 +291,17 @@ def padded_loss(
     video_token_id: int | None = None,
     chunk_tokens: int = LOSS_CHUNK_TOKENS,
     with_hits: bool = False,
+    per_sample: bool = False,
 ) -> tuple[torch.Tensor, int, int]:
     """:func:`chunked_token_loss` of right-padded rows (packing off), as
-    :func:`padded_forward` runs them."""
+    :func:`padded_forward` runs them (``per_sample`` as in :func:`packed_loss`)."""
     body, lm_head = _hf_parts(model)
     hidden = body(**padded_inputs(batch, image_token_id, video_token_id)).last_hidden_state
     return chunked_token_loss(
-        lm_head, hidden, batch.labels, chunk_tokens=chunk_tokens, with_hits=with_hits
+        lm_head,
+        hidden,
+        batch.labels,
+        chunk_tokens=chunk_tokens,
+        with_hits=with_hits,
+        weights=conversation_weights(batch)[0] if per_sample else None,
     )

@@ -37,6 +37,7 @@ import torch
 from packline.packing.thd import IGNORE_INDEX, PaddedBatch, to_device
 from packline.qwen.forward import (
     LOSS_CHUNK_TOKENS,
+    conversation_weights,
     packed_forward,
     packed_loss,
     padded_forward,
@@ -88,9 +89,14 @@ class Engine(ABC):
         bf16: bool = False,
         aux_loss_coef: float = 0.0,
         loss_chunk_tokens: int = LOSS_CHUNK_TOKENS,
+        per_sample: bool = False,
     ):
         self.model = model
         self.loss_chunk_tokens = loss_chunk_tokens
+        self.per_sample = per_sample
+        """``train.loss: sample``: each conversation's tokens weigh 1/its targets in the sum
+        (:func:`~packline.qwen.forward.conversation_weights`); the caller divides by the
+        global batch's conversations instead of its target tokens."""
         self.image_token_id = image_token_id
         self.video_token_id = video_token_id
         self.bf16 = bf16
@@ -108,7 +114,9 @@ class Engine(ABC):
         self, micro: list, *, packed: bool, global_targets: int, global_micro: int
     ) -> StepLoss:
         """Backward of Σ token loss / ``global_targets`` over this rank's micro-batches
-        (plus the aux term of each, / ``global_micro``); gradients accumulate locally."""
+        (plus the aux term of each, / ``global_micro``); gradients accumulate locally. With
+        :attr:`per_sample` the sum is weighed and ``global_targets`` is the global batch's
+        conversations with a target."""
         device = self.params[0].device
         loss_total = torch.zeros((), dtype=torch.float64, device=device)
         stats = None
@@ -143,6 +151,7 @@ class Engine(ABC):
             image_token_id=self.image_token_id,
             video_token_id=self.video_token_id,
             chunk_tokens=self.loss_chunk_tokens,
+            per_sample=self.per_sample,
         )
 
     def evaluating(self, model):
@@ -306,7 +315,8 @@ class ExpertParallelEngine(SplitEngine):
         logits = forward(
             self.model, m, image_token_id=self.image_token_id, video_token_id=self.video_token_id
         )
-        loss_sum, targets = token_loss_sum(logits, m.labels)
+        weights = conversation_weights(m)[0] if self.per_sample else None
+        loss_sum, targets = token_loss_sum(logits, m.labels, weights)
         return loss_sum, targets, 0
 
 
@@ -336,6 +346,7 @@ class ShardedEngine(Engine):
             image_token_id=self.image_token_id,
             video_token_id=self.video_token_id,
             chunk_tokens=self.loss_chunk_tokens,
+            per_sample=self.per_sample,
         )
 
     def evaluating(self, model):

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from packline.packing.thd import PackedBatch, to_device
-from packline.qwen.forward import token_loss_sum
+from packline.qwen.forward import conversation_weights, token_loss_sum
 from packline.qwen.moe import RouterStats
 from packline.train.distributed import all_gather_object, all_reduce_sum
 from packline.train.layout import LayoutGroups
@@ -82,6 +82,7 @@ class PipelineRunner:
         schedule: str | None = None,
         device: torch.device | None = None,
         bf16: bool = False,
+        per_sample: bool = False,
     ):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
@@ -166,13 +167,19 @@ class PipelineRunner:
             )
 
         self._make = make
+        self.per_sample = per_sample
+        """``train.loss: sample``: the last stage weighs each row's tokens by
+        :func:`~packline.qwen.forward.conversation_weights` (sent with the labels)."""
         self._global_targets = 1
         self._loss_sums: list[torch.Tensor] = []
 
     # -- the loss ---------------------------------------------------------------------------
 
-    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        loss_sum, _ = token_loss_sum(logits, labels)
+    def _loss(self, logits: torch.Tensor, target) -> torch.Tensor:
+        """The schedule's loss of one micro-batch: ``target`` is its labels, or (labels,
+        weights) with :attr:`per_sample`."""
+        labels, weights = target if isinstance(target, tuple) else (target, None)
+        loss_sum, _ = token_loss_sum(logits, labels, weights)
         self._loss_sums.append(loss_sum.detach())
         return loss_sum / self._global_targets
 
@@ -243,7 +250,8 @@ class PipelineRunner:
             else:
                 arg_mbs.append(())
             kwarg_mbs.append(kwargs)
-            target_mbs.append(row.labels)
+            weights = conversation_weights(row)[0] if self.per_sample else None
+            target_mbs.append(row.labels if weights is None else (row.labels, weights))
         return dict(
             arg_mbs=arg_mbs if self.plan.is_first else None,
             kwarg_mbs=kwarg_mbs,

@@ -269,7 +269,7 @@ def build_split_engine(cfg, processor, layout: ParallelLayout, *, packed: bool, 
     )
     if problems:
         raise ValueError("train.parallel cannot run: " + "; ".join(problems))
-    common = {"rank": rank, "groups": groups, **ids}
+    common = {"rank": rank, "groups": groups, "per_sample": cfg.train.loss.value == "sample", **ids}
     if layout.fsdp and layout.expert == 1 and layout.pipeline == 1:  # FSDP2 alone
         return _sharded_engine(cfg, processor, layout, device, common)
     whole = initial = None
@@ -306,6 +306,7 @@ def build_split_engine(cfg, processor, layout: ParallelLayout, *, packed: bool, 
             video_token_id=ids["video_token_id"],
             device=device,
             bf16=ids["bf16"],
+            per_sample=common["per_sample"],
         )
         engine = PipelineEngine(runner, layout, **common)
     return engine, whole  # in host RAM: the engine takes it to the GPU to evaluate

@@ -57,6 +57,7 @@ from packline.flops import mfu
 from packline.packing.ledger import Ledger
 from packline.packing.thd import PackedBatch, build_padded_batch
 from packline.progress import console, progress
+from packline.qwen.forward import conversation_weights
 from packline.tracking import Tracker
 from packline.train.checkpoint import AdapterState, Checkpointer, OptimizerState, Pickled
 from packline.train.data import StreamSettings, TrainStream
@@ -93,6 +94,9 @@ class TrainerSettings:
     """``auto`` | ``bf16`` | ``fp32`` (see :func:`use_bf16`)."""
     loss_chunk_tokens: int
     """Row positions whose logits exist at once in the loss."""
+    per_sample: bool
+    """``train.loss: sample``: each conversation's mean token loss, averaged over the global
+    batch's conversations (else Σ token loss ÷ its target tokens)."""
     save_every: int
     """Checkpoint every N steps (0: only at the end)."""
     keep_last: int
@@ -125,6 +129,7 @@ class TrainerSettings:
             betas=(t.adam_beta1, t.adam_beta2),
             precision=t.precision.value,
             loss_chunk_tokens=t.loss_chunk_tokens,
+            per_sample=t.loss.value == "sample",
             seed=t.seed,
             save_every=t.save_every,
             keep_last=t.keep_last,
@@ -280,6 +285,7 @@ class Trainer:
             bf16=self.bf16,
             aux_loss_coef=settings.moe_aux_loss_coef,
             loss_chunk_tokens=settings.loss_chunk_tokens,
+            per_sample=settings.per_sample,
         )
         self.model = self.engine.model
         self.params = self.engine.params
@@ -551,19 +557,23 @@ class Trainer:
         ]
 
     def accumulate_gradients(self, micro: list) -> tuple[float, int]:
-        """Backward of Σ token loss / global target count over ``micro`` (all ranks);
-        gradients summed across ranks. Returns (global mean token loss, global targets)."""
-        local = [sum(m.num_loss_tokens for m in micro), len(micro)]
-        global_targets, global_micro = (
+        """Backward of the step's loss over ``micro`` (all ranks): Σ token loss ÷ the global
+        target count, or (``train.loss: sample``) Σ of each conversation's mean token loss ÷
+        the global count of conversations with a target; gradients summed across ranks.
+        Returns (that loss, the global target tokens)."""
+        conversations = sum(conversation_weights(m)[1] for m in micro) if self.s.per_sample else 0
+        local = [sum(m.num_loss_tokens for m in micro), len(micro), conversations]
+        global_targets, global_micro, global_conversations = (
             int(v) for v in count_once(torch.tensor(local, dtype=torch.float64), *self._once)
         )
+        divisor = global_conversations if self.s.per_sample else global_targets
         out = self.engine.forward_backward(
-            micro, packed=self.s.packed, global_targets=global_targets, global_micro=global_micro
+            micro, packed=self.s.packed, global_targets=divisor, global_micro=global_micro
         )
         self.engine.reduce_gradients()  # sum, never average: the loss is divided globally
         self._router = out.router
         loss_total = count_once(torch.tensor([out.loss_sum], dtype=torch.float64), *self._once)
-        return float(loss_total.item() / global_targets), global_targets
+        return float(loss_total.item() / divisor), global_targets
 
     @property
     def _once(self) -> tuple[ParallelLayout, int]:

@@ -176,3 +176,26 @@ def test_sigkill_after_a_checkpoint_then_resume_repeats_the_run_bitwise(
     check_resume_on_one_process(
         straight, one, step=steps, more=2, capsys=capsys, restarts_stream=layout == "ep2"
     )
+
+
+def test_the_sample_loss_is_each_conversations_mean_averaged_on_every_layout(moe_work: Path):
+    """``train.loss: sample`` on DP 2, EP 2 and PP 2 (one launch of 2 ranks): the trainer's
+    loss of one step, packed and unpacked, is the mean over the step's conversations (every
+    rank's) of each one's mean token loss, each run alone on one process."""
+    from packline.train.distributed import torchrun_command
+
+    out = moe_work.parent / "loss_layouts.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    args = [str(moe_work), str(out), *MOE]
+    cmd = torchrun_command(2, "tests.integration.loss_layouts_check", args)
+    subprocess.run(cmd, cwd=ROOT, env=env, check=True, timeout=600)
+    results = json.loads(out.read_text())
+    print(json.dumps(results, indent=1))  # the figures, for the record (pytest -s)
+    assert sorted(results) == ["dp2", "ep2", "pp2"]
+    for layout, r in results.items():
+        ref = r["reference"]
+        assert max(r["conversations_per_row"]) > 1, layout  # rows hold several conversations
+        assert abs(r["loss_packed"] - ref["sample"]) <= 1e-6, (layout, r)
+        if layout != "pp2":  # PP trains packed rows only
+            assert abs(r["loss_unpacked"] - r["loss_packed"]) <= 1e-6, (layout, r)
+        assert abs(ref["sample"] - ref["token"]) > 1e-4, layout  # the two weightings differ
