@@ -26,6 +26,7 @@ from tests.integration.train_helpers import trainer_for
 #: the layouts of a 2-rank launch and their settings (the tiny MoE, fixed-width rows)
 LAYOUTS = {
     "dp2": [],
+    "fsdp2": ["train.parallel.fsdp=true"],
     "ep2": ["train.parallel.expert_parallel=2"],
     "pp2": ["train.parallel.pipeline_parallel=2", "train.parallel.schedule=1f1b"],
 }

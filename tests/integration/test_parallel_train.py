@@ -179,7 +179,7 @@ def test_sigkill_after_a_checkpoint_then_resume_repeats_the_run_bitwise(
 
 
 def test_the_sample_loss_is_each_conversations_mean_averaged_on_every_layout(moe_work: Path):
-    """``train.loss: sample`` on DP 2, EP 2 and PP 2 (one launch of 2 ranks): the trainer's
+    """``train.loss: sample`` on DP 2, FSDP 2, EP 2 and PP 2 (one launch of 2 ranks): the trainer's
     loss of one step, packed and unpacked, is the mean over the step's conversations (every
     rank's) of each one's mean token loss, each run alone on one process."""
     from packline.train.distributed import torchrun_command
@@ -191,7 +191,7 @@ def test_the_sample_loss_is_each_conversations_mean_averaged_on_every_layout(moe
     subprocess.run(cmd, cwd=ROOT, env=env, check=True, timeout=600)
     results = json.loads(out.read_text())
     print(json.dumps(results, indent=1))  # the figures, for the record (pytest -s)
-    assert sorted(results) == ["dp2", "ep2", "pp2"]
+    assert sorted(results) == ["dp2", "ep2", "fsdp2", "pp2"]
     for layout, r in results.items():
         ref = r["reference"]
         assert max(r["conversations_per_row"]) > 1, layout  # rows hold several conversations
