@@ -71,6 +71,7 @@ from typing import Any
 from packline.packing.balance import balance_round, balance_target
 from packline.packing.carry import carry_round
 from packline.packing.selection import algorithm_named, select_packs
+from schemas.choices import Algorithm
 
 #: The train backends whose packer :func:`simulate_packing` simulates.
 BACKENDS = ("local", "megatron")
@@ -416,7 +417,7 @@ def forecast_fill(
     lengths: list[int],
     capacity: int,
     buffer_sizes: list[int],
-    algorithm: str,
+    algorithm: str | Algorithm,
     seed: int,
     *,
     backend: str = "local",
