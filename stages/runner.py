@@ -217,6 +217,6 @@ def headline(cfg: PipelineConfig, stage: str, m: dict[str, float]) -> str:
         on = m.get(names.compare("packed", "real_tokens_per_s"))
         off = m.get(names.compare("unpacked", "real_tokens_per_s"))
         if speedup is not None and on is not None and off is not None:
-            cpu = f"; {per_cpu:.2f}x per CPU-s" if per_cpu is not None else ""
-            return f"packed {on:,.0f} vs unpacked {off:,.0f} real tok/s ({speedup:.2f}x{cpu})"
+            cpu = f" ({per_cpu:.2f}x per CPU-s)" if per_cpu is not None else ""
+            return f"packed {on:,.0f} vs unpacked {off:,.0f} tok/s: {speedup:.2f}x{cpu}"
     return ""
