@@ -35,7 +35,6 @@ from packline.report.summary import (
     RunSummary,
     compare_metrics,
     comparison_record,
-    summarize_run,
 )
 from packline.report.table import summary_table
 from packline.tracking import Tracker
@@ -52,7 +51,7 @@ from packline.train.distributed import (
 )
 from packline.train.records import read_records
 from packline.train.setup import build_trainer
-from packline.train.trainer import EVAL_LOG, METRICS_LOG
+from packline.train.trainer import METRICS_LOG
 from packline.workdir import claim_dir, mark_owned
 from schemas.config import PipelineConfig, load_config
 from stages.base import (
@@ -133,17 +132,7 @@ def train_run(
     tracker.log_artifact(
         plot_row_fill(rows, cfg.packing.seq_length, run_dir / "pack_fill.png", name)
     )
-    summary = summarize_run(
-        steps,
-        read_records(run_dir / EVAL_LOG),
-        run=name,
-        seq_length=cfg.packing.seq_length,
-        precision=outcome.precision,
-        ranks=outcome.ranks,
-        chance=outcome.chance,
-        chance_by_kind=outcome.chance_by_kind,
-        ran=outcome.ran,
-    )
+    summary = trainer.summary(outcome)
     # Under EP or PP too the adapter is the one-process PEFT adapter of the whole model.
     adapter = save_adapter(whole, run_dir / "adapter", cfg, summary, read_forecast(cfg), fp)
     tracker.log_artifact(adapter)

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from packline.progress import console, progress
-from packline.report.summary import RUNS, PackingComparison, RunSummary, Target, summarize_run
+from packline.report.summary import RUNS, PackingComparison, Target
 
 NOISE_TOLERANCE = 0.15
 """``bench train --noise``'s target: the packed ÷ unpacked ratio with the neighbour within
@@ -108,9 +108,7 @@ def train_interleaved(
     from packline.qwen.processor import load_processor  # torch: import on use
     from packline.tracking import Tracker
     from packline.train.distributed import rank_device
-    from packline.train.records import read_records
     from packline.train.setup import build_trainer
-    from packline.train.trainer import EVAL_LOG, METRICS_LOG
 
     if cfg.train.nproc_per_node != 1:
         raise ValueError(
@@ -158,23 +156,7 @@ def train_interleaved(
         if neighbour is not None:
             neighbour.kill()
             neighbour.wait()
-    summaries: list[RunSummary] = []
-    for name, trainer in trainers.items():
-        outcome = trainer.finish()
-        summaries.append(
-            summarize_run(
-                read_records(trainer.run_dir / METRICS_LOG),
-                read_records(trainer.run_dir / EVAL_LOG),
-                run=name,
-                seq_length=cfg.packing.seq_length,
-                precision=outcome.precision,
-                ranks=outcome.ranks,
-                chance=outcome.chance,
-                chance_by_kind=outcome.chance_by_kind,
-                ran=outcome.ran,
-                window_steps=window_steps,
-            )
-        )
+    summaries = [t.summary(t.finish(), window_steps=window_steps) for t in trainers.values()]
     return Interleaved(
         pair=PackingComparison.of(summaries), window_steps=window_steps, noisy_from=noisy_from
     )

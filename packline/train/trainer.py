@@ -58,6 +58,7 @@ from packline.packing.ledger import Ledger
 from packline.packing.thd import PackedBatch, build_padded_batch
 from packline.progress import console, progress
 from packline.qwen.forward import conversation_weights
+from packline.report.summary import RunSummary, summarize_run
 from packline.tracking import Tracker
 from packline.train.checkpoint import AdapterState, Checkpointer, OptimizerState, Pickled
 from packline.train.data import StreamSettings, TrainStream
@@ -65,7 +66,7 @@ from packline.train.distributed import all_gather_object, barrier, rank_world
 from packline.train.engine import DataParallelEngine, Engine, router_metrics
 from packline.train.evaluate import EvalResult, Evaluator
 from packline.train.layout import count_once
-from packline.train.records import append_record, drop_torn_tail
+from packline.train.records import append_record, drop_torn_tail, read_records
 from schemas.layout import ParallelLayout
 
 METRICS_LOG = "metrics.jsonl"
@@ -442,6 +443,23 @@ class Trainer:
             chance=self._chance,
             chance_by_kind=self.chance_by_kind,
             ran=self.what_ran(),
+        )
+
+    def summary(self, outcome: RunOutcome, *, window_steps: int | None = None) -> RunSummary:
+        """The run's :class:`~packline.report.summary.RunSummary` from its step and eval
+        records in ``run_dir`` (rank 0 writes them) and what :meth:`finish` returned;
+        ``window_steps``: the steps per window of its throughput spread."""
+        return summarize_run(
+            read_records(self.run_dir / METRICS_LOG),  # a resumed run re-logs replayed steps
+            read_records(self.run_dir / EVAL_LOG),
+            run="packed" if self.s.packed else "unpacked",
+            seq_length=self.s.packing.seq_length,
+            precision=outcome.precision,
+            ranks=outcome.ranks,
+            chance=outcome.chance,
+            chance_by_kind=outcome.chance_by_kind,
+            ran=outcome.ran,
+            window_steps=window_steps,
         )
 
     def whole_model(self):
