@@ -252,6 +252,23 @@ def chunked_token_loss(
     return total, int((flat_y != IGNORE_INDEX).sum()), hits
 
 
+def _batch_loss(
+    model, batch, inputs: dict, chunk_tokens: int, with_hits: bool, per_sample: bool
+) -> tuple[torch.Tensor, int, int]:
+    """:func:`chunked_token_loss` of ``batch`` run on ``inputs`` through the model's body,
+    the LM head chunk by chunk (``per_sample``: weighed by :func:`conversation_weights`)."""
+    body, lm_head = _hf_parts(model)
+    hidden = body(**inputs).last_hidden_state
+    return chunked_token_loss(
+        lm_head,
+        hidden,
+        batch.labels,
+        chunk_tokens=chunk_tokens,
+        with_hits=with_hits,
+        weights=conversation_weights(batch)[0] if per_sample else None,
+    )
+
+
 def packed_loss(
     model,
     batch: PackedBatch,
@@ -271,16 +288,8 @@ def packed_loss(
         attention_mask=None,
         use_cache=False,
     )
-    body, lm_head = _hf_parts(model)
-    hidden = body(**packed_inputs(batch, image_token_id, video_token_id)).last_hidden_state
-    return chunked_token_loss(
-        lm_head,
-        hidden,
-        batch.labels,
-        chunk_tokens=chunk_tokens,
-        with_hits=with_hits,
-        weights=conversation_weights(batch)[0] if per_sample else None,
-    )
+    inputs = packed_inputs(batch, image_token_id, video_token_id)
+    return _batch_loss(model, batch, inputs, chunk_tokens, with_hits, per_sample)
 
 
 def padded_loss(
@@ -295,13 +304,5 @@ def padded_loss(
 ) -> tuple[torch.Tensor, int, int]:
     """:func:`chunked_token_loss` of right-padded rows (packing off), as
     :func:`padded_forward` runs them (``per_sample`` as in :func:`packed_loss`)."""
-    body, lm_head = _hf_parts(model)
-    hidden = body(**padded_inputs(batch, image_token_id, video_token_id)).last_hidden_state
-    return chunked_token_loss(
-        lm_head,
-        hidden,
-        batch.labels,
-        chunk_tokens=chunk_tokens,
-        with_hits=with_hits,
-        weights=conversation_weights(batch)[0] if per_sample else None,
-    )
+    inputs = padded_inputs(batch, image_token_id, video_token_id)
+    return _batch_loss(model, batch, inputs, chunk_tokens, with_hits, per_sample)
