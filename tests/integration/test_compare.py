@@ -30,6 +30,7 @@ SEQ = 2048
 REAL = [4000, 4100, 3900]
 CONVS = [20, 18, 22]
 SECONDS = {"packed": [2.0, 2.5, 1.5], "unpacked": [3.0, 3.5, 2.5]}
+CPU_SECONDS = {"packed": [3.0, 4.0, 3.0], "unpacked": [6.0, 7.0, 5.0]}  # over both threads
 PADDED = {"packed": [0, 0, 0], "unpacked": [3000, 3100, 2800]}
 DATA_SECONDS = [0.5, 0.4, 0.6]  # of the step seconds, the same work packed or not
 VISION_SECONDS = [0.3, 0.3, 0.3]
@@ -68,6 +69,7 @@ def _log_training_run(cfg, stage_run_id: str, packed: bool, scale: float = 1.0) 
                 M.TRAIN_PADDED_TOKENS: PADDED[mode][i],
                 M.TRAIN_CONVERSATIONS: CONVS[i],
                 M.TRAIN_STEP_SECONDS: seconds,
+                M.TRAIN_CPU_SECONDS: CPU_SECONDS[mode][i] * scale,
                 M.TRAIN_DATA_SECONDS: DATA_SECONDS[i],
                 M.TRAIN_VISION_SECONDS: VISION_SECONDS[i],
                 M.TRAIN_FLOPS_USEFUL: 1e12,
@@ -160,6 +162,11 @@ def test_compare_reads_the_newest_pair_and_its_speedup_from_the_store(store):
     assert on.eval_questions == 4 and on.eval_by_kind is None  # no per-kind metrics logged
     # Where the time went, and the pair's ratios (the same figures bench train reports).
     assert (on.train_seconds, off.train_seconds) == pytest.approx((6.0, 9.0))
+    # per CPU-second beside wall-clock, and per window (here a step each)
+    assert (on.cpu_seconds, off.cpu_seconds) == pytest.approx((10.0, 18.0))
+    assert result.pair.speedup_per_cpu_s == pytest.approx((12000 / 10.0) / (12000 / 18.0))
+    assert on.window_tokens_per_s == pytest.approx([4000 / 2.0, 4100 / 2.5, 3900 / 1.5])
+    assert result.pair.window_speedups() == pytest.approx([1.5, 3.5 / 2.5, 2.5 / 1.5])
     assert on.data_seconds == off.data_seconds == pytest.approx(1.5)
     assert on.other_seconds == pytest.approx(6.0 - 1.5 - 0.9)
     pair = result.pair
