@@ -104,22 +104,32 @@ def _copy_inputs(src: Path, dst: Path) -> None:
         shutil.copytree(src / name, dst / name, symlinks=True)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("where", ["after_step_10", "while_writing_checkpoint_10"])
-def test_resume_after_sigkill_replays_nothing_and_skips_nothing(work, tmp_path, where):
-    root = Path(__file__).resolve().parents[2]
-    straight_work, killed_work = tmp_path / "straight", tmp_path / "killed"
-    for w in (straight_work, killed_work):
-        _copy_inputs(work, w)
-    env = {**os.environ, "COLUMNS": "160"}
+@pytest.fixture(scope="module")
+def straight_work(work, tmp_path_factory) -> Path:
+    """The 20-step run trained straight through, once: what each killed-and-resumed run of
+    the same config must repeat (the run is deterministic; both kill points compare with it)."""
+    straight = tmp_path_factory.mktemp("straight") / "work"
+    _copy_inputs(work, straight)
     subprocess.run(
-        _train_cmd(straight_work),
-        cwd=root,
-        env=env,
+        _train_cmd(straight),
+        cwd=Path(__file__).resolve().parents[2],
+        env={**os.environ, "COLUMNS": "160"},
         check=True,
         capture_output=True,
         timeout=900,
     )
+    return straight
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["after_step_10", "while_writing_checkpoint_10"])
+def test_resume_after_sigkill_replays_nothing_and_skips_nothing(
+    work, straight_work, tmp_path, where
+):
+    root = Path(__file__).resolve().parents[2]
+    killed_work = tmp_path / "killed"
+    _copy_inputs(work, killed_work)
+    env = {**os.environ, "COLUMNS": "160"}
 
     kill_at = 10 if where == "while_writing_checkpoint_10" else None
     proc = subprocess.Popen(
