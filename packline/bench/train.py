@@ -20,7 +20,7 @@ import shutil
 import statistics
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -81,10 +81,7 @@ class Interleaved:
         out["noisy_from_window"] = self.noisy_from
         if self.noisy_from is not None:
             out["noise"] = self.noise_figures()
-        out["targets"] = {
-            name: {"held": t.held, "value": t.value, "rule": t.rule}
-            for name, t in self.targets().items()
-        }
+        out["targets"] = {name: asdict(t) for name, t in self.targets().items()}
         return out
 
 
@@ -115,6 +112,13 @@ def train_interleaved(
             "bench train interleaves packing on and off in one process: it needs "
             f"train.nproc_per_node=1, not {cfg.train.nproc_per_node}"
         )
+    windows = math.ceil(cfg.train.max_steps / window_steps)
+    noisy_from = windows // 2 if noise else None
+    if noise and noisy_from == 0:
+        raise ValueError(
+            f"bench train --noise needs at least 2 windows: train.max_steps "
+            f"{cfg.train.max_steps} in windows of {window_steps} steps gives {windows}"
+        )
     processor = load_processor(processor_dir)
     trainers = {}
     for name in RUNS:
@@ -134,13 +138,6 @@ def train_interleaved(
         )
     for trainer in trainers.values():
         trainer.begin()
-    windows = math.ceil(cfg.train.max_steps / window_steps)
-    noisy_from = windows // 2 if noise else None
-    if noise and noisy_from == 0:
-        raise ValueError(
-            f"bench train --noise needs at least 2 windows: train.max_steps "
-            f"{cfg.train.max_steps} in windows of {window_steps} steps gives {windows}"
-        )
     neighbour = None
     try:
         with progress() as bar:
