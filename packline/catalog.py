@@ -43,9 +43,15 @@ BRIDGE_VIDEOS = "bridge_videos.json"
 megatron), inside its stage dir; validate reads it."""
 
 
+def stage_path(work: Path, stage: str) -> Path:
+    """``<work>/<stage>``: where ``stage`` publishes its outputs and its record, in the work
+    dir ``work`` (a stage's bookkeeping needs no more of the config than that)."""
+    return Path(work) / stage
+
+
 def stage_dir(cfg: PipelineConfig, stage: str) -> Path:
-    """``<work>/<stage>``: where ``stage`` publishes its outputs and its record."""
-    return cfg.work_path / stage
+    """:func:`stage_path` in ``cfg``'s work dir."""
+    return stage_path(cfg.work_path, stage)
 
 
 def dataset_dir(cfg: PipelineConfig) -> Path:
@@ -126,15 +132,16 @@ def export_dir(cfg: PipelineConfig, merge: bool) -> Path:
     return cfg.work_path / "export" / ("merged" if merge else "adapter")
 
 
-def record_path(cfg: PipelineConfig, stage: str) -> Path:
-    """``stage``'s completion record (written last: its presence means the outputs are
-    whole)."""
-    return stage_dir(cfg, stage) / RECORD_NAME
+def record_path(work: Path, stage: str) -> Path:
+    """``stage``'s completion record in the work dir ``work`` (written last: its presence
+    means the outputs are whole)."""
+    return stage_path(work, stage) / RECORD_NAME
 
 
-def read_record(cfg: PipelineConfig, stage: str) -> dict[str, Any] | None:
-    """The completion record of ``stage``, or None when it has not completed."""
-    path = record_path(cfg, stage)
+def read_record(work: Path, stage: str) -> dict[str, Any] | None:
+    """The completion record of ``stage`` in the work dir ``work``, or None when it has not
+    completed."""
+    path = record_path(work, stage)
     if not path.is_file():
         return None
     try:

@@ -164,7 +164,7 @@ def stages_to_launch(cfg: PipelineConfig) -> list[str]:
     after it; the stages before it are up to date and are not launched at all."""
     stages = pipeline_stages()
     for i, stage in enumerate(stages):
-        if not is_up_to_date(cfg, stage, stage_fingerprint(cfg, stage)):
+        if not is_up_to_date(cfg.work_path, stage, stage_fingerprint(cfg, stage)):
             return stages[i:]
     return []
 
@@ -215,7 +215,7 @@ def _run_pipeline(
         )
         raise UserError([hint], "no SLURM here")
     if from_stage:
-        invalidate_from(cfg, from_stage)
+        invalidate_from(cfg.work_path, from_stage)
     launch = stages_to_launch(cfg)
     for stage in launch:
         error_path(cfg.work_path, stage).unlink(missing_ok=True)
@@ -262,7 +262,7 @@ def _run_pipeline(
             raise_on_failure(cfg, states, logs=cfg.work_path / "logs")
             console.print(summary_table(cfg, states))
             for stage in pipeline_stages():
-                rec = read_record(cfg, stage) or {}
+                rec = read_record(cfg.work_path, stage) or {}
                 parent.log_metrics(rec.get("metrics", {}))
             status = "FINISHED"
         finally:

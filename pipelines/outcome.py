@@ -129,7 +129,7 @@ def report_stage(cfg: PipelineConfig, stage: str, state: str, *, tables: bool = 
     """What the console shows when a launched stage ends: one line (state, seconds), then
     validate's warnings, and with ``tables`` the one table a user reads there: the packing
     forecast after connect, packing on vs off after train."""
-    rec = read_record(cfg, stage) or {}
+    rec = read_record(cfg.work_path, stage) or {}
     if state != "SUCCEEDED":
         console.print(f"[red]✗[/] {stage:<9} {state.lower()}")
         return
@@ -208,7 +208,7 @@ def summary_table(
         table.add_column(col, justify="right" if col == "seconds" else "left")
     order = pipeline_stages()
     for stage in order:
-        rec = read_record(cfg, stage) or {}
+        rec = read_record(cfg.work_path, stage) or {}
         state = states.get(stage, "-")
         result = headline(cfg, stage, rec.get("metrics", {}))
         if failed is not None and stage == failed[0]:

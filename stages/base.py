@@ -5,6 +5,9 @@ A stage builds its outputs in ``<work>/.tmp-<stage>-*``, renames that dir to
 :func:`packline.workdir.publish`), then writes ``<work>/<stage>/_COMPLETE.json`` holding the
 fingerprint of its inputs and config. A rerun whose fingerprint matches the record is
 skipped; a dir without a record is stale and is rebuilt.
+
+This bookkeeping needs the work dir only: its functions take ``work`` (``cfg.work_path``),
+not the config; :func:`require_current` alone reads the settings, for their fingerprint.
 """
 
 from __future__ import annotations
@@ -25,10 +28,12 @@ from packline.catalog import (  # noqa: F401 - the artefacts, re-exported for th
     dataset_path,
     processor_dir,
     read_record,
+    record_path,
     stage_dir,
+    stage_path,
 )
 from packline.faults import discard_partial
-from packline.workdir import RECORD_NAME, is_owned, new_temp_dir, not_ours, publish
+from packline.workdir import is_owned, new_temp_dir, not_ours, publish
 from schemas.config import STAGES, PipelineConfig
 from schemas.errors import UserError
 
@@ -49,11 +54,13 @@ class StageResult:
     for the task that merges; no record, nothing to log."""
 
 
-def require_record(cfg: PipelineConfig, stage: str, by: str) -> dict[str, Any]:
-    rec = read_record(cfg, stage)
+def require_record(work: Path, stage: str, by: str) -> dict[str, Any]:
+    """``stage``'s completion record in the work dir ``work``; a UserError naming the stage
+    to run when it has not completed."""
+    rec = read_record(work, stage)
     if rec is None:
         raise UserError(
-            [f"{stage} has not completed in {cfg.work_path} (run `packline stage {stage}` first)"],
+            [f"{stage} has not completed in {work} (run `packline stage {stage}` first)"],
             f"{by} cannot start",
         )
     return rec
@@ -64,7 +71,7 @@ def require_current(cfg: PipelineConfig, stage: str, by: str) -> dict[str, Any]:
     stage that checks what another reads (validate, for train) must have checked these."""
     from packline.fingerprints import stage_fingerprint
 
-    rec = require_record(cfg, stage, by)
+    rec = require_record(cfg.work_path, stage, by)
     if rec.get("fingerprint") != stage_fingerprint(cfg, stage):
         raise UserError(
             [
@@ -76,20 +83,21 @@ def require_current(cfg: PipelineConfig, stage: str, by: str) -> dict[str, Any]:
     return rec
 
 
-def is_up_to_date(cfg: PipelineConfig, stage: str, fp: str) -> bool:
-    rec = read_record(cfg, stage)
+def is_up_to_date(work: Path, stage: str, fp: str) -> bool:
+    """Whether ``stage`` completed in ``work`` under the fingerprint ``fp``."""
+    rec = read_record(work, stage)
     return rec is not None and rec.get("fingerprint") == fp
 
 
 @contextmanager
-def building(cfg: PipelineConfig, stage: str) -> Iterator[Path]:
-    """Yield a fresh temp dir; on success rename it to ``<work>/<stage>`` atomically (an
-    older one is replaced only when packline made it: checked first, so a stage refused
-    there does no work)."""
-    final = stage_dir(cfg, stage)
+def building(work: Path, stage: str) -> Iterator[Path]:
+    """Yield a fresh temp dir in ``work``; on success rename it to ``<work>/<stage>``
+    atomically (an older one is replaced only when packline made it: checked first, so a
+    stage refused there does no work)."""
+    final = stage_path(work, stage)
     if (final.exists() or final.is_symlink()) and not is_owned(final):
         raise not_ours(final)
-    tmp = new_temp_dir(cfg.work_path, f".tmp-{stage}-")
+    tmp = new_temp_dir(Path(work), f".tmp-{stage}-")
     try:
         yield tmp
     except BaseException as exc:
@@ -99,7 +107,7 @@ def building(cfg: PipelineConfig, stage: str) -> Iterator[Path]:
 
 
 def stage_result(
-    cfg: PipelineConfig,
+    work: Path,
     stage: str,
     fp: str,
     *,
@@ -109,13 +117,13 @@ def stage_result(
     seconds: float | None = None,
     partial: bool = False,
 ) -> StageResult:
-    """The result of ``stage`` run now under fingerprint ``fp``: its metrics as floats, its
-    seconds since ``t0`` (a ``time.perf_counter()``) or as given."""
+    """The result of ``stage`` run now in the work dir ``work`` under fingerprint ``fp``: its
+    metrics as floats, its seconds since ``t0`` (a ``time.perf_counter()``) or as given."""
     if seconds is None:
         seconds = time.perf_counter() - t0 if t0 is not None else 0.0
     return StageResult(
         stage=stage,
-        out_dir=stage_dir(cfg, stage),
+        out_dir=stage_path(work, stage),
         fingerprint=fp,
         skipped=False,
         metrics={k: float(v) for k, v in (metrics or {}).items()},
@@ -125,8 +133,9 @@ def stage_result(
     )
 
 
-def write_record(cfg: PipelineConfig, result: StageResult) -> None:
-    """Write the completion record last: its presence means the stage's outputs are whole."""
+def write_record(result: StageResult) -> None:
+    """Write the completion record into ``result.out_dir`` last: its presence means the
+    stage's outputs are whole."""
     record = {
         "stage": result.stage,
         "fingerprint": result.fingerprint,
@@ -136,18 +145,19 @@ def write_record(cfg: PipelineConfig, result: StageResult) -> None:
         "summary": result.summary,
         "packline_version": packline.__version__,
     }
-    path = stage_dir(cfg, result.stage) / RECORD_NAME
+    path = record_path(result.out_dir.parent, result.stage)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(record, indent=2, sort_keys=True))
     os.replace(tmp, path)
 
 
-def result_from_record(cfg: PipelineConfig, stage: str) -> StageResult:
-    rec = read_record(cfg, stage)
+def result_from_record(work: Path, stage: str) -> StageResult:
+    """The result of ``stage`` as its record in ``work`` holds it (a skipped stage)."""
+    rec = read_record(work, stage)
     assert rec is not None
     return StageResult(
         stage=stage,
-        out_dir=stage_dir(cfg, stage),
+        out_dir=stage_path(work, stage),
         fingerprint=rec["fingerprint"],
         skipped=True,
         metrics=rec.get("metrics", {}),
@@ -156,7 +166,7 @@ def result_from_record(cfg: PipelineConfig, stage: str) -> StageResult:
     )
 
 
-def invalidate_from(cfg: PipelineConfig, stage: str) -> None:
-    """Remove the completion records of ``stage`` and every stage after it."""
+def invalidate_from(work: Path, stage: str) -> None:
+    """Remove the completion records of ``stage`` and every stage after it in ``work``."""
     for name in STAGES[STAGES.index(stage) :]:
-        (stage_dir(cfg, name) / RECORD_NAME).unlink(missing_ok=True)
+        record_path(work, name).unlink(missing_ok=True)

@@ -36,7 +36,7 @@ from typing import Any
 import pandas as pd
 
 from packline.backends import backend
-from packline.catalog import BRIDGE_VIDEOS, FORECAST_FILE
+from packline.catalog import BRIDGE_VIDEOS, FORECAST_FILE, manifest_path
 from packline.energon.measure import (
     Measuring,
     VisualRule,
@@ -66,7 +66,6 @@ from stages.base import (
     PROCESSOR,
     StageResult,
     building,
-    dataset_dir,
     dataset_path,
     is_up_to_date,
     processor_dir,
@@ -112,7 +111,7 @@ def connect(
     """
     t0 = time.perf_counter()
     fp = fp or stage_fingerprint(cfg, STAGE)
-    require_record(cfg, "prepare", by="connect")
+    require_record(cfg.work_path, "prepare", by="connect")
     if task is None:
         task = this_task(cfg)
     if task is not None:
@@ -122,9 +121,9 @@ def connect(
                 f"connect task {task.rank} of {task.world}: connect.num_tasks is "
                 f"{cfg.connect.num_tasks}, the task must be one of them"
             )
-        if is_up_to_date(cfg, STAGE, fp):  # a task that starts after another one merged
+        if is_up_to_date(cfg.work_path, STAGE, fp):  # a task that starts after another one merged
             return _task_result(cfg, fp, {"rank": task.rank, "world": task.world}, t0)
-    manifest = pd.read_parquet(dataset_dir(cfg) / "manifest.parquet")
+    manifest = pd.read_parquet(manifest_path(cfg))
     parts = PartsDir(cfg, fp)
     bridge = backend(cfg).renders_for_bridge
     measuring = Measuring(
@@ -159,7 +158,7 @@ def connect(
 def _task_result(cfg: PipelineConfig, fp: str, info: dict[str, Any], t0: float) -> StageResult:
     """What a task that does not merge returns: its share, no record."""
     return stage_result(
-        cfg,
+        cfg.work_path,
         STAGE,
         fp,
         metrics={
@@ -187,7 +186,7 @@ def merge_parts(
         parts.remove()  # a rerun measures again
         raise
     verified = records["verified"].astype(bool).tolist()
-    with building(cfg, STAGE) as out:
+    with building(cfg.work_path, STAGE) as out:
         processor = out / PROCESSOR
         shutil.copytree(parts.processor, processor)
         df["flops"] = sample_costs(cfg, processor, df)
@@ -270,7 +269,7 @@ def merge_parts(
         + f"; lower bound {forecast['lower_bound']['fill']:.3f}{straggler}"
     )
     result = stage_result(
-        cfg,
+        cfg.work_path,
         STAGE,
         fp,
         metrics=metrics,
@@ -286,6 +285,6 @@ def merge_parts(
         },
         seconds=seconds,
     )
-    write_record(cfg, result)
+    write_record(result)
     parts.remove()
     return result

@@ -97,7 +97,7 @@ def prepare(cfg: PipelineConfig, fp: str | None = None) -> StageResult:
     tally = Tally()
     num_rows = 0
     # the sinks close their files when the stage fails (a full disk gets its room back)
-    with building(cfg, STAGE) as out, ExitStack() as sinks:
+    with building(cfg.work_path, STAGE) as out, ExitStack() as sinks:
         sink = sinks.enter_context(ShardSink(out, cfg.prepare.samples_per_shard))
         manifest = sinks.enter_context(
             TableSink(out / "manifest.parquet", ManifestModel, "manifest.parquet")
@@ -146,7 +146,7 @@ def prepare(cfg: PipelineConfig, fp: str | None = None) -> StageResult:
 
     frames = context.frames
     result = stage_result(
-        cfg,
+        cfg.work_path,
         STAGE,
         fp,
         metrics=prepare_metrics(
@@ -177,7 +177,7 @@ def prepare(cfg: PipelineConfig, fp: str | None = None) -> StageResult:
         },
         t0=t0,
     )
-    write_record(cfg, result)
+    write_record(result)
     return result
 
 
@@ -206,7 +206,7 @@ def _adopt_energon(cfg: PipelineConfig, fp: str, source: Path, t0: float) -> Sta
     excluded: list[str] = []
     unreadable: dict[str, str] = {}  # shard → why it cannot be read (left out whole)
     num_rows = 0
-    with building(cfg, STAGE) as out, ExitStack() as sinks:
+    with building(cfg.work_path, STAGE) as out, ExitStack() as sinks:
         manifest = sinks.enter_context(
             TableSink(out / "manifest.parquet", ManifestModel, "manifest.parquet")
         )
@@ -251,7 +251,7 @@ def _adopt_energon(cfg: PipelineConfig, fp: str, source: Path, t0: float) -> Sta
         write_adoption(out, stage_dir(cfg, STAGE), dataset, [*unreadable, *excluded])
 
     result = stage_result(
-        cfg,
+        cfg.work_path,
         STAGE,
         fp,
         metrics=prepare_metrics(num_rows, manifest.num_rows, rejects, tally, len(shards)),
@@ -272,5 +272,5 @@ def _adopt_energon(cfg: PipelineConfig, fp: str, source: Path, t0: float) -> Sta
         },
         t0=t0,
     )
-    write_record(cfg, result)
+    write_record(result)
     return result

@@ -94,7 +94,7 @@ def _renew(cfg: PipelineConfig, checker: str) -> None:
     key=value`` after a run): its errors stop the stage that needs it. Ranks of an outside
     launch (torchrun on SLURM) cannot check in parallel: there the stage refuses a stale
     record, and the pipeline's own job of ``checker`` renews it."""
-    record = read_record(cfg, checker)
+    record = read_record(cfg.work_path, checker)
     if record is None or launched():
         return  # the stage refuses it, with the fix
     if record.get("fingerprint") != stage_fingerprint(cfg, checker):
@@ -143,8 +143,8 @@ def _run_stage(
             console.log(f"fetched {repo} into the local Hugging Face cache")
     fp = stage_fingerprint(cfg, name)
     tags = {"packline.stage": name, "packline.skipped": "false"}
-    if not force and is_up_to_date(cfg, name, fp):
-        result = result_from_record(cfg, name)
+    if not force and is_up_to_date(cfg.work_path, name, fp):
+        result = result_from_record(cfg.work_path, name)
         console.print(f"[green]✓[/] {name}: up to date (completion record matches), skipped")
         if _task_rank(cfg, name) == 0:
             tracker = Tracker.start(

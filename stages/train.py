@@ -235,7 +235,7 @@ def train(
             runs.append(tracked_run_summary(cfg, **kwargs))
     if any(r is None for r in runs):  # not rank 0 of a launch: rank 0 reports
         return stage_result(
-            cfg,
+            cfg.work_path,
             STAGE,
             fp,
             metrics={},
@@ -246,14 +246,14 @@ def train(
     console.print(summary_table(runs, source=f"from {out}"))
     metrics = compare_metrics(runs)
     result = stage_result(
-        cfg,
+        cfg.work_path,
         STAGE,
         fp,
         metrics=metrics,
         summary={"artifacts": [str(out / COMPARISON)]},
         t0=t0,
     )
-    write_record(cfg, result)
+    write_record(result)
     return result
 
 

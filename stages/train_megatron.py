@@ -157,7 +157,7 @@ def train_megatron(
     finetune(container, forward_step_func=step.forward_step)
     out = stage_dir(cfg, STAGE) / "megatron"
     result = stage_result(
-        cfg,
+        cfg.work_path,
         STAGE,
         fp,
         metrics={},
@@ -173,5 +173,5 @@ def train_megatron(
             **_nest_bridge_run(cfg, launch_id, parent_run_id),
         }
         result.summary["artifacts"] = [str(out / "overrides.json")]
-        write_record(cfg, result)
+        write_record(result)
     return result

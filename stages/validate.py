@@ -72,7 +72,7 @@ STAGE = "validate"
 
 def upstream(cfg: PipelineConfig) -> Upstream:
     """What the rules read of prepare's and connect's outputs, from the catalog."""
-    record = read_record(cfg, "connect") or {}
+    record = read_record(cfg.work_path, "connect") or {}
     return Upstream(
         manifest=manifest_path(cfg),
         lengths=lengths_path(cfg),
@@ -87,7 +87,7 @@ def validate(cfg: PipelineConfig, fp: str | None = None) -> StageResult:
     """Check the config, connect's data and the model against each other, all at once."""
     t0 = time.perf_counter()
     fp = fp or stage_fingerprint(cfg, STAGE)
-    require_record(cfg, "connect", by="validate")
+    require_record(cfg.work_path, "connect", by="validate")
     findings, checks, inputs = collect(cfg, upstream(cfg))
     errors = [f for f in findings if f.severity == "error"]
     warnings = [f for f in findings if f.severity == "warning"]
@@ -102,7 +102,7 @@ def validate(cfg: PipelineConfig, fp: str | None = None) -> StageResult:
         "facts": inputs.facts,
         "packline_version": packline.__version__,
     }
-    with building(cfg, STAGE) as out:
+    with building(cfg.work_path, STAGE) as out:
         (out / "report.json").write_text(json.dumps(report, indent=2))
         (out / VALIDATED_CONFIG).write_text(OmegaConf.to_yaml(OmegaConf.create(cfg.to_dict())))
     out_dir = stage_dir(cfg, STAGE)
@@ -132,7 +132,7 @@ def validate(cfg: PipelineConfig, fp: str | None = None) -> StageResult:
         metrics["validate/worker_memory_gib"] = wm["per_worker_gib"][wm["mode"]]
     metrics.update({f"flops/{k}": v for k, v in flops.items()})
     result = stage_result(
-        cfg,
+        cfg.work_path,
         STAGE,
         fp,
         metrics=metrics,
@@ -142,5 +142,5 @@ def validate(cfg: PipelineConfig, fp: str | None = None) -> StageResult:
         },
         t0=t0,
     )
-    write_record(cfg, result)
+    write_record(result)
     return result

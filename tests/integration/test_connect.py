@@ -304,7 +304,7 @@ def test_connect_as_two_slurm_tasks_equals_one_task_and_logs_one_run(
     monkeypatch.setenv("SLURM_NTASKS", "2")
     monkeypatch.setenv("SLURM_PROCID", "0")
     first = run_stage(cfg, "connect")
-    assert first.partial and read_record(cfg, "connect") is None
+    assert first.partial and read_record(cfg.work_path, "connect") is None
     assert not (cfg.work_path / "connect").exists()
     client = MlflowClient(tracking_uri=tracking_uri(cfg))
     assert (
@@ -430,7 +430,7 @@ def test_connect_killed_after_its_first_part_resumes_to_the_same_table(one_task,
         time.sleep(0.02)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert read_record(cfg, "connect") is None
+    assert read_record(cfg.work_path, "connect") is None
     (task_dir,) = parts.glob("*/tasks*")
     assert not (task_dir / "task000.done").exists()
 

@@ -35,16 +35,16 @@ def test_stage_records_decide_what_reruns(tmp_path: Path):
     assert stages_to_launch(more) == ["prepare", "connect", "validate", "train"]
 
     # --from connect drops connect's record (and those after it), keeps prepare's.
-    before = read_record(cfg, "prepare")
-    invalidate_from(cfg, "connect")
-    assert read_record(cfg, "connect") is None and read_record(cfg, "prepare") == before
-    assert read_record(cfg, "validate") is None
+    here = cfg.work_path
+    before = read_record(here, "prepare")
+    invalidate_from(here, "connect")
+    assert read_record(here, "connect") is None and read_record(here, "prepare") == before
+    assert read_record(here, "validate") is None
     assert stages_to_launch(cfg) == ["connect", "validate", "train"]
 
     # run_stage skips an up-to-date stage without touching its outputs.
     result = run_stage(cfg, "prepare")
-    assert result.skipped and read_record(cfg, "prepare") == before
+    assert result.skipped and read_record(here, "prepare") == before
     forced = run_stage(cfg, "prepare", force=True)
-    assert (
-        not forced.skipped and read_record(cfg, "prepare")["finished_at"] >= before["finished_at"]
-    )
+    assert not forced.skipped
+    assert read_record(here, "prepare")["finished_at"] >= before["finished_at"]

@@ -116,11 +116,11 @@ def test_default_config_passes_every_rule_and_train_requires_the_record(connecte
         == facts["token_ids"]["image_token_id"]["model"]
     )
     assert (connected / "validate" / "pipeline.yaml").is_file()
-    record = read_record(make_config(connected), "validate")
+    record = read_record(make_config(connected).work_path, "validate")
     assert record is not None and record["metrics"]["validate/errors"] == 0
 
     cfg = make_config(connected, "mlflow.enabled=false")
-    invalidate_from(cfg, "validate")
+    invalidate_from(cfg.work_path, "validate")
     with pytest.raises(UserError) as info:
         train(cfg)
     assert info.value.header == "train cannot start"
@@ -165,7 +165,7 @@ def test_overlength_with_policy_fail_is_an_error(connected, lengths, capsys):
     assert _texts(report, "error") == [expected]
     # seq_length is one of connect's inputs: its outputs are stale, which is only a warning
     assert _texts(report, "warning") == [STALE.format(work=connected)]
-    assert read_record(make_config(connected), "validate") is None
+    assert read_record(make_config(connected).work_path, "validate") is None
 
 
 def test_overlength_with_policy_drop_is_a_warning(connected, lengths, capsys):
@@ -784,7 +784,7 @@ def test_a_bridge_rule_broken_alone_is_listed_and_exits_2(
     code, problems, report = _validate_megatron(megatron, capsys, config, *overrides)
     assert code == 2 and problems == [problem]
     assert [f["rule"] for f in report["errors"]] == [rule]
-    assert read_record(make_config(megatron["work"]), "validate") is None
+    assert read_record(make_config(megatron["work"]).work_path, "validate") is None
 
 
 def test_three_broken_bridge_rules_are_listed_together(megatron, capsys):
