@@ -98,3 +98,19 @@ def test_the_shipped_base_repeats_its_first_pretraining_steps(tmp_path: Path):
     assert_losses_repeat(
         rerun["losses"], manifest["losses"][:3], where=recorded_on, threads=settings.threads
     )
+
+
+def test_what_the_shipped_base_perceives():
+    """The perception probe on the shipped base (figures of 60 pictures each in
+    models/README.md): it names a lone shape's colour, counts above chance, and every
+    attribute is read from as many words as pictures."""
+    from transformers import AutoModelForImageTextToText
+
+    from packline.shapes.perception import ATTRIBUTES, perception
+
+    model = AutoModelForImageTextToText.from_pretrained(TINY_BASE, dtype=torch.float32)
+    figures = perception(model, load_processor(TINY_BASE), pictures=20)
+    assert tuple(figures) == ATTRIBUTES
+    assert all(f["words"] == 20 and 0 < f["chance"] < 1 for f in figures.values())
+    assert figures["colour"]["accuracy"] >= 0.9 > figures["colour"]["chance"]
+    assert figures["count"]["accuracy"] > figures["count"]["chance"]
