@@ -4,7 +4,8 @@ cores without holding a dataset in memory.
 :func:`ordered_map` runs ``fn`` on each item of an iterator in ``num_workers`` processes
 and yields the results in the items' order, with at most ``window`` items submitted and
 not yet yielded: the input is read as the output is consumed, so memory stays bounded
-whatever the dataset's size. One worker runs ``fn`` in the calling process (no pool).
+whatever the dataset's size. One worker, or a single item, runs ``fn`` in the calling
+process (no pool: starting one costs seconds).
 Because the results come back in order and are consumed by one process, what the caller
 writes from them is the same for any worker count.
 
@@ -24,6 +25,7 @@ a parent killed while the worker starts).
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing
 import os
 import threading
@@ -54,11 +56,14 @@ def ordered_map(
     cost one import instead of one per worker)."""
     if num_workers < 1:
         raise ValueError(f"num_workers must be >= 1, got {num_workers}")
-    if num_workers == 1:
+    items = iter(items)
+    head = list(itertools.islice(items, 2))
+    if num_workers == 1 or len(head) < 2:  # one item: a pool (seconds to start) buys nothing
         if initializer is not None:
             initializer(*initargs)
-        yield from map(fn, items)
+        yield from map(fn, itertools.chain(head, items))
         return
+    items = itertools.chain(head, items)
     window = window or 2 * num_workers
     context = multiprocessing.get_context("forkserver")
     # the fork server ends with this process (Linux): it is the workers' parent, not this one
