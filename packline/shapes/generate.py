@@ -1293,6 +1293,11 @@ _CAPTION_STYLES = (_describe, _caption_by_cell, _caption_by_kind, _describe_deta
 _CAPTION_WEIGHTS = (0.35, 0.25, 0.25, 0.15)
 
 
+def _pretraining_sized(pic: _Picture) -> bool:
+    """Whether ``pic`` is at most :data:`PRETRAIN_MAX_TOKENS` visual tokens (32 px blocks)."""
+    return (pic.width // _TOKEN_PX) * (pic.height // _TOKEN_PX) <= PRETRAIN_MAX_TOKENS
+
+
 def _caption_row(seed: int, split: str, index: int, out_dir: Path) -> dict:
     """An image and its caption (every shape, its colour and position, and their count), as
     the user's and the assistant's turn: no question is asked. The caption lists the shapes
@@ -1301,7 +1306,7 @@ def _caption_row(seed: int, split: str, index: int, out_dir: Path) -> dict:
     rng = random.Random(f"packline-pretrain-caption:{seed}:{split}:{index}")
     row_id = f"pretrain-{split}-{index:06d}"
     pic = _sample_picture(rng)
-    while (pic.width // 32) * (pic.height // 32) > PRETRAIN_MAX_TOKENS:
+    while not _pretraining_sized(pic):
         pic = _sample_picture(rng)  # small pictures: many more of them per packed row
     rel = f"images/{row_id}.png"
     _draw_picture(pic).save(out_dir / rel, **_PNG_OPTIONS)

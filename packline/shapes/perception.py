@@ -35,6 +35,7 @@ from packline.shapes.generate import (
     _draw_picture,
     _palette,
     _Picture,
+    _pretraining_sized,
     _sample_picture,
 )
 from packline.shapes.words import POSITION_NAMES, PREPOSITION, SHAPE_NAMES
@@ -45,8 +46,8 @@ ATTRIBUTES = ("count", "colour", "kind", "position")
 def _picture(rng: random.Random, *, one: bool) -> _Picture:
     while True:
         pic = _sample_picture(rng)
-        if (pic.width // 32) * (pic.height // 32) > 256:
-            continue  # the pretraining pictures' sizes (PRETRAIN_MAX_TOKENS)
+        if not _pretraining_sized(pic):
+            continue  # the pretraining pictures' sizes
         if one:
             return replace(pic, shapes=pic.shapes[:1])
         if len(pic.shapes) >= 2:
@@ -93,6 +94,7 @@ def perception(model, processor, *, pictures: int = 60, seed: int = 0) -> dict[s
     hits: dict[str, list[bool]] = defaultdict(list)
     chance: dict[str, list[float]] = defaultdict(list)
     model.eval()
+    device = next(model.parameters()).device
     for i in range(2 * pictures):
         pic = _picture(rng, one=i % 2 == 0)
         caption = _describe(pic)
@@ -103,7 +105,6 @@ def perception(model, processor, *, pictures: int = 60, seed: int = 0) -> dict[s
         inputs = model_inputs(
             processor, Prompt(conversation, [_draw_picture(pic)], []), add_generation_prompt=False
         )
-        device = next(model.parameters()).device
         ids = inputs["input_ids"][0].tolist()
         caption_ids = tokenizer(caption, add_special_tokens=False).input_ids
         start = next(
