@@ -61,7 +61,7 @@ import os
 import random
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -1290,7 +1290,37 @@ def _counts(pic: _Picture) -> str:
 
 
 _CAPTION_STYLES = (_describe, _caption_by_cell, _caption_by_kind, _describe_detail)
-_CAPTION_WEIGHTS = (0.35, 0.25, 0.25, 0.15)
+
+
+@dataclass(frozen=True)
+class PretrainMix:
+    """What share of the pretraining rows is which (:func:`write_pretraining_set`)."""
+
+    text_share: float
+    """Text-only statements about shapes (:func:`_fact_row`)."""
+    chat_share: float
+    """Text-only chat (:func:`_chat_row`); the rest are captioned pictures."""
+    caption_weights: tuple[float, float, float, float]
+    """Weights of :data:`_CAPTION_STYLES` (``_describe``, by cell, by kind, in detail)."""
+    cut_share: float = 0.0
+    """Pictures cut to one or two of their shapes (chosen at random), so a caption's words
+    about each shape are few and its cell and kind must be seen."""
+    lone_share: float = 0.0
+    """Pictures of one large shape in the centre (:func:`_lone_picture`): a shape's kind
+    across many patches."""
+
+
+FIRST_MIX = PretrainMix(text_share=0.2, chat_share=0.2, caption_weights=(0.35, 0.25, 0.25, 0.15))
+"""The first phase's mix: whole pictures in four caption styles."""
+SEEING_MIX = PretrainMix(
+    text_share=0.1,
+    chat_share=0.1,
+    caption_weights=(0.5, 0.25, 0.25, 0.0),
+    cut_share=0.35,
+    lone_share=0.2,
+)
+"""The second phase's: fewer words, more pictures, many with one or two shapes or one large
+one, so kind and cell are what is left to learn."""
 
 
 def _pretraining_sized(pic: _Picture) -> bool:
@@ -1298,19 +1328,57 @@ def _pretraining_sized(pic: _Picture) -> bool:
     return (pic.width // _TOKEN_PX) * (pic.height // _TOKEN_PX) <= PRETRAIN_MAX_TOKENS
 
 
-def _caption_row(seed: int, split: str, index: int, out_dir: Path) -> dict:
+def _lone_picture(rng: random.Random) -> _Picture:
+    """One shape filling 55-90% of a small picture (4-8 blocks a side), in the centre cell."""
+    width = rng.randint(_MIN_SIDE_BLOCKS, 2 * _MIN_SIDE_BLOCKS) * _TOKEN_PX
+    height = rng.randint(_MIN_SIDE_BLOCKS, 2 * _MIN_SIDE_BLOCKS) * _TOKEN_PX
+    background = rng.choice(list(BACKGROUND_RGB))
+    fraction = rng.uniform(0.55, 0.9)
+    size = int(min(width, height) * fraction)
+    shape = _Shape(
+        kind=rng.choice(SHAPE_NAMES),
+        colour=rng.choice(_palette(background)),
+        row=1,
+        col=1,
+        cx=width // 2 + rng.randint(-4, 4),
+        cy=height // 2 + rng.randint(-4, 4),
+        size=size,
+        size_word=SIZE_WORDS[-1],
+    )
+    return _Picture(width=width, height=height, background=background, shapes=(shape,))
+
+
+def _pretraining_picture(rng: random.Random, mix: PretrainMix) -> _Picture:
+    """A picture of the shapes set at most :data:`PRETRAIN_MAX_TOKENS` tokens, cut or replaced
+    by a lone large shape in ``mix``'s shares (no draw at all when both are 0, so the first
+    mix's rows stay as they were)."""
+    pick = rng.random() if mix.cut_share or mix.lone_share else 1.0
+    if pick < mix.lone_share:
+        return _lone_picture(rng)
+    pic = _sample_picture(rng)
+    while not _pretraining_sized(pic):
+        pic = _sample_picture(rng)  # small pictures: many more of them per packed row
+    if pick < mix.lone_share + mix.cut_share:
+        n = min(len(pic.shapes), 1 if rng.random() < 0.6 else 2)
+        pic = replace(pic, shapes=tuple(sorted(rng.sample(pic.shapes, n), key=_reading_order)))
+    return pic
+
+
+def _reading_order(s: _Shape) -> tuple[int, int]:
+    return (s.row, s.col)
+
+
+def _caption_row(seed: int, split: str, index: int, out_dir: Path, mix: PretrainMix) -> dict:
     """An image and its caption (every shape, its colour and position, and their count), as
     the user's and the assistant's turn: no question is asked. The caption lists the shapes
     in one of four styles (:data:`_CAPTION_STYLES`), so the base learns each attribute from
     the others, not only in one order."""
     rng = random.Random(f"packline-pretrain-caption:{seed}:{split}:{index}")
     row_id = f"pretrain-{split}-{index:06d}"
-    pic = _sample_picture(rng)
-    while not _pretraining_sized(pic):
-        pic = _sample_picture(rng)  # small pictures: many more of them per packed row
+    pic = _pretraining_picture(rng, mix)
     rel = f"images/{row_id}.png"
     _draw_picture(pic).save(out_dir / rel, **_PNG_OPTIONS)
-    caption = rng.choices(_CAPTION_STYLES, weights=_CAPTION_WEIGHTS)[0](pic)
+    caption = rng.choices(_CAPTION_STYLES, weights=mix.caption_weights)[0](pic)
     return {
         "id": row_id,
         "split": split,
@@ -1390,10 +1458,6 @@ def _chat_row(seed: int, split: str, index: int) -> dict:
     }
 
 
-PRETRAIN_TEXT_SHARE = 0.2
-"""Share of the pretraining rows that are text-only statements."""
-PRETRAIN_CHAT_SHARE = 0.2
-"""Share of the pretraining rows that are text-only chat (the rest are captions)."""
 PRETRAIN_MAX_TOKENS = 256
 """Pretraining pictures are drawn as the shapes set's, but at most this many visual tokens."""
 
@@ -1404,6 +1468,7 @@ def write_pretraining_set(
     num_train: int,
     num_val: int = 0,
     seed: int = 0,
+    mix: PretrainMix = FIRST_MIX,
     progress: Callable[[int], None] | None = None,
 ) -> Path:
     """Write the tiny base's pretraining mix to ``out_dir`` (``conversations.jsonl`` and
@@ -1429,10 +1494,10 @@ def write_pretraining_set(
 
     def make(split: str, index: int) -> dict:
         text = random.Random(f"packline-pretrain:{seed}:{split}:{index}").random()
-        if text < PRETRAIN_TEXT_SHARE:
+        if text < mix.text_share:
             return _fact_row(seed, split, index)
-        if text < PRETRAIN_TEXT_SHARE + PRETRAIN_CHAT_SHARE:
+        if text < mix.text_share + mix.chat_share:
             return _chat_row(seed, split, index)
-        return _caption_row(seed, split, index, out_dir)
+        return _caption_row(seed, split, index, out_dir, mix)
 
     return _write_rows(out_dir, make, num_train=num_train, num_val=num_val, progress=progress)

@@ -40,7 +40,13 @@ MANIFEST = "manifest.json"
 
 @dataclass(frozen=True)
 class PretrainSettings:
-    """What the base is made from; the manifest records every field."""
+    """What the base is made from; the manifest records every field.
+
+    Two phases, one after the other: ``steps`` on the first mix
+    (:data:`~packline.shapes.generate.FIRST_MIX`: whole pictures, four caption styles, text),
+    then ``seeing_steps`` on the seeing mix (:data:`~packline.shapes.generate.SEEING_MIX`:
+    pictures cut to one or two shapes or of one large shape, the vision tower at
+    ``vision_lr_scale`` times the rate), from a fresh optimizer and schedule."""
 
     steps: int = 900
     rows_per_step: int = 4
@@ -55,10 +61,27 @@ class PretrainSettings:
     seed: int = 0
     threads: int = 2
     """torch intra-op threads: fixed, so the losses repeat bitwise on one machine kind."""
+    seeing_steps: int = 0
+    seeing_lr: float = 2e-3
+    seeing_warmup_steps: int = 10
+    vision_lr_scale: float = 3.0
+    """The vision tower's learning rate over the rest's, in the seeing phase."""
+    seeing_rows: int = 8000
+
+    @property
+    def total_steps(self) -> int:
+        return self.steps + self.seeing_steps
+
+    def first_phase(self) -> dict:
+        """The fields the first phase depends on: a checkpoint saved with these is what the
+        first phase of these settings makes."""
+        names = ("steps", "rows_per_step", "seq_length", "lr", "warmup_steps", "weight_decay")
+        names += ("num_rows", "packing_buffer_size", "seed", "threads")
+        return {name: getattr(self, name) for name in names}
 
 
-def _row_stream(dataset: Path, processor_dir: Path, s: PretrainSettings):
-    settings = PackingSettings(seq_length=s.seq_length, algorithm="refined", seed=s.seed)
+def _row_stream(dataset: Path, processor_dir: Path, s: PretrainSettings, seed: int):
+    settings = PackingSettings(seq_length=s.seq_length, algorithm="refined", seed=seed)
     loader = train_loader(
         dataset,
         make_encoder("lazy", processor_dir, settings),
@@ -72,59 +95,128 @@ def _row_stream(dataset: Path, processor_dir: Path, s: PretrainSettings):
 
 
 def pretrain(
-    out_dir: Path, s: PretrainSettings, *, dataset: Path, work_dir: Path, steps: int | None = None
+    out_dir: Path,
+    s: PretrainSettings,
+    *,
+    datasets: tuple[Path | None, Path | None],
+    work_dir: Path,
+    steps: int | None = None,
+    first_phase: Path | None = None,
+    checkpoint_every: int = 0,
 ) -> dict:
-    """Pretrain on ``dataset`` (prepare's output over :func:`write_pretraining_set`'s rows;
-    ``pipelines/tiny_base.py`` makes it) for ``steps`` (default ``s.steps``) and, when all of
-    ``s.steps`` ran, save the checkpoint and its manifest to ``out_dir``. Returns the manifest
-    (``losses`` per step)."""
+    """Pretrain on ``datasets`` (prepare's output over :func:`write_pretraining_set`'s rows of
+    the first and the seeing mix; ``pipelines/tiny_base.py`` makes them) for ``steps``
+    (default ``s.total_steps``) and, when all of them ran, save the checkpoint and its
+    manifest to ``out_dir``. Returns the manifest (``losses`` per step, both phases).
+
+    ``first_phase``: a checkpoint this script saved with ``s``'s first-phase fields and no
+    seeing steps; the first phase is read from it (weights and losses) instead of rerun.
+    ``checkpoint_every``: save the model under ``work_dir/checkpoints/step-N`` every N steps
+    of the seeing phase, to probe while it runs."""
     threads = torch.get_num_threads()
     torch.set_num_threads(s.threads)
     try:
-        steps = s.steps if steps is None else steps
-        return _pretrain(Path(out_dir), s, Path(dataset), Path(work_dir), steps)
+        steps = s.total_steps if steps is None else steps
+        return _pretrain(
+            Path(out_dir), s, datasets, Path(work_dir), steps, first_phase, checkpoint_every
+        )
     finally:
         torch.set_num_threads(threads)
 
 
-def _pretrain(out_dir: Path, s: PretrainSettings, dataset: Path, work_dir: Path, steps: int):
+def load_first_phase(path: Path, s: PretrainSettings) -> tuple[torch.nn.Module, list[float]]:
+    """The model and losses of a saved first phase, refused unless its manifest says it is
+    exactly ``s``'s first phase and its weights are the ones it recorded."""
+    from transformers import Qwen3VLForConditionalGeneration
+
+    path = Path(path)
+    manifest = json.loads((path / MANIFEST).read_text())
+    saved = PretrainSettings(**manifest["settings"])
+    if saved.seeing_steps or saved.first_phase() != s.first_phase():
+        raise ValueError(
+            f"{path} is not the first phase of these settings: it was built with "
+            f"{manifest['settings']}, the first phase needs {s.first_phase()}"
+        )
+    digest = hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest()
+    if digest != manifest["sha256"]:
+        raise ValueError(f"{path}/model.safetensors is not the checkpoint its manifest records")
+    model = Qwen3VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
+    return model, list(manifest["losses"])
+
+
+def _pretrain(
+    out_dir: Path,
+    s: PretrainSettings,
+    datasets: tuple[Path | None, Path | None],
+    work_dir: Path,
+    steps: int,
+    first_phase: Path | None,
+    checkpoint_every: int,
+):
     processor_dir = copy_tiny_processor(work_dir / "processor")
     processor = load_processor(processor_dir)
     ids = special_token_ids(processor)
 
-    model = set_text_attention(build_tiny_model(processor, seed=s.seed), "thd")
-    model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=s.lr, weight_decay=s.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda i: lr_lambda(i, warmup=s.warmup_steps, total=s.steps)
-    )
-    torch.manual_seed(s.seed)
-    rows = _row_stream(dataset, processor_dir, s)
-    losses: list[float] = []
     t0 = time.perf_counter()
+    if first_phase is not None:
+        model, losses = load_first_phase(first_phase, s)
+    else:
+        model, losses = build_tiny_model(processor, seed=s.seed), []
+    model = set_text_attention(model, "thd")
+    model.train()
     with progress() as bar:
-        task = bar.add_task("pretraining the tiny base", total=steps)
-        for _ in range(steps):
-            batch = [next(rows) for _ in range(s.rows_per_step)]
-            targets = sum(b.num_loss_tokens for b in batch)
-            total = 0.0
-            for b in batch:
-                logits = packed_forward(
-                    model,
-                    b,
-                    image_token_id=ids["image_token_id"],
-                    video_token_id=ids.get("video_token_id"),
-                )
-                loss, _ = token_loss_sum(logits, b.labels)
-                (loss / targets).float().backward()
-                total += float(loss.detach())
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(total / targets)
-            bar.update(task, advance=1, description=f"pretraining: loss {losses[-1]:.3f}")
+        if first_phase is None:
+            params = [p for p in model.parameters() if p.requires_grad]
+            groups = [{"params": params, "lr": s.lr}]
+            first = min(steps, s.steps)
+            _phase(
+                model,
+                ids,
+                groups,
+                _row_stream(datasets[0], processor_dir, s, s.seed),
+                s.warmup_steps,
+                s.steps,
+                first,
+                s,
+                losses,
+                bar,
+                "pretraining",
+                seed=s.seed,
+            )
+        seeing = max(0, steps - s.steps)
+        if seeing:
+            named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+            vision = [p for n, p in named if ".visual." in f".{n}"]
+            rest = [p for n, p in named if ".visual." not in f".{n}"]
+            groups = [
+                {"params": rest, "lr": s.seeing_lr},
+                {"params": vision, "lr": s.seeing_lr * s.vision_lr_scale},
+            ]
+            rows = _row_stream(datasets[1], processor_dir, s, s.seed + 1)
+            save = None
+            if checkpoint_every:
+
+                def save(step: int) -> None:
+                    if step % checkpoint_every == 0:
+                        dest = work_dir / "checkpoints" / f"step-{step}"
+                        model.save_pretrained(dest, safe_serialization=True)
+                        copy_tiny_processor(dest)
+
+            _phase(
+                model,
+                ids,
+                groups,
+                rows,
+                s.seeing_warmup_steps,
+                s.seeing_steps,
+                seeing,
+                s,
+                losses,
+                bar,
+                "seeing",
+                seed=s.seed + 1,
+                after_step=save,
+            )
     manifest = {
         "command": " ".join(["scripts/build-tiny-base", *sys.argv[1:]]),
         "settings": asdict(s),
@@ -133,7 +225,9 @@ def _pretrain(out_dir: Path, s: PretrainSettings, dataset: Path, work_dir: Path,
         "seconds": round(time.perf_counter() - t0, 1),
         "losses": losses,
     }
-    if steps < s.steps:
+    if first_phase is not None:
+        manifest["first_phase_from"] = str(first_phase)
+    if steps < s.total_steps:
         return manifest
     if out_dir.exists():
         shutil.rmtree(out_dir)
@@ -145,3 +239,40 @@ def _pretrain(out_dir: Path, s: PretrainSettings, dataset: Path, work_dir: Path,
     manifest["bytes"] = weights.stat().st_size
     (out_dir / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     return manifest
+
+
+def _phase(
+    model, ids, groups, rows, warmup, total, steps, s, losses, bar, label, *, seed, after_step=None
+):
+    """``steps`` optimizer steps of one phase (a schedule of ``total`` steps), each over
+    ``s.rows_per_step`` packed rows, the per-token loss over all their targets; appends each
+    step's loss to ``losses``."""
+    opt = torch.optim.AdamW(groups, weight_decay=s.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda i: lr_lambda(i, warmup=warmup, total=total)
+    )
+    params = [p for g in groups for p in g["params"]]
+    torch.manual_seed(seed)
+    task = bar.add_task(label, total=steps)
+    for step in range(1, steps + 1):
+        batch = [next(rows) for _ in range(s.rows_per_step)]
+        targets = sum(b.num_loss_tokens for b in batch)
+        total_loss = 0.0
+        for b in batch:
+            logits = packed_forward(
+                model,
+                b,
+                image_token_id=ids["image_token_id"],
+                video_token_id=ids.get("video_token_id"),
+            )
+            loss, _ = token_loss_sum(logits, b.labels)
+            (loss / targets).float().backward()
+            total_loss += float(loss.detach())
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(total_loss / targets)
+        bar.update(task, advance=1, description=f"{label}: loss {losses[-1]:.3f}")
+        if after_step is not None:
+            after_step(step)

@@ -38,6 +38,26 @@ def test_pretraining_repeats_bitwise_and_a_partial_run_saves_nothing(tmp_path: P
     assert second["losses"][0] > second["losses"][-1]
 
 
+def test_the_seeing_phase_from_a_saved_first_phase_is_the_whole_build(tmp_path: Path):
+    """Building both phases in one go and building the first, then the seeing phase from
+    its checkpoint (``--first-phase``), save the same bits; a checkpoint of other settings
+    is refused."""
+    two = PretrainSettings(**{**asdict(SMALL), "seeing_steps": 2, "seeing_rows": 60})
+    whole = build_tiny_base(tmp_path / "whole", two, work_dir=tmp_path / "w1")
+    assert len(whole["losses"]) == 5
+    build_tiny_base(tmp_path / "first", SMALL, work_dir=tmp_path / "w2")
+    resumed = build_tiny_base(
+        tmp_path / "resumed", two, work_dir=tmp_path / "w3", first_phase=tmp_path / "first"
+    )
+    assert resumed["losses"] == whole["losses"]  # fp32, CPU, fixed threads: bitwise
+    assert resumed["sha256"] == whole["sha256"]
+    other = PretrainSettings(**{**asdict(two), "lr": 1e-3})
+    with pytest.raises(ValueError, match="not the first phase of these settings"):
+        build_tiny_base(
+            tmp_path / "x", other, work_dir=tmp_path / "w4", first_phase=tmp_path / "first"
+        )
+
+
 def test_the_script_saves_a_checkpoint_that_model_path_loads(tmp_path: Path):
     out = tmp_path / "base"
     args = [f"--{k}={v}" for k, v in (("steps", 3), ("rows-per-step", 1), ("num-rows", 120))]

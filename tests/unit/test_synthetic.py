@@ -27,9 +27,9 @@ from packline.shapes.generate import (
     CLIP_FPS,
     CLIP_KINDS,
     COLOUR_RGB,
-    PRETRAIN_CHAT_SHARE,
+    FIRST_MIX,
     PRETRAIN_MAX_TOKENS,
-    PRETRAIN_TEXT_SHARE,
+    SEEING_MIX,
     VIDEO_SHARE,
     _Clip,
     _draw_clip,
@@ -476,8 +476,8 @@ def test_pretraining_mix_is_captions_statements_and_text_chat(tmp_path: Path) ->
     assert [r["split"] for r in rows] == ["train"] * 300 + ["val"] * 20
     chat = [r for r in rows if "?" in r["conversations"][0]["content"]]
     text = [r for r in rows if not r["images"]]
-    assert abs(len(chat) / len(rows) - PRETRAIN_CHAT_SHARE) < 0.07
-    assert abs((len(text) - len(chat)) / len(rows) - PRETRAIN_TEXT_SHARE) < 0.07
+    assert abs(len(chat) / len(rows) - FIRST_MIX.chat_share) < 0.07
+    assert abs((len(text) - len(chat)) / len(rows) - FIRST_MIX.text_share) < 0.07
     for r in rows:
         user, assistant = r["conversations"]
         assert (user["role"], assistant["role"]) == ("user", "assistant")
@@ -499,3 +499,33 @@ def test_pretraining_mix_is_captions_statements_and_text_chat(tmp_path: Path) ->
     for r in rows[:100]:
         for image in r["images"]:
             assert (again / image).read_bytes() == (out / image).read_bytes()
+
+
+def test_the_seeing_mix_has_fewer_shapes_per_picture_and_large_lone_ones(tmp_path: Path) -> None:
+    """The second pretraining phase's pictures: a ``lone_share`` of one large shape in the
+    centre of a small picture, a ``cut_share`` cut to one or two shapes anywhere in the grid,
+    the rest whole; no caption in detail, no question."""
+    out = write_pretraining_set(tmp_path, num_train=400, seed=1, mix=SEEING_MIX)
+    rows = _rows(out)
+    pictures = [r for r in rows if r["images"]]
+    assert (
+        abs(len(pictures) / len(rows) - (1 - SEEING_MIX.text_share - SEEING_MIX.chat_share)) < 0.07
+    )
+    shapes, lone, cells = [], 0, set()
+    for r in pictures:
+        reply = r["conversations"][1]["content"]
+        assert "?" not in reply and "pixels" not in reply  # no caption in detail
+        n = int(re.search(r"(\d+) shapes?", reply).group(1))
+        shapes.append(n)
+        with Image.open(out / r["images"][0]) as img:
+            assert (img.width // 32) * (img.height // 32) <= PRETRAIN_MAX_TOKENS
+            if n == 1 and img.width <= 256 and img.height <= 256 and "centre" in reply:
+                lone += 1
+        if n == 1:
+            cells.update(p for p in ("top left", "bottom right", "on the left") if p in reply)
+    few = sum(n <= 2 for n in shapes) / len(shapes)
+    cut = SEEING_MIX.cut_share + SEEING_MIX.lone_share
+    assert few > cut / (1 - SEEING_MIX.text_share - SEEING_MIX.chat_share) * 0.8
+    assert lone / len(pictures) > SEEING_MIX.lone_share * 0.8
+    assert len(cells) == 3  # a cut keeps shapes from anywhere in the grid, not the first ones
+    assert max(shapes) >= 5  # and whole pictures remain
