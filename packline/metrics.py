@@ -233,6 +233,9 @@ RECORD_ROW_REAL_TOKENS = "row_real_tokens"
 """Of a ``metrics.jsonl`` record: the real tokens of each row as laid out."""
 EVAL_BY_KIND = "by_kind"
 """Of an ``eval.jsonl`` record: per question kind ``{questions, accuracy}``."""
+EVAL_ANSWERS = "answers"
+"""Of an ``eval.jsonl`` record: every question asked, ``{key, kind, question, expected,
+reply, right}`` (:func:`packline.train.evaluate.eval_accuracy`)."""
 
 # -- MLflow tags of the train stage's runs ------------------------------------------------
 

@@ -7,7 +7,7 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -15,7 +15,7 @@ from packline.energon.loader import read_conversations, val_loader
 from packline.energon.packing import PackingSettings, make_encoder
 from packline.packing.thd import to_device
 from packline.qwen.forward import packed_loss
-from packline.qwen.generate import generate_answer, sample_prompt
+from packline.qwen.generate import generate_answer, message_text, sample_prompt
 
 
 @torch.no_grad()
@@ -132,23 +132,38 @@ def eval_accuracy(
     max_samples: int,
     scorer: AnswerScorer,
     max_new_tokens: int = 32,
-) -> tuple[float, int, dict[str, dict[str, float]]]:
+) -> tuple[float, int, dict[str, dict[str, float]], list[dict[str, Any]]]:
     """(share of correct answers, questions asked, per question kind: its questions and
-    share of correct answers): for each val conversation with a checkable answer, the model
-    answers the first such question greedily."""
+    share of correct answers, every answer): for each val conversation with a checkable
+    answer, the model answers the first such question greedily. An answer is the sample's
+    ``key``, the question's ``kind``, the ``question`` (the last user message's text), the
+    ``expected`` answer, the model's ``reply`` and whether it is ``right``."""
     model.eval()
     asked: Counter[str] = Counter()
     correct: Counter[str] = Counter()
+    answers = []
     for sample, first in _val_questions(dataset_path, max_samples):
         prompt = sample_prompt(sample, first["turn"])
         text = generate_answer(model, processor, prompt, max_new_tokens=max_new_tokens)
+        right = scorer.matches(first["answer"], text, first["kind"])
         asked[first["kind"]] += 1
-        correct[first["kind"]] += scorer.matches(first["answer"], text, first["kind"])
+        correct[first["kind"]] += right
+        answers.append(
+            {
+                "key": sample.__key__,
+                "kind": first["kind"],
+                "question": message_text(prompt.conversation[-1]),
+                "expected": first["answer"],
+                "reply": text,
+                "right": bool(right),
+            }
+        )
     total = sum(asked.values())
     by_kind = {
         kind: {"questions": n, "accuracy": correct[kind] / n} for kind, n in sorted(asked.items())
     }
-    return (sum(correct.values()) / total if total else float("nan")), total, by_kind
+    accuracy = sum(correct.values()) / total if total else float("nan")
+    return accuracy, total, by_kind, answers
 
 
 @dataclass
@@ -164,6 +179,8 @@ class EvalResult:
     questions: int
     by_kind: dict[str, dict[str, float]]
     """Per question kind: its ``questions`` and ``accuracy``."""
+    answers: list[dict[str, Any]]
+    """Every question asked and the model's reply (:func:`eval_accuracy`)."""
 
 
 class Evaluator:
@@ -207,7 +224,7 @@ class Evaluator:
             image_token_id=self.image_token_id,
             video_token_id=self.video_token_id,
         )
-        acc, asked, by_kind = eval_accuracy(
+        acc, asked, by_kind, answers = eval_accuracy(
             model,
             self.processor,
             self.dataset_path,
@@ -220,4 +237,5 @@ class Evaluator:
             accuracy=acc,
             questions=asked,
             by_kind=by_kind,
+            answers=answers,
         )

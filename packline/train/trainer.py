@@ -499,6 +499,7 @@ class Trainer:
             }
             self.tracker.log_metrics({**metrics, **names.by_kind_metrics(by_kind)}, step=self.step)
             record = {"step": self.step, **metrics, names.EVAL_BY_KIND: result.by_kind}
+            record[names.EVAL_ANSWERS] = result.answers
             append_record(self.run_dir / EVAL_LOG, record)
         barrier()
         return result

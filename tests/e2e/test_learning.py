@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from packline import metrics as names
 from packline.shapes.generate import ANSWER_CHOICES, ANSWER_KINDS
 from packline.train.records import read_records
 from schemas.config import load_config
@@ -89,6 +90,13 @@ def test_default_training_learns_with_packing_on_and_off(tmp_path: Path):
         # questions here were all answered alike (evaluate.guess_chance: no chance to tell)
         for kind, k in by_kind.items():
             assert (k["chance"] is None and kind not in ANSWER_CHOICES) or 0 < k["chance"] <= 1
+
+        # every evaluation records what was asked and what the model replied
+        for e in read_records(cfg.work_path / "train" / r["run"] / "eval.jsonl"):
+            answers = e[names.EVAL_ANSWERS]
+            assert len(answers) == e[names.EVAL_QUESTIONS] == cfg.train.eval_samples
+            assert sum(a["right"] for a in answers) / len(answers) == e[names.EVAL_ACCURACY]
+            assert all(a["question"] and a["expected"] and a["kind"] for a in answers)
 
     packed_steps = read_records(cfg.work_path / "train" / "packed" / "metrics.jsonl")
     _check_golden_losses([s["train/loss"] for s in packed_steps])
