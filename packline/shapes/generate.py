@@ -1273,6 +1273,29 @@ def _caption_by_kind(pic: _Picture) -> str:
     return " ".join([*lines, _counts(pic)])
 
 
+def _colours_by_kind(pic: _Picture) -> str:
+    """Each shape's colour, the shape named by its kind (and its cell when another shape
+    has that kind): ``"The circle is red. The star at the top is blue."``."""
+    kinds = Counter(s.kind for s in pic.shapes)
+    return " ".join(
+        f"The {s.kind} is {s.colour}."
+        if kinds[s.kind] == 1
+        else f"The {s.kind} {PREPOSITION[s.position]} is {s.colour}."
+        for s in pic.shapes
+    )
+
+
+def _cells_by_name(pic: _Picture) -> str:
+    """Each shape's cell, the shape named by its colour and kind:
+    ``"The red circle is at the top left."``."""
+    return " ".join(f"The {s.colour} {s.kind} is {PREPOSITION[s.position]}." for s in pic.shapes)
+
+
+def _total(pic: _Picture) -> str:
+    n = len(pic.shapes)
+    return f"{n} {'shape' if n == 1 else 'shapes'}."
+
+
 def _tally(colours: Counter, kinds: Counter) -> str:
     """Shapes counted by colour, then by kind, as digits: ``"1 black and 2 green; 2 circles
     and 1 star"``."""
@@ -1290,6 +1313,15 @@ def _counts(pic: _Picture) -> str:
 
 
 _CAPTION_STYLES = (_describe, _caption_by_cell, _caption_by_kind, _describe_detail)
+# A label after the picture that says which statement follows: no question is asked, but
+# what the reply says depends on the user's words, not only on the picture.
+_PROMPTED = (
+    ("Count:", _total),
+    ("Counts:", _counts),
+    ("Colours:", _colours_by_kind),
+    ("Positions:", _cells_by_name),
+    ("Shapes:", _describe),
+)
 
 
 @dataclass(frozen=True)
@@ -1308,6 +1340,10 @@ class PretrainMix:
     lone_share: float = 0.0
     """Pictures of one large shape in the centre (:func:`_lone_picture`): a shape's kind
     across many patches."""
+    prompted_share: float = 0.0
+    """Pictures whose user turn ends in a label (:data:`_PROMPTED`: "Count:", "Colours:",
+    "Positions:" ...) that says which statement the caption is, so the base learns to
+    follow the user's words after a picture."""
 
 
 FIRST_MIX = PretrainMix(text_share=0.2, chat_share=0.2, caption_weights=(0.35, 0.25, 0.25, 0.15))
@@ -1318,6 +1354,7 @@ SEEING_MIX = PretrainMix(
     caption_weights=(0.5, 0.25, 0.25, 0.0),
     cut_share=0.35,
     lone_share=0.2,
+    prompted_share=0.5,
 )
 """The second phase's: fewer words, more pictures, many with one or two shapes or one large
 one, so kind and cell are what is left to learn."""
@@ -1378,13 +1415,18 @@ def _caption_row(seed: int, split: str, index: int, out_dir: Path, mix: Pretrain
     pic = _pretraining_picture(rng, mix)
     rel = f"images/{row_id}.png"
     _draw_picture(pic).save(out_dir / rel, **_PNG_OPTIONS)
-    caption = rng.choices(_CAPTION_STYLES, weights=mix.caption_weights)[0](pic)
+    if mix.prompted_share and rng.random() < mix.prompted_share:
+        label, style = rng.choice(_PROMPTED)
+        prompt, caption = f"<image>\n{label}", style(pic)
+    else:
+        caption = rng.choices(_CAPTION_STYLES, weights=mix.caption_weights)[0](pic)
+        prompt = rng.choice(_CAPTION_PROMPTS)
     return {
         "id": row_id,
         "split": split,
         "images": [rel],
         "conversations": [
-            {"role": "user", "content": rng.choice(_CAPTION_PROMPTS)},
+            {"role": "user", "content": prompt},
             {"role": "assistant", "content": caption},
         ],
     }

@@ -124,8 +124,8 @@ def pretrain(
         torch.set_num_threads(threads)
 
 
-def load_first_phase(path: Path, s: PretrainSettings) -> tuple[torch.nn.Module, list[float]]:
-    """The model and losses of a saved first phase, refused unless its manifest says it is
+def load_first_phase(path: Path, s: PretrainSettings) -> tuple[torch.nn.Module, list[float], float]:
+    """The model, losses and seconds of a saved first phase, refused unless its manifest says it is
     exactly ``s``'s first phase and its weights are the ones it recorded."""
     from transformers import Qwen3VLForConditionalGeneration
 
@@ -141,7 +141,7 @@ def load_first_phase(path: Path, s: PretrainSettings) -> tuple[torch.nn.Module, 
     if digest != manifest["sha256"]:
         raise ValueError(f"{path}/model.safetensors is not the checkpoint its manifest records")
     model = Qwen3VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
-    return model, list(manifest["losses"])
+    return model, list(manifest["losses"]), float(manifest["seconds"])
 
 
 def _pretrain(
@@ -158,8 +158,9 @@ def _pretrain(
     ids = special_token_ids(processor)
 
     t0 = time.perf_counter()
+    before = 0.0  # seconds of a first phase read from its checkpoint
     if first_phase is not None:
-        model, losses = load_first_phase(first_phase, s)
+        model, losses, before = load_first_phase(first_phase, s)
     else:
         model, losses = build_tiny_model(processor, seed=s.seed), []
     model = set_text_attention(model, "thd")
@@ -222,7 +223,7 @@ def _pretrain(
         "settings": asdict(s),
         "torch": torch.__version__,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "seconds": round(time.perf_counter() - t0, 1),
+        "seconds": round(before + time.perf_counter() - t0, 1),
         "losses": losses,
     }
     if first_phase is not None:

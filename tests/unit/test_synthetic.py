@@ -8,6 +8,7 @@ import math
 import random
 import re
 import statistics
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -504,18 +505,27 @@ def test_pretraining_mix_is_captions_statements_and_text_chat(tmp_path: Path) ->
 def test_the_seeing_mix_has_fewer_shapes_per_picture_and_large_lone_ones(tmp_path: Path) -> None:
     """The second pretraining phase's pictures: a ``lone_share`` of one large shape in the
     centre of a small picture, a ``cut_share`` cut to one or two shapes anywhere in the grid,
-    the rest whole; no caption in detail, no question."""
+    the rest whole; no caption in detail, no question; a ``prompted_share`` of the captions
+    follow a label that says which statement comes ("Colours:" -> each kind's colour)."""
     out = write_pretraining_set(tmp_path, num_train=400, seed=1, mix=SEEING_MIX)
     rows = _rows(out)
     pictures = [r for r in rows if r["images"]]
-    assert (
-        abs(len(pictures) / len(rows) - (1 - SEEING_MIX.text_share - SEEING_MIX.chat_share)) < 0.07
-    )
-    shapes, lone, cells = [], 0, set()
+    share = 1 - SEEING_MIX.text_share - SEEING_MIX.chat_share
+    assert abs(len(pictures) / len(rows) - share) < 0.07
+    shapes, lone, cells, labels = [], 0, set(), Counter()
     for r in pictures:
-        reply = r["conversations"][1]["content"]
-        assert "?" not in reply and "pixels" not in reply  # no caption in detail
-        n = int(re.search(r"(\d+) shapes?", reply).group(1))
+        prompt, reply = (m["content"] for m in r["conversations"])
+        assert "?" not in prompt + reply and "pixels" not in reply  # no question, no detail
+        label = prompt.split("\n")[-1]
+        labels[label] += 1
+        if label == "Colours:":
+            assert re.fullmatch(r"(The [a-z]+( [a-z ]+)? is [a-z]+\. ?)+", reply), reply
+        elif label == "Positions:":
+            assert re.fullmatch(r"(The [a-z]+ [a-z]+ is (at|on|in) the [a-z ]+\. ?)+", reply)
+        counted = re.search(r"(\d+) shapes?", reply)
+        if not counted:
+            continue
+        n = int(counted.group(1))
         shapes.append(n)
         with Image.open(out / r["images"][0]) as img:
             assert (img.width // 32) * (img.height // 32) <= PRETRAIN_MAX_TOKENS
@@ -524,8 +534,9 @@ def test_the_seeing_mix_has_fewer_shapes_per_picture_and_large_lone_ones(tmp_pat
         if n == 1:
             cells.update(p for p in ("top left", "bottom right", "on the left") if p in reply)
     few = sum(n <= 2 for n in shapes) / len(shapes)
-    cut = SEEING_MIX.cut_share + SEEING_MIX.lone_share
-    assert few > cut / (1 - SEEING_MIX.text_share - SEEING_MIX.chat_share) * 0.8
-    assert lone / len(pictures) > SEEING_MIX.lone_share * 0.8
+    assert few > (SEEING_MIX.cut_share + SEEING_MIX.lone_share) * 0.8
+    assert lone / len(shapes) > SEEING_MIX.lone_share * 0.5
     assert len(cells) == 3  # a cut keeps shapes from anywhere in the grid, not the first ones
     assert max(shapes) >= 5  # and whole pictures remain
+    prompted = sum(labels[label] for label in ("Count:", "Counts:", "Colours:", "Positions:"))
+    assert abs((prompted + labels["Shapes:"]) / len(pictures) - SEEING_MIX.prompted_share) < 0.1
