@@ -77,12 +77,14 @@ PICTURE_METRICS = (M.THROUGHPUT_REAL_TOKENS_PER_S, M.PACK_FILL, M.EVAL_LOSS)
 PICTURE_SIZE = (1400, 700)
 # What the picture is made from, hashed (with the MLflow version, whose UI draws it) into
 # its PICTURE_KEY text chunk: the run's training and the page's state (this file), the UI
-# server, the metric names shown, the config trained.
+# server, the metric names shown, the config trained and the base it trains (its manifest
+# holds the weights' sha256).
 PICTURE_SOURCES = (
     "tests/e2e/test_compare_ui.py",
     "pipelines/ui.py",
     "packline/metrics.py",
     "configs/tiny_cpu.yaml",
+    "models/tiny-base/manifest.json",
 )
 PICTURE_KEY = "packline-sources-sha256"
 # As in packline compare's plots.
