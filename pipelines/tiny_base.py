@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from packline.shapes.generate import FIRST_MIX, SEEING_MIX, PretrainMix, write_pretraining_set
-from packline.shapes.pretrain import PretrainSettings, pretrain
+from packline.shapes.pretrain import PretrainSettings, check_first_phase, pretrain
 from schemas.config import load_config
 from stages.prepare import prepare
 
@@ -45,7 +45,9 @@ def build_tiny_base(
     work_dir = Path(work_dir)
     steps = s.total_steps if steps is None else steps
     first = None
-    if first_phase is None:
+    if first_phase is not None:
+        check_first_phase(first_phase, s)  # before any rows are written
+    else:
         first = _dataset(work_dir / "first", rows=s.num_rows, seed=s.seed, mix=FIRST_MIX)
     seeing = None
     if steps > s.steps:

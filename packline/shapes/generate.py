@@ -1516,11 +1516,13 @@ def write_pretraining_set(
     """Write the tiny base's pretraining mix to ``out_dir`` (``conversations.jsonl`` and
     ``images/``, the folder layout :func:`write_shapes_dataset` writes) and return it.
 
-    Not the fine-tuning task: nothing is asked about a picture. About 60% of the rows are a
-    picture of the shapes set and its caption, which names every shape with its colour and
-    position and counts them (in one of four styles); 20% state facts in words (a hexagon's
-    sides, groups of shapes summed); 20% are text-only chat, a short question about a list of
-    words or a sum and its short answer (:func:`_chat_row`). Row ``i`` depends only on
+    Not the fine-tuning task: nothing is asked about a picture. With the default ``mix``
+    (:data:`FIRST_MIX`) about 60% of the rows are a picture of the shapes set and its caption,
+    which names every shape with its colour and position and counts them (in one of four
+    styles); 20% state facts in words (a hexagon's sides, groups of shapes summed); 20% are
+    text-only chat, a short question about a list of words or a sum and its short answer
+    (:func:`_chat_row`). :data:`SEEING_MIX` (the base's second phase) has fewer words and
+    pictures of fewer shapes, half of them captioned after a label. Row ``i`` depends only on
     ``(seed, split, i)``; the same arguments give the same bytes.
 
     Example::

@@ -5,13 +5,15 @@ the project makes its own: the tiny dense Qwen3-VL (:func:`packline.qwen.model.b
 trained in full, in fp32 on the CPU, from a seed, on a mix that is *not* the default
 fine-tuning task (:func:`packline.shapes.generate.write_pretraining_set`: captions of the shapes
 pictures, statements about shapes in words and text-only chat; nothing is asked about a
-picture). The data goes the
-way every packline run's does: prepare's shards, the lazy encoder, Energon's online packing
+picture), optionally followed by a seeing phase on :data:`~packline.shapes.generate.SEEING_MIX`
+(:class:`PretrainSettings` says what each phase is). The data goes the way every packline
+run's does: prepare's shards, the lazy encoder, Energon's online packing
 into rows of ``seq_length`` tokens, the packed forward with its per-token loss.
 
 The result is an ordinary HF checkpoint dir (``config.json``, ``model.safetensors``,
 ``generation_config.json``) with the built-in processor saved beside it, and ``manifest.json``:
-the command, seed, steps, threads, every step's loss and the weights' sha256.
+the command, every setting, the seconds, every step's loss of both phases and the weights'
+sha256.
 """
 
 from __future__ import annotations
@@ -124,11 +126,9 @@ def pretrain(
         torch.set_num_threads(threads)
 
 
-def load_first_phase(path: Path, s: PretrainSettings) -> tuple[torch.nn.Module, list[float], float]:
-    """The model, losses and seconds of a saved first phase, refused unless its manifest says it is
-    exactly ``s``'s first phase and its weights are the ones it recorded."""
-    from transformers import Qwen3VLForConditionalGeneration
-
+def check_first_phase(path: Path, s: PretrainSettings) -> dict:
+    """The manifest of a saved first phase, refused unless it says it is exactly ``s``'s first
+    phase and the weights are the ones it recorded."""
     path = Path(path)
     manifest = json.loads((path / MANIFEST).read_text())
     saved = PretrainSettings(**manifest["settings"])
@@ -140,7 +140,15 @@ def load_first_phase(path: Path, s: PretrainSettings) -> tuple[torch.nn.Module, 
     digest = hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest()
     if digest != manifest["sha256"]:
         raise ValueError(f"{path}/model.safetensors is not the checkpoint its manifest records")
-    model = Qwen3VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
+    return manifest
+
+
+def load_first_phase(path: Path, s: PretrainSettings) -> tuple[torch.nn.Module, list[float], float]:
+    """The model, losses and seconds of a saved first phase (:func:`check_first_phase`)."""
+    from transformers import Qwen3VLForConditionalGeneration
+
+    manifest = check_first_phase(path, s)
+    model = Qwen3VLForConditionalGeneration.from_pretrained(Path(path), dtype=torch.float32)
     return model, list(manifest["losses"]), float(manifest["seconds"])
 
 
