@@ -29,7 +29,12 @@ pytestmark = pytest.mark.slow
 SMALL = PretrainSettings(steps=3, rows_per_step=1, num_rows=120, warmup_steps=1)
 
 
-def test_pretraining_repeats_bitwise_and_a_partial_run_saves_nothing(tmp_path: Path):
+def test_pretraining_repeats_bitwise_and_a_seeing_phase_from_a_saved_first_is_one_build(
+    tmp_path: Path,
+):
+    """A partial run saves nothing and repeats the steps of a whole one bitwise; building
+    both phases in one go and building the seeing phase from the first phase's checkpoint
+    (``--first-phase``) save the same bits; a checkpoint of other settings is refused."""
     first = build_tiny_base(tmp_path / "a", SMALL, work_dir=tmp_path / "wa", steps=2)
     assert not (tmp_path / "a").exists()  # fewer steps than the settings: no checkpoint
     second = build_tiny_base(tmp_path / "b", SMALL, work_dir=tmp_path / "wb")
@@ -37,25 +42,18 @@ def test_pretraining_repeats_bitwise_and_a_partial_run_saves_nothing(tmp_path: P
     assert second["losses"][:2] == first["losses"]  # fp32, CPU, fixed threads: bitwise
     assert second["losses"][0] > second["losses"][-1]
 
-
-def test_the_seeing_phase_from_a_saved_first_phase_is_the_whole_build(tmp_path: Path):
-    """Building both phases in one go and building the first, then the seeing phase from
-    its checkpoint (``--first-phase``), save the same bits; a checkpoint of other settings
-    is refused."""
     two = PretrainSettings(**{**asdict(SMALL), "seeing_steps": 2, "seeing_rows": 60})
     whole = build_tiny_base(tmp_path / "whole", two, work_dir=tmp_path / "w1")
-    assert len(whole["losses"]) == 5
-    build_tiny_base(tmp_path / "first", SMALL, work_dir=tmp_path / "w2")
+    assert len(whole["losses"]) == 5 and whole["losses"][:3] == second["losses"]
     resumed = build_tiny_base(
-        tmp_path / "resumed", two, work_dir=tmp_path / "w3", first_phase=tmp_path / "first"
+        tmp_path / "resumed", two, work_dir=tmp_path / "w2", first_phase=tmp_path / "b"
     )
     assert resumed["losses"] == whole["losses"]  # fp32, CPU, fixed threads: bitwise
     assert resumed["sha256"] == whole["sha256"]
     other = PretrainSettings(**{**asdict(two), "lr": 1e-3})
     with pytest.raises(ValueError, match="not the first phase of these settings"):
-        build_tiny_base(
-            tmp_path / "x", other, work_dir=tmp_path / "w4", first_phase=tmp_path / "first"
-        )
+        build_tiny_base(tmp_path / "x", other, work_dir=tmp_path / "w3", first_phase=tmp_path / "b")
+    assert not (tmp_path / "w3").exists()  # refused before any rows are written
 
 
 def test_the_script_saves_a_checkpoint_that_model_path_loads(tmp_path: Path):
