@@ -236,6 +236,9 @@ EVAL_BY_KIND = "by_kind"
 EVAL_ANSWERS = "answers"
 """Of an ``eval.jsonl`` record: every question asked, ``{key, kind, question, expected,
 reply, right}`` (:func:`packline.train.evaluate.eval_accuracy`)."""
+EVAL_EVALUATED_IN = "evaluated_in"
+"""Of an ``eval.jsonl`` record read from the start-evaluation memo instead of evaluated
+again: the run that evaluated the very same weights (:class:`packline.train.evaluate.EvalMemo`)."""
 
 # -- MLflow tags of the train stage's runs ------------------------------------------------
 

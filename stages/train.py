@@ -7,6 +7,8 @@ Outputs in ``<work>/train/``::
                                 pack_fill.png, config.yaml (resolved), result.json (the
                                 run's packline.report.summary.RunSummary)
     comparison.json             both summaries and the speedup
+    start_eval.json             the step-0 evaluation, kept for the run that starts second
+                                from the same weights (packline.train.evaluate.EvalMemo)
 
 The stage reads its inputs (the prepared dataset, connect's processor), hands each run to
 :class:`packline.train.trainer.Trainer` (which owns the loop, resumes from the latest
@@ -49,6 +51,7 @@ from packline.train.distributed import (
     threads_per_rank,
     torchrun_command,
 )
+from packline.train.evaluate import EvalMemo
 from packline.train.records import read_records
 from packline.train.setup import build_trainer
 from packline.train.trainer import METRICS_LOG
@@ -68,6 +71,7 @@ STAGE = "train"
 RESULT = "result.json"
 RUN_NAMES = ("packed", "unpacked")
 """The run dirs under ``<work>/train``: packing on, packing off."""
+START_EVAL = "start_eval.json"
 
 
 def _claim_stage_dir(out: Path) -> Path:
@@ -112,6 +116,7 @@ def train_run(
         run_dir=run_dir,
         device=rank_device(),
         tracker=tracker,
+        eval_memo=EvalMemo(run_dir.parent / START_EVAL, key=fp),
     )
     tracker.set_tags(
         {
@@ -226,6 +231,8 @@ def train(
     runs = []
     if launched():
         init_from_env()
+    if rank_world()[0] == 0:  # shared by this invocation's runs only (code may have changed)
+        (out / START_EVAL).unlink(missing_ok=True)
     for packed in modes:
         run_dir = train_run_dir(cfg, packed)
         kwargs = {"packed": packed, "run_dir": run_dir, "fp": fp, "parent_run_id": parent_run_id}

@@ -105,6 +105,7 @@ def train_interleaved(
     from packline.qwen.processor import load_processor  # torch: import on use
     from packline.tracking import Tracker
     from packline.train.distributed import rank_device
+    from packline.train.evaluate import EvalMemo
     from packline.train.setup import build_trainer
 
     if cfg.train.nproc_per_node != 1:
@@ -120,6 +121,8 @@ def train_interleaved(
             f"{cfg.train.max_steps} in windows of {window_steps} steps gives {windows}"
         )
     processor = load_processor(processor_dir)
+    memo = EvalMemo(out_dir / "start_eval.json", key="bench train")
+    memo.path.unlink(missing_ok=True)  # from scratch, as the runs
     trainers = {}
     for name in RUNS:
         run_dir = out_dir / name
@@ -135,6 +138,7 @@ def train_interleaved(
             run_dir=run_dir,
             device=rank_device(),
             tracker=Tracker.disabled(),
+            eval_memo=memo,
         )
     for trainer in trainers.values():
         trainer.begin()

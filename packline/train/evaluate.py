@@ -3,9 +3,11 @@ greedy generation on the built-in set's checkable questions."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -239,3 +241,54 @@ class Evaluator:
             by_kind=by_kind,
             answers=answers,
         )
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    """sha256 over every tensor of ``model.state_dict()``: its name, dtype, shape and bytes.
+    Equal digests mean the very same weights, bit for bit.
+
+    >>> torch.manual_seed(0) and None
+    >>> a = torch.nn.Linear(2, 1)
+    >>> b = torch.nn.Linear(2, 1)
+    >>> weights_digest(a) == weights_digest(b)
+    False
+    >>> _ = b.load_state_dict(a.state_dict())
+    >>> weights_digest(a) == weights_digest(b)
+    True
+    """
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        flat = t.detach().contiguous().reshape(-1)
+        h.update(f"{name} {flat.dtype} {tuple(t.shape)}\n".encode())
+        h.update(flat.view(torch.uint8).cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class EvalMemo:
+    """One evaluation kept in ``path`` under what it evaluated: the model's weights
+    (:func:`weights_digest`) and ``key``, which names everything else the evaluation reads
+    (the train stage's fingerprint: the val split, the processor, the settings). Packing on
+    and off start from the very same weights, so the run that starts second reads the first
+    one's start evaluation instead of repeating it (about 10 s of ``make run``'s train stage
+    on 2 cores); any other weights or key evaluate afresh."""
+
+    path: Path
+    key: str
+
+    def get(self, digest: str) -> tuple[EvalResult, str] | None:
+        """The kept result for weights ``digest`` and the run that evaluated it, if any."""
+        try:
+            kept = json.loads(self.path.read_text())
+        except (OSError, json.JSONDecodeError):
+            return None
+        if kept.get("key") != self.key or kept.get("digest") != digest:
+            return None
+        return EvalResult(**kept["result"]), kept["run"]
+
+    def put(self, digest: str, result: EvalResult, run: str) -> None:
+        """Keep ``result``, evaluated by ``run`` on weights ``digest`` (replacing any other)."""
+        record = {"key": self.key, "digest": digest, "run": run, "result": asdict(result)}
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(record))
+        tmp.replace(self.path)

@@ -18,7 +18,7 @@ from packline.shapes.answers import SHAPES_SCORER
 from packline.tracking import Tracker
 from packline.train.data import TrainStream
 from packline.train.distributed import broadcast_object, rank_device, rank_world
-from packline.train.evaluate import Evaluator
+from packline.train.evaluate import EvalMemo, Evaluator
 from packline.train.layout import LayoutGroups
 from packline.train.lora import peft_wrap
 from packline.train.trainer import Trainer, TrainerSettings, use_bf16
@@ -178,12 +178,14 @@ def build_trainer(
     run_dir: Path,
     device: torch.device | None = None,
     tracker: Tracker | None = None,
+    eval_memo: EvalMemo | None = None,
 ) -> Trainer:
     """A :class:`Trainer` for one run of ``cfg`` (packing on or off) over the prepared
     dataset in ``dataset_path``, the processor in ``processor_dir`` and connect's lengths
     table in ``lengths_path`` (the stage hands them over from the catalog): the configured model
     with LoRA (seeded by ``train.seed``) on ``device``, its evaluator, logging to
-    ``tracker`` and writing to ``run_dir``."""
+    ``tracker`` and writing to ``run_dir``; ``eval_memo``: where the start evaluation is
+    shared with the other run of a comparison."""
     settings = TrainerSettings.from_config(cfg, packed=packed, lengths_path=lengths_path)
     image_token_id = int(processor.image_token_id)
     video_token_id = int(processor.video_token_id)
@@ -240,6 +242,7 @@ def build_trainer(
         layout=layout,
         engine=engine,
         eval_model=eval_model,
+        eval_memo=eval_memo,
     )
 
 

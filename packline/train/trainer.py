@@ -64,7 +64,7 @@ from packline.train.checkpoint import AdapterState, Checkpointer, OptimizerState
 from packline.train.data import StreamSettings, TrainStream
 from packline.train.distributed import all_gather_object, barrier, rank_world
 from packline.train.engine import DataParallelEngine, Engine, router_metrics
-from packline.train.evaluate import EvalResult, Evaluator
+from packline.train.evaluate import EvalMemo, EvalResult, Evaluator, weights_digest
 from packline.train.layout import count_once
 from packline.train.records import append_record, drop_torn_tail, read_records
 from schemas.layout import ParallelLayout
@@ -256,6 +256,7 @@ class Trainer:
         layout: ParallelLayout | None = None,
         engine: Engine | None = None,
         eval_model=None,
+        eval_memo: EvalMemo | None = None,
     ):
         self.s = settings
         self.run_dir = Path(run_dir)
@@ -293,6 +294,8 @@ class Trainer:
         self.eval_model = eval_model
         """Rank 0's one-process model for evaluation and export when the training model is
         split over ranks (EP, PP); None when every rank holds the whole model."""
+        self.eval_memo = eval_memo
+        """Where the step-0 evaluation is kept for a run that starts from the same weights."""
         self.optimizer = torch.optim.AdamW(
             self.params, lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay
         )
@@ -481,12 +484,23 @@ class Trainer:
         return self.eval_model
 
     def evaluate(self) -> EvalResult | None:
-        """Rank 0 evaluates, logs and records; the others wait for it (and get None)."""
+        """Rank 0 evaluates, logs and records; the others wait for it (and get None). At
+        step 0, with an ``eval_memo``, weights another run already evaluated there (packing on
+        and off start alike) are not evaluated again: its result is logged and recorded, with
+        the run that evaluated it."""
         result = None
         model = self.whole_model() if self.evaluator is not None else None
         if self.lead and self.evaluator is not None:
-            with self.engine.evaluating(model):
-                result = self.evaluator.evaluate(model)
+            memo = self.eval_memo if self.step == 0 else None
+            digest = weights_digest(model) if memo is not None else ""
+            kept = memo.get(digest) if memo is not None else None
+            if kept is not None:
+                result, evaluated_in = kept
+            else:
+                with self.engine.evaluating(model):
+                    result = self.evaluator.evaluate(model)
+                if memo is not None:
+                    memo.put(digest, result, self.run_dir.name)
             metrics = {
                 names.EVAL_LOSS: result.loss,
                 names.EVAL_TOKEN_ACCURACY: result.token_accuracy,
@@ -500,6 +514,8 @@ class Trainer:
             self.tracker.log_metrics({**metrics, **names.by_kind_metrics(by_kind)}, step=self.step)
             record = {"step": self.step, **metrics, names.EVAL_BY_KIND: result.by_kind}
             record[names.EVAL_ANSWERS] = result.answers
+            if kept is not None:
+                record[names.EVAL_EVALUATED_IN] = evaluated_in
             append_record(self.run_dir / EVAL_LOG, record)
         barrier()
         return result

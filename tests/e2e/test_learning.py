@@ -98,6 +98,11 @@ def test_default_training_learns_with_packing_on_and_off(tmp_path: Path):
             assert sum(a["right"] for a in answers) / len(answers) == e[names.EVAL_ACCURACY]
             assert all(a["question"] and a["expected"] and a["kind"] for a in answers)
 
+    # packing on and off start from the same weights: the start evaluation runs once
+    starts = {run: read_records(cfg.work_path / "train" / run / "eval.jsonl")[0] for run in runs}
+    assert names.EVAL_EVALUATED_IN not in starts["packed"]
+    assert starts["unpacked"][names.EVAL_EVALUATED_IN] == "packed"
+
     packed_steps = read_records(cfg.work_path / "train" / "packed" / "metrics.jsonl")
     _check_golden_losses([s["train/loss"] for s in packed_steps])
     on, off = runs["packed"], runs["unpacked"]

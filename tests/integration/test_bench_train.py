@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from packline import metrics as names
 from packline.shapes.generate import ANSWER_CHOICES
+from packline.train.records import read_records
 from tests.integration.bench_cli import run_bench
 
 SMALL_YAML = """\
@@ -71,7 +73,11 @@ def test_bench_train_cli_measures_both_runs_on_the_same_conversations(tmp_path: 
     for run in ("packed", "unpacked"):  # each run's own records, from scratch
         steps = [json.loads(line) for line in (work / "bench-train" / run / "metrics.jsonl").open()]
         assert [s["step"] for s in steps] == [1, 2]
-        assert (work / "bench-train" / run / "eval.jsonl").is_file()
+    # both start from the same weights: the packed run's start evaluation serves both
+    runs = ("packed", "unpacked")
+    starts = {run: read_records(work / "bench-train" / run / "eval.jsonl")[0] for run in runs}
+    assert names.EVAL_EVALUATED_IN not in starts["packed"]
+    assert starts["unpacked"][names.EVAL_EVALUATED_IN] == "packed"
     # where the time went: data and vision are parts of each run's training seconds
     for run in ("packed", "unpacked"):
         data, vision = result["data_seconds"][run], result["vision_seconds"][run]
